@@ -1,0 +1,343 @@
+"""The run's configuration: OmegaConf structured config, YAML plus ``key=value`` overrides.
+
+Every section is a dataclass with documented defaults. :func:`load_config`
+merges a YAML file and command-line overrides onto the schema and turns
+OmegaConf's errors into :class:`~rlcore.errors.ConfigError` messages that name
+the key, the closest valid key, the value and the expected type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
+
+from rlcore.errors import ConfigError
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the tiny Llama-family model rlcore creates when ``model.path`` is unset.
+
+    Sized so that vLLM's CPU attention accepts it (head size 32: hidden / heads).
+    """
+
+    seed: int = 0
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 512
+
+
+@dataclass
+class ModelConfig:
+    """The model trained and served."""
+
+    #: A Hugging Face checkpoint directory. ``null``: rlcore creates a tiny model locally.
+    path: str | None = None
+    #: Compute dtype of policy and generation: float32, bfloat16 or float16.
+    dtype: str = "float32"
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class RoleConfig:
+    """One role's backend and its options."""
+
+    #: The backend serving this role, by its declared name (``rlcore plugins`` lists them).
+    #: ``null`` only for ``env``: the run has no environment backend.
+    backend: str | None = None
+    #: Number of workers (ranks) of the role's worker group.
+    workers: int = 1
+    #: Devices per worker: GPUs when CUDA is present, else CPU cores reserved in Ray.
+    devices_per_worker: float = 1.0
+    #: Backend-specific options; checked against the backend's declared options dataclass.
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GenerationConfig(RoleConfig):
+    #: Start without reading checkpoint weights; the first refit brings them.
+    #: Only for backends that declare ``refit_fed``.
+    refit_fed: bool = False
+
+
+@dataclass
+class PlacementConfig:
+    #: Policy and generation share the same devices (and take turns on them).
+    colocated: bool = False
+
+
+@dataclass
+class ClusterConfig:
+    #: Address of an existing Ray cluster (``ray://host:port`` or ``auto``);
+    #: ``null`` starts an embedded local cluster for the run.
+    address: str | None = None
+    #: CPUs the embedded cluster offers (``null``: all of this machine's).
+    num_cpus: int | None = None
+    #: GPUs the embedded cluster offers (``null``: Ray detects them).
+    num_gpus: int | None = None
+
+
+@dataclass
+class SetupConfig:
+    #: Deadline for all of setup, in seconds.
+    deadline_s: float = 1800.0
+    #: Per-task deadlines in seconds, by task name (``init:policy: 600``); others use ``deadline_s``.
+    task_deadline_s: dict[str, float] = field(default_factory=dict)
+    #: How long tearing down one started backend may take before it is abandoned.
+    shutdown_timeout_s: float = 60.0
+    #: Where shared artifacts (converted checkpoints, the tiny model) are cached.
+    #: ``null``: ``$RLCORE_CACHE_DIR`` or ``~/.cache/rlcore``.
+    cache_dir: str | None = None
+
+
+@dataclass
+class PluginsConfig:
+    #: Only these plugins load (entry-point names). ``null``: all installed plugins;
+    #: ``$RLCORE_PLUGINS`` (comma-separated) narrows the set further.
+    allow: list[str] | None = None
+
+
+@dataclass
+class RefitConfig:
+    #: ``auto`` picks the best transport both sides declare for the placement;
+    #: otherwise one of collective, shared_memory, cuda_ipc, disk, http.
+    transport: str = "auto"
+    #: Upper bound on one bucket of streamed weights, in MiB.
+    bucket_mb: float = 64.0
+    #: Timeout of every refit collective and of one whole refit, in seconds.
+    timeout_s: float = 300.0
+    #: Prompts in the probe batch compared after each refit (token_mult_prob_error).
+    probe_prompts: int = 4
+
+
+@dataclass
+class GRPOConfig:
+    """The small GRPO loop of ``rlcore run``."""
+
+    steps: int = 20
+    prompts_per_step: int = 8
+    #: Samples per prompt (G): advantages are normalised within each group.
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    learning_rate: float = 5e-3
+    #: PPO-style ratio clip.
+    clip_eps: float = 0.2
+    seed: int = 0
+
+
+@dataclass
+class RunConfig:
+    """A whole rlcore run."""
+
+    name: str = "rlcore"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    policy: RoleConfig = field(default_factory=RoleConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    env: RoleConfig = field(default_factory=RoleConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    setup: SetupConfig = field(default_factory=SetupConfig)
+    plugins: PluginsConfig = field(default_factory=PluginsConfig)
+    refit: RefitConfig = field(default_factory=RefitConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    #: Parent of run directories; each run writes ``<output_dir>/<name>-<timestamp>``.
+    output_dir: str = "runs"
+
+
+ROLE_SECTIONS = ("policy", "generation", "env")
+
+
+def _closest(key: str, candidates: Sequence[str]) -> str | None:
+    match = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.5)
+    return match[0] if match else None
+
+
+def _keys_at(schema: DictConfig, parent: str) -> list[str]:
+    node: Any = schema
+    if parent:
+        node = OmegaConf.select(schema, parent)
+    if isinstance(node, DictConfig):
+        return [str(k) for k in node.keys()]
+    return []
+
+
+def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str) -> ConfigError:
+    full_key = str(getattr(err, "full_key", "") or "")
+    if isinstance(err, ConfigAttributeError | ConfigKeyError):
+        parent, _, leaf = full_key.rpartition(".")
+        valid = _keys_at(schema, parent)
+        hint = _closest(leaf, valid)
+        where = f"in section '{parent}'" if parent else "at the top level"
+        msg = f"{source}: unknown config key '{full_key}' {where}."
+        msg += f" Did you mean '{(parent + '.') if parent else ''}{hint}'?" if hint else ""
+        msg += f" Valid keys: {', '.join(valid)}."
+        return ConfigError(msg, key=full_key)
+    if isinstance(err, ValidationError):
+        expected = _expected_type(schema, full_key)
+        value = str(getattr(err, "msg", err)).splitlines()[0]
+        return ConfigError(
+            f"{source}: wrong value for config key '{full_key}': {value}"
+            + (f" (expected {expected})" if expected else ""),
+            key=full_key,
+        )
+    if isinstance(err, MissingMandatoryValue):
+        return ConfigError(f"{source}: config key '{full_key}' must be set", key=full_key)
+    return ConfigError(f"{source}: {err}", key=full_key or None)
+
+
+def _expected_type(schema: DictConfig, full_key: str) -> str | None:
+    parent, _, leaf = full_key.rpartition(".")
+    node: Any = OmegaConf.select(schema, parent) if parent else schema
+    if not isinstance(node, DictConfig):
+        return None
+    obj_type = OmegaConf.get_type(node)
+    if obj_type is None or not dataclasses.is_dataclass(obj_type):
+        return None
+    for f in dataclasses.fields(obj_type):
+        if f.name == leaf:
+            t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            return str(t)
+    return None
+
+
+def _merge(schema: DictConfig, other: Any, source: str) -> DictConfig:
+    try:
+        merged = OmegaConf.merge(schema, other)
+        assert isinstance(merged, DictConfig)
+        return merged
+    except OmegaConfBaseException as err:
+        raise _explain(err, schema, source) from None
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    base: Mapping[str, Any] | None = None,
+) -> RunConfig:
+    """Build a :class:`RunConfig` from a YAML file and ``key=value`` overrides.
+
+    ``base`` (a plain mapping) is merged first, then the file, then the overrides.
+    Raises :class:`ConfigError` for unknown keys, wrong types and bad overrides.
+    """
+    schema = OmegaConf.structured(RunConfig)
+    cfg = schema
+    if base:
+        cfg = _merge(cfg, OmegaConf.create(dict(base)), "base config")
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist")
+        try:
+            loaded = OmegaConf.load(p)
+        except Exception as err:  # YAML syntax errors come in several types
+            raise ConfigError(f"{p}: cannot parse YAML: {err}") from None
+        cfg = _merge(cfg, loaded, str(p))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(
+                f"override '{item}' is not of the form key=value (e.g. grpo.steps=5)", key=item
+            )
+        try:
+            dot = OmegaConf.from_dotlist([item])
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"override '{item}': {err}", key=item.split("=")[0]) from None
+        cfg = _merge(cfg, dot, f"override '{item}'")
+    try:
+        run = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        raise _explain(err, schema, "config") from None
+    assert isinstance(run, RunConfig)
+    validate_run_config(run)
+    return run
+
+
+def validate_run_config(cfg: RunConfig) -> None:
+    """Checks that a single key's type cannot express."""
+    for section in ("policy", "generation"):
+        if not getattr(cfg, section).backend:
+            raise ConfigError(
+                f"config key '{section}.backend' must be set (`rlcore plugins` lists the backends)",
+                key=f"{section}.backend",
+            )
+    for section in ROLE_SECTIONS:
+        if getattr(cfg, section).workers < 1:
+            raise ConfigError(f"config key '{section}.workers' must be at least 1", key=f"{section}.workers")
+    if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(
+            f"config key 'model.dtype' is {cfg.model.dtype!r}; expected float32, bfloat16 or float16",
+            key="model.dtype",
+        )
+    allowed_transports = {"auto", "collective", "shared_memory", "cuda_ipc", "disk", "http"}
+    if cfg.refit.transport not in allowed_transports:
+        hint = _closest(cfg.refit.transport, sorted(allowed_transports))
+        raise ConfigError(
+            f"config key 'refit.transport' is {cfg.refit.transport!r}; expected one of "
+            f"{sorted(allowed_transports)}" + (f" (did you mean '{hint}'?)" if hint else ""),
+            key="refit.transport",
+        )
+    if cfg.setup.deadline_s <= 0:
+        raise ConfigError("config key 'setup.deadline_s' must be positive", key="setup.deadline_s")
+
+
+def resolve_options(options: Mapping[str, Any], schema: type | None, *, section: str, backend: str) -> Any:
+    """Check ``<section>.options`` against a backend's options dataclass.
+
+    Returns an instance of ``schema`` (or a plain dict when the backend declares no
+    schema). Unknown keys and wrong types raise :class:`ConfigError` naming the key,
+    the backend and the closest valid option.
+    """
+    if schema is None:
+        return dict(options)
+    base = OmegaConf.structured(schema)
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.create(dict(options)))
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        leaf = str(getattr(err, "full_key", "") or "")
+        valid = [f.name for f in dataclasses.fields(schema)]
+        if isinstance(err, ConfigAttributeError | ConfigKeyError):
+            hint = _closest(leaf, valid)
+            raise ConfigError(
+                f"unknown option '{section}.options.{leaf}' for backend '{backend}'."
+                + (f" Did you mean '{section}.options.{hint}'?" if hint else "")
+                + f" Valid options: {', '.join(valid) or '(none)'}.",
+                key=f"{section}.options.{leaf}",
+            ) from None
+        raise ConfigError(
+            f"wrong value for '{section}.options.{leaf}' of backend '{backend}': "
+            f"{str(getattr(err, 'msg', err)).splitlines()[0]}",
+            key=f"{section}.options.{leaf}",
+        ) from None
+
+
+def to_plain(cfg: RunConfig) -> dict[str, Any]:
+    """The config as plain dicts and lists (for logs and run directories)."""
+    return dataclasses.asdict(cfg)
+
+
+def cache_dir(cfg: RunConfig) -> Path:
+    """Directory for shared artifacts (published atomically)."""
+    import os
+
+    if cfg.setup.cache_dir:
+        return Path(cfg.setup.cache_dir).expanduser()
+    env = os.environ.get("RLCORE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "rlcore"

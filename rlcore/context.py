@@ -1,0 +1,94 @@
+"""The context an init hook receives: config, cancellation, deadline, events, artifacts."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlcore.declarations import Role
+from rlcore.events import EventBoard
+from rlcore.waiting import CancelToken, Deadline
+
+if TYPE_CHECKING:
+    from rlcore.config import RunConfig
+
+_KEY_RE = re.compile(r"[^A-Za-z0-9_.\-]+")
+
+
+def artifact_key(*parts: object) -> str:
+    """A filesystem-safe cache key from parts (model path, options...)."""
+    return _KEY_RE.sub("_", "-".join(str(p) for p in parts)).strip("_") or "default"
+
+
+@dataclass
+class InitContext:
+    """Passed to ``rlcore_init_policy``, ``rlcore_init_generation`` and ``rlcore_init_env``.
+
+    Attributes:
+        role: the role being started.
+        backend: the backend's declared name.
+        config: the whole run config.
+        options: ``<role>.options`` checked against the backend's options dataclass
+            (an instance of it), or a dict when the backend declares none.
+        cancel: set when another task fails; long work should check it and stop.
+        deadline: this task's deadline; every wait must respect it.
+        run_dir: the run's output directory.
+        cache_dir: the shared artifact cache (atomic publish writes here).
+        events: the setup's event board (see :meth:`wait_event`).
+        publish_hook: calls the ``rlcore_publish`` hook (set by the core).
+    """
+
+    role: Role
+    backend: str
+    config: RunConfig
+    options: Any
+    cancel: CancelToken
+    deadline: Deadline
+    run_dir: Path
+    cache_dir: Path
+    events: EventBoard
+    publish_hook: Callable[..., Path] | None = None
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger("rlcore.backend"))
+
+    @property
+    def task(self) -> str:
+        return f"init:{self.role.value}"
+
+    def wait_event(self, name: str) -> Any:
+        """Wait for a core event (e.g. ``generation.endpoint``) and return its value.
+
+        Raises Cancelled or DeadlineExceeded instead of blocking forever.
+        """
+        return self.events.wait(name, self.deadline, waiter=f"{self.task} ({self.backend})")
+
+    def artifact_path(self, name: str, key: str) -> Path:
+        """Where artifact ``name`` under ``key`` lives in the cache (published or not)."""
+        return self.cache_dir / name / key
+
+    def publish(self, name: str, key: str, write: Callable[[Path], None]) -> Path:
+        """Publish artifact ``name``/``key`` atomically through the ``rlcore_publish`` hook.
+
+        ``write(staging_dir)`` fills a private staging directory; the hook makes it
+        visible in one step. If the artifact is already published, ``write`` is not
+        called. Returns the published directory.
+        """
+        if self.publish_hook is None:
+            raise RuntimeError("InitContext.publish_hook is not set: the core sets it before init")
+        return self.publish_hook(
+            destination=self.artifact_path(name, key),
+            write=write,
+            cancel=self.cancel,
+            deadline=self.deadline,
+        )
+
+    def wait_artifact(self, name: str, key: str) -> Path:
+        """Wait until artifact ``name``/``key`` is published (its completion marker exists)."""
+        from rlcore.publish import wait_for_artifact
+
+        return wait_for_artifact(
+            self.artifact_path(name, key), cancel=self.cancel, deadline=self.deadline
+        )

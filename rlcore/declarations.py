@@ -1,0 +1,373 @@
+"""What a backend declares about itself, once and statically.
+
+A backend plugin returns one :class:`BackendDeclaration` from its
+``rlcore_declare_backend`` hook. The declaration is plain data: listing it
+(``rlcore plugins``) imports none of the backend's heavy dependencies, and the
+planner turns it, together with the run's config, into the setup plan.
+
+Parts of a declaration may depend on the run's config (Megatron generation needs
+the converted checkpoint *unless* it starts refit-fed): such entries carry
+:class:`Condition` objects that are evaluated against the role's section of the
+config, and the planner names the condition when it explains an edge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from rlcore.errors import DeclarationError
+
+
+class Role(str, Enum):
+    """A part of the RL job a backend can serve."""
+
+    POLICY = "policy"
+    GENERATION = "generation"
+    ENV = "env"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Transport(str, Enum):
+    """A way to move weights from policy to generation during refit."""
+
+    COLLECTIVE = "collective"  # torch.distributed group: NCCL on GPUs, gloo on CPUs
+    SHARED_MEMORY = "shared_memory"  # same host: /dev/shm files mapped by both sides
+    CUDA_IPC = "cuda_ipc"  # same GPU(s): CUDA IPC handles
+    DISK = "disk"  # safetensors published atomically; always works
+    HTTP = "http"  # through the generation server's HTTP API
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Events the core itself raises during setup. A backend may wait for them.
+#: ``generation.endpoint``: the generation engine serves an OpenAI-compatible
+#: endpoint with real weights; its value is an :class:`rlcore.handles.Endpoint`.
+CORE_EVENTS: frozenset[str] = frozenset({"generation.endpoint"})
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_\-]*$")
+_ARTIFACT_RE = re.compile(r"^[a-z][a-z0-9_\-.]*$")
+
+
+@dataclass(frozen=True)
+class Condition:
+    """A test on the role's config section: ``key`` (dotted) must equal ``equals``.
+
+    Keys are looked up in the role's view of the config: ``refit_fed``,
+    ``colocated``, ``workers`` and ``options.<name>`` for backend options.
+    """
+
+    key: str
+    equals: Any
+
+    def holds(self, view: Mapping[str, Any]) -> bool:
+        node: Any = view
+        for part in self.key.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                return False
+            node = node[part]
+        return bool(node == self.equals)
+
+    def describe(self) -> str:
+        return f"{self.key} == {self.equals!r}"
+
+
+def _conditions_hold(conditions: tuple[Condition, ...], view: Mapping[str, Any]) -> bool:
+    return all(c.holds(view) for c in conditions)
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """Something a backend writes that other backends read (e.g. a converted checkpoint).
+
+    Attributes:
+        name: artifact name, shared by producer and consumers (``megatron.checkpoint``).
+        atomic: True if the backend publishes it through the ``rlcore_publish`` hook:
+            readers may then start at once and wait for it. False makes readers start
+            only after the producing init has finished.
+        role: the role in which the backend produces it (``None``: any role it serves).
+        when: conditions on the config under which it is produced (all must hold).
+        description: one line for people.
+    """
+
+    name: str
+    atomic: bool
+    role: Role | None = None
+    when: tuple[Condition, ...] = ()
+    description: str = ""
+
+    def applies(self, role: Role, view: Mapping[str, Any]) -> bool:
+        return (self.role is None or self.role == role) and _conditions_hold(self.when, view)
+
+
+@dataclass(frozen=True)
+class Need:
+    """An artifact or core event a backend's init waits for.
+
+    Attributes:
+        name: the artifact's name, or a core event from :data:`CORE_EVENTS`.
+        kind: ``"artifact"`` or ``"event"``.
+        role: the role in which the backend needs it (``None``: any role it serves).
+        when: conditions on the config under which it is needed (all must hold).
+        reason: why, in words; shown by ``rlcore plan``.
+    """
+
+    name: str
+    kind: str = "artifact"
+    role: Role | None = None
+    when: tuple[Condition, ...] = ()
+    reason: str = ""
+
+    def applies(self, role: Role, view: Mapping[str, Any]) -> bool:
+        return (self.role is None or self.role == role) and _conditions_hold(self.when, view)
+
+
+@dataclass(frozen=True)
+class OverlapSafety:
+    """May this backend's init run while other inits run?
+
+    Attributes:
+        non_colocated: safe to overlap with inits on other devices/hosts.
+        colocated: safe to overlap with inits on the same devices (policy and
+            generation under colocated placement). Engines that profile free device
+            memory at start (vLLM, SGLang) must say False.
+        reason: why it is not safe, in words; shown by ``rlcore plan``.
+    """
+
+    non_colocated: bool = True
+    colocated: bool = False
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class BackendDeclaration:
+    """Everything the core needs to know about a backend before starting it.
+
+    Attributes:
+        name: the backend's name as the config selects it (``policy.backend: fsdp``);
+            lower case letters, digits, ``_`` and ``-``. Unique across plugins.
+        roles: the roles it serves.
+        overlap: overlap safety of its init.
+        produces: artifacts it writes during init.
+        needs: artifacts and events its init waits for.
+        refit_fed: (generation) it can start without reading checkpoint weights and
+            serve after the first refit. The run selects this with
+            ``generation.refit_fed: true``.
+        send_transports: (policy) refit transports it can send over.
+        receive_transports: (generation) refit transports it can receive over.
+        openai_endpoint: (generation) it can serve an OpenAI-compatible HTTP
+            endpoint for environments.
+        options: a dataclass type describing the backend's options
+            (``<role>.options`` in the config); unknown keys and wrong types are
+            then config errors that name the key. ``None``: options are not checked.
+        description: one line for people (``rlcore plugins``).
+    """
+
+    name: str
+    roles: frozenset[Role]
+    overlap: OverlapSafety = field(default_factory=OverlapSafety)
+    produces: tuple[Artifact, ...] = ()
+    needs: tuple[Need, ...] = ()
+    refit_fed: bool = False
+    send_transports: frozenset[Transport] = frozenset()
+    receive_transports: frozenset[Transport] = frozenset()
+    openai_endpoint: bool = False
+    options: type | None = None
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        # Accept lists/sets/strings from authors; store canonical immutable forms.
+        object.__setattr__(self, "roles", frozenset(Role(r) for r in self.roles))
+        object.__setattr__(
+            self, "send_transports", frozenset(Transport(t) for t in self.send_transports)
+        )
+        object.__setattr__(
+            self, "receive_transports", frozenset(Transport(t) for t in self.receive_transports)
+        )
+        object.__setattr__(self, "produces", tuple(self.produces))
+        object.__setattr__(self, "needs", tuple(self.needs))
+
+    def serves(self, role: Role) -> bool:
+        return role in self.roles
+
+    def produced(self, role: Role, view: Mapping[str, Any]) -> list[Artifact]:
+        """Artifacts produced when serving ``role`` under the config ``view``."""
+        return [a for a in self.produces if a.applies(role, view)]
+
+    def needed(self, role: Role, view: Mapping[str, Any]) -> list[Need]:
+        """Needs in force when serving ``role`` under the config ``view``."""
+        return [n for n in self.needs if n.applies(role, view)]
+
+    def option_names(self) -> list[str] | None:
+        if self.options is None:
+            return None
+        return [f.name for f in dataclasses.fields(self.options)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form (``rlcore plugins --json``)."""
+
+        def cond(cs: tuple[Condition, ...]) -> list[dict[str, Any]]:
+            return [{"key": c.key, "equals": c.equals} for c in cs]
+
+        return {
+            "name": self.name,
+            "roles": sorted(r.value for r in self.roles),
+            "overlap": {
+                "non_colocated": self.overlap.non_colocated,
+                "colocated": self.overlap.colocated,
+                "reason": self.overlap.reason,
+            },
+            "produces": [
+                {
+                    "name": a.name,
+                    "atomic": a.atomic,
+                    "role": a.role.value if a.role else None,
+                    "when": cond(a.when),
+                    "description": a.description,
+                }
+                for a in self.produces
+            ],
+            "needs": [
+                {
+                    "name": n.name,
+                    "kind": n.kind,
+                    "role": n.role.value if n.role else None,
+                    "when": cond(n.when),
+                    "reason": n.reason,
+                }
+                for n in self.needs
+            ],
+            "refit_fed": self.refit_fed,
+            "send_transports": sorted(t.value for t in self.send_transports),
+            "receive_transports": sorted(t.value for t in self.receive_transports),
+            "openai_endpoint": self.openai_endpoint,
+            "options": self.option_names(),
+            "description": self.description,
+        }
+
+
+#: Keys of the role view that conditions may test besides ``options.*``.
+VIEW_KEYS: frozenset[str] = frozenset({"refit_fed", "colocated", "workers", "role"})
+
+
+def validate_declaration(
+    decl: object, *, plugin: str, distribution: str | None
+) -> BackendDeclaration:
+    """Check a declaration for type errors and contradictions.
+
+    Returns the declaration; raises :class:`DeclarationError` naming the plugin,
+    its distribution and every problem found.
+    """
+    if not isinstance(decl, BackendDeclaration):
+        raise DeclarationError(
+            f"plugin '{plugin}' (distribution {distribution or 'unknown'}): "
+            f"rlcore_declare_backend returned {type(decl).__name__}, expected BackendDeclaration",
+            plugin=plugin,
+            distribution=distribution,
+        )
+    problems: list[str] = []
+    if not _NAME_RE.match(decl.name or ""):
+        problems.append(
+            f"name {decl.name!r} must be lower case letters, digits, '_' or '-', starting with a letter"
+        )
+    if not decl.roles:
+        problems.append("roles is empty: a backend serves at least one of policy, generation, env")
+    gen = Role.GENERATION in decl.roles
+    pol = Role.POLICY in decl.roles
+    if decl.overlap.colocated and not decl.overlap.non_colocated:
+        problems.append(
+            "overlap: safe when colocated but not when non-colocated is contradictory "
+            "(sharing devices is the harder case)"
+        )
+    if decl.refit_fed and not gen:
+        problems.append("refit_fed is only meaningful for a backend that serves generation")
+    if decl.refit_fed and not decl.receive_transports:
+        problems.append("refit_fed needs at least one receive transport to get its first weights")
+    if decl.openai_endpoint and not gen:
+        problems.append("openai_endpoint is only meaningful for a backend that serves generation")
+    if decl.send_transports and not pol:
+        problems.append("send_transports given but the backend does not serve policy")
+    if decl.receive_transports and not gen:
+        problems.append("receive_transports given but the backend does not serve generation")
+    if pol and not decl.send_transports:
+        problems.append("a policy backend must declare at least one send transport (disk always works)")
+    if gen and not decl.receive_transports:
+        problems.append(
+            "a generation backend must declare at least one receive transport (disk always works)"
+        )
+    if decl.options is not None and not dataclasses.is_dataclass(decl.options):
+        problems.append(f"options must be a dataclass type, got {decl.options!r}")
+    option_names = set(decl.option_names() or []) if dataclasses.is_dataclass(decl.options) else None
+
+    def check_role(where: str, role: Role | None) -> None:
+        if role is not None and role not in decl.roles:
+            problems.append(f"{where} is for role '{role}', which the backend does not serve")
+
+    def check_conditions(where: str, conditions: tuple[Condition, ...]) -> None:
+        for c in conditions:
+            if not isinstance(c, Condition):
+                problems.append(f"{where}: condition {c!r} is not a Condition")
+                continue
+            head, _, rest = c.key.partition(".")
+            if head == "options":
+                if not rest:
+                    problems.append(f"{where}: condition key 'options' needs an option name")
+                elif option_names is not None and rest.split(".")[0] not in option_names:
+                    problems.append(
+                        f"{where}: condition tests option '{rest}', which the options "
+                        f"dataclass {decl.options.__name__} does not define"  # type: ignore[union-attr]
+                    )
+            elif c.key not in VIEW_KEYS:
+                problems.append(
+                    f"{where}: condition key '{c.key}' is not one of "
+                    f"{sorted(VIEW_KEYS)} or options.<name>"
+                )
+
+    for a in decl.produces:
+        if not isinstance(a, Artifact):
+            problems.append(f"produces entry {a!r} is not an Artifact")
+            continue
+        if not _ARTIFACT_RE.match(a.name or ""):
+            problems.append(f"artifact name {a.name!r} must be lower case, e.g. 'megatron.checkpoint'")
+        check_role(f"artifact '{a.name}'", a.role)
+        check_conditions(f"artifact '{a.name}'", a.when)
+    for n in decl.needs:
+        if not isinstance(n, Need):
+            problems.append(f"needs entry {n!r} is not a Need")
+            continue
+        if n.kind not in ("artifact", "event"):
+            problems.append(f"need '{n.name}': kind must be 'artifact' or 'event', got {n.kind!r}")
+        if n.kind == "event" and n.name not in CORE_EVENTS:
+            problems.append(
+                f"need '{n.name}': unknown core event; known events: {sorted(CORE_EVENTS)}"
+            )
+        check_role(f"need '{n.name}'", n.role)
+        check_conditions(f"need '{n.name}'", n.when)
+        if n.kind == "artifact":
+            for a in decl.produces:
+                if (
+                    isinstance(a, Artifact)
+                    and a.name == n.name
+                    and (a.role is None or n.role is None or a.role == n.role)
+                    and not a.when
+                    and not n.when
+                ):
+                    problems.append(
+                        f"artifact '{n.name}' is both produced and needed in the same role: "
+                        "the backend would wait for itself"
+                    )
+    if problems:
+        raise DeclarationError(
+            f"plugin '{plugin}' (distribution {distribution or 'unknown'}) declares backend "
+            f"{decl.name!r} inconsistently:\n  - " + "\n  - ".join(problems),
+            plugin=plugin,
+            distribution=distribution,
+        )
+    return decl

@@ -1,0 +1,98 @@
+"""Error types of rlcore.
+
+Every error rlcore raises is an :class:`RlcoreError`. Messages name the thing at
+fault (config key, plugin and distribution, backend, task) and say what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class RlcoreError(Exception):
+    """Base class of every error rlcore raises on purpose."""
+
+
+class ConfigError(RlcoreError):
+    """The run's configuration is invalid: unknown key, wrong type, bad value."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class PluginError(RlcoreError):
+    """A plugin could not be loaded, validated or registered."""
+
+    def __init__(self, message: str, *, plugin: str, distribution: str | None = None) -> None:
+        super().__init__(message)
+        self.plugin = plugin
+        self.distribution = distribution
+
+
+class DeclarationError(PluginError):
+    """A backend's declaration is invalid or contradicts itself."""
+
+
+class BackendNotFoundError(RlcoreError):
+    """The config selects a backend that no loaded plugin provides for that role."""
+
+
+class PlanError(RlcoreError):
+    """The declarations cannot be turned into a setup plan (cycle, missing producer)."""
+
+
+class Cancelled(RlcoreError):
+    """A wait was abandoned because the run was cancelled (another task failed)."""
+
+
+class DeadlineExceeded(RlcoreError):
+    """A wait or a task ran past its deadline."""
+
+
+class PublishError(RlcoreError):
+    """An artifact could not be published or a published artifact is unusable."""
+
+
+class RefitError(RlcoreError):
+    """A weight sync from policy to generation failed."""
+
+
+class SetupError(RlcoreError):
+    """Setup failed: one task's failure, with what was aborted and torn down.
+
+    Attributes:
+        task: the name of the task that failed first (e.g. ``init:generation``).
+        backend: the backend that task ran, or ``None`` for core tasks.
+        role: the role of the task (``policy``, ``generation``, ``env``, ``refit``).
+        cause: the exception that task raised.
+        aborted: tasks that were cancelled or never started because of it.
+        shut_down: backends that were started and have been shut down again.
+    """
+
+    def __init__(
+        self,
+        *,
+        task: str,
+        backend: str | None,
+        role: str,
+        cause: BaseException,
+        aborted: Sequence[str] = (),
+        shut_down: Sequence[str] = (),
+        shutdown_errors: Sequence[str] = (),
+    ) -> None:
+        self.task = task
+        self.backend = backend
+        self.role = role
+        self.cause = cause
+        self.aborted = list(aborted)
+        self.shut_down = list(shut_down)
+        self.shutdown_errors = list(shutdown_errors)
+        who = f"backend '{backend}' (role {role})" if backend else f"role {role}"
+        lines = [
+            f"setup failed in task '{task}' of {who}: {type(cause).__name__}: {cause}",
+            f"  aborted: {', '.join(self.aborted) or 'nothing'}",
+            f"  shut down: {', '.join(self.shut_down) or 'nothing'}",
+        ]
+        lines += [f"  shutdown error: {e}" for e in self.shutdown_errors]
+        super().__init__("\n".join(lines))

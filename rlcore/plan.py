@@ -1,0 +1,151 @@
+"""The setup plan as data: tasks, edges with reasons, in-init waits, critical path.
+
+The planner (:mod:`rlcore.planner`) builds a :class:`Plan`; the executor runs
+it; ``rlcore plan`` prints it; tests assert on it directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Task:
+    """One unit of setup work: ``init:policy``, ``init:generation``, ``init:env``, ``refit:initial``."""
+
+    name: str
+    role: str  # policy | generation | env | refit
+    backend: str | None  # the backend it runs; None for core tasks
+
+
+@dataclass(frozen=True)
+class Edge:
+    """``dst`` starts only after ``src`` has finished, for ``reason`` (DESIGN.md rule ``rule``)."""
+
+    src: str
+    dst: str
+    reason: str
+    rule: int
+
+
+@dataclass(frozen=True)
+class Wait:
+    """``task`` starts at once but waits *inside* its init for ``target``, which
+    ``producer`` makes available (an atomically published artifact or a core event)."""
+
+    task: str
+    target: str
+    kind: str  # artifact | event
+    producer: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    tasks: tuple[Task, ...]
+    edges: tuple[Edge, ...]
+    waits: tuple[Wait, ...] = ()
+    critical_path: tuple[str, ...] = ()
+    #: task name -> event names the core posts when that task finishes.
+    posts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def task(self, name: str) -> Task:
+        for t in self.tasks:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tasks]
+
+    def predecessors(self, name: str) -> list[str]:
+        return [e.src for e in self.edges if e.dst == name]
+
+    def successors(self, name: str) -> list[str]:
+        return [e.dst for e in self.edges if e.src == name]
+
+    def has_path(self, src: str, dst: str) -> bool:
+        """True if ``dst`` is reachable from ``src`` over edges (``dst`` waits for ``src``)."""
+        seen: set[str] = set()
+        stack = [src]
+        while stack:
+            node = stack.pop()
+            for nxt in self.successors(node):
+                if nxt == dst:
+                    return True
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return False
+
+    def may_overlap(self, a: str, b: str) -> bool:
+        """Two tasks may run at the same time iff neither waits for the other over edges."""
+        return a != b and not self.has_path(a, b) and not self.has_path(b, a)
+
+    def overlapping_pairs(self) -> list[tuple[str, str]]:
+        names = self.names
+        return [
+            (a, b) for i, a in enumerate(names) for b in names[i + 1 :] if self.may_overlap(a, b)
+        ]
+
+    def topological_order(self) -> list[str]:
+        indeg = {n: 0 for n in self.names}
+        for e in self.edges:
+            indeg[e.dst] += 1
+        ready = [n for n in self.names if indeg[n] == 0]
+        order: list[str] = []
+        while ready:
+            n = ready.pop(0)
+            order.append(n)
+            for s in self.successors(n):
+                indeg[s] -= 1
+                if indeg[s] == 0:
+                    ready.append(s)
+        return order
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form printed by ``rlcore plan --json``."""
+        return {
+            "tasks": [{"name": t.name, "role": t.role, "backend": t.backend} for t in self.tasks],
+            "edges": [
+                {"from": e.src, "to": e.dst, "reason": e.reason, "rule": e.rule} for e in self.edges
+            ],
+            "waits": [
+                {
+                    "task": w.task,
+                    "waits_for": w.target,
+                    "kind": w.kind,
+                    "produced_by": w.producer,
+                    "reason": w.reason,
+                }
+                for w in self.waits
+            ],
+            "critical_path": list(self.critical_path),
+            "overlapping": [list(p) for p in self.overlapping_pairs()],
+        }
+
+
+def longest_path(
+    names: Iterable[str],
+    deps: Mapping[str, Iterable[str]],
+    duration: Mapping[str, float],
+) -> tuple[float, list[str]]:
+    """Longest chain through ``deps`` (task -> tasks it waits for) weighted by ``duration``.
+
+    Returns (total, chain from first to last). Used for the plan's critical path
+    (unit durations) and for the measured ``critical_path_s`` (real durations).
+    """
+    memo: dict[str, tuple[float, list[str]]] = {}
+
+    def best(n: str) -> tuple[float, list[str]]:
+        if n not in memo:
+            prev = [best(d) for d in deps.get(n, ())]
+            base = max(prev, key=lambda p: p[0], default=(0.0, []))
+            memo[n] = (base[0] + duration.get(n, 0.0), [*base[1], n])
+        return memo[n]
+
+    results = [best(n) for n in names]
+    return max(results, key=lambda p: p[0], default=(0.0, []))
