@@ -92,3 +92,29 @@ class InitContext:
         return wait_for_artifact(
             self.artifact_path(name, key), cancel=self.cancel, deadline=self.deadline
         )
+
+
+@dataclass
+class RefitContext:
+    """Passed to ``rlcore_refit``: how this weight sync should run.
+
+    Attributes:
+        step: 0 for ``refit:initial``, then the training step that produced the weights.
+        transport: the transport the core chose from both declarations and the
+            placement (``collective``, ``shared_memory``, ``disk``...).
+        bucket_bytes: upper bound on one streamed bucket.
+        timeout_s: timeout of every collective and of the whole refit.
+        cancel: set when the run is cancelled.
+        deadline: deadline of the whole refit.
+        config: the run config.
+        cache_dir: where the disk transport publishes.
+    """
+
+    step: int
+    transport: str
+    bucket_bytes: int
+    timeout_s: float
+    cancel: CancelToken
+    deadline: Deadline
+    config: RunConfig
+    cache_dir: Path

@@ -28,3 +28,18 @@ class BackendHandle(Protocol):
     ``setup.shutdown_timeout_s`` the core allows."""
 
     def shutdown(self) -> None: ...
+
+
+@dataclass
+class RefitReport:
+    """What one weight sync did. ``weight_sync_time_s`` is wall time of the whole sync."""
+
+    step: int
+    transport: str
+    bytes: int
+    tensors: int
+    weight_sync_time_s: float
+
+    @property
+    def throughput_gib_s(self) -> float:
+        return self.bytes / max(self.weight_sync_time_s, 1e-9) / 2**30

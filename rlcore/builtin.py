@@ -1,0 +1,24 @@
+"""The core's own hook implementations, registered after every plugin (``trylast``).
+
+They are the defaults a plugin can override: atomic publish and refit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from rlcore.hookspecs import hookimpl
+from rlcore.waiting import CancelToken, Deadline
+
+#: Name under which the registry registers this module.
+PLUGIN_NAME = "rlcore.builtin"
+
+
+@hookimpl(trylast=True)
+def rlcore_publish(
+    destination: Path, write: Callable[[Path], None], cancel: CancelToken, deadline: Deadline
+) -> Path:
+    from rlcore.publish import publish_dir
+
+    return publish_dir(destination, write, cancel=cancel, deadline=deadline)
