@@ -50,6 +50,8 @@ class Plan:
     critical_path: tuple[str, ...] = ()
     #: task name -> event names the core posts when that task finishes.
     posts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: The refit transport chosen from both declarations and the placement.
+    refit_transport: str | None = None
 
     def task(self, name: str) -> Task:
         for t in self.tasks:
@@ -124,6 +126,8 @@ class Plan:
                 for w in self.waits
             ],
             "critical_path": list(self.critical_path),
+            "refit_transport": self.refit_transport,
+            "posts": {k: list(v) for k, v in self.posts.items()},
             "overlapping": [list(p) for p in self.overlapping_pairs()],
         }
 

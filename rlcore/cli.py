@@ -1,0 +1,237 @@
+"""The ``rlcore`` command line: ``plugins``, ``plan``, ``run``, ``new-backend``.
+
+Only this module prints. It imports the heavy parts (Ray, torch) only inside
+``run``; ``rlcore plugins`` and ``rlcore plan`` stay light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from rlcore.errors import RlcoreError
+
+DEFAULT_EXAMPLE = "quickstart.yaml"
+
+
+def _console(stderr: bool = False) -> Console:
+    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+
+
+def default_config_path() -> Path | None:
+    """The default example: ``examples/quickstart.yaml`` beside the package or in the cwd."""
+    for base in (Path.cwd(), Path(__file__).resolve().parent.parent):
+        candidate = base / "examples" / DEFAULT_EXAMPLE
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+# ---------------------------------------------------------------- plugins
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from rlcore.registry import load_registry
+
+    registry = load_registry()
+    if args.json:
+        payload = {
+            "backends": [
+                {
+                    "name": name,
+                    "plugin": info.name,
+                    "distribution": info.distribution,
+                    "version": info.version,
+                    "declaration": info.declaration.to_dict() if info.declaration else None,
+                }
+                for name, info in sorted(registry.backends.items())
+            ],
+            "wrappers": [
+                {"plugin": w.name, "distribution": w.distribution, "version": w.version}
+                for w in registry.wrappers
+            ],
+            "failures": [
+                {"plugin": f.name, "distribution": f.distribution, "stage": f.stage, "message": f.message}
+                for f in registry.failures
+            ],
+            "disabled": list(registry.disabled),
+        }
+        print(json.dumps(payload, indent=2))
+        return 0
+    con = _console()
+    table = Table(title="rlcore backends (entry-point group rlcore.backends)")
+    for col in ("backend", "roles", "overlap (non-colo/colo)", "refit-fed", "transports", "endpoint", "distribution"):
+        table.add_column(col)
+    for name, info in sorted(registry.backends.items()):
+        d = info.declaration
+        assert d is not None
+        transports = sorted({*map(str, d.send_transports), *map(str, d.receive_transports)})
+        table.add_row(
+            name,
+            ", ".join(sorted(r.value for r in d.roles)),
+            f"{'yes' if d.overlap.non_colocated else 'no'}/{'yes' if d.overlap.colocated else 'no'}",
+            "yes" if d.refit_fed else "no",
+            ", ".join(transports),
+            "yes" if d.openai_endpoint else "no",
+            f"{info.distribution or '?'} {info.version or ''}".strip(),
+        )
+    con.print(table)
+    for w in registry.wrappers:
+        con.print(f"wrapper plugin: {w.name} ({w.distribution or '?'})")
+    for f in registry.failures:
+        con.print(f"[red]skipped plugin {f.name} ({f.distribution or '?'}), {f.stage}:[/red] {f.message}")
+    for name in registry.disabled:
+        con.print(f"[yellow]not loaded (allowlist): {name}[/yellow]")
+    if not registry.backends:
+        con.print("no backends installed: pip install one, e.g. ./plugins/fsdp")
+    return 0
+
+
+# ---------------------------------------------------------------- plan
+
+
+def build_plan_from_args(config_path: str | None, overrides: Sequence[str]) -> tuple[Any, Any]:
+    """Load the config, the plugins it allows and its backends' declarations; plan."""
+    from rlcore.config import load_config
+    from rlcore.declarations import Role
+    from rlcore.planner import build_plan, selected_roles
+    from rlcore.registry import load_registry
+
+    config = load_config(config_path, overrides)
+    registry = load_registry(config.plugins.allow)
+    decls = {
+        role: registry.backend_for(role, getattr(config, role.value).backend).declaration
+        for role in selected_roles(config)
+    }
+    assert all(isinstance(r, Role) for r in decls)
+    return config, build_plan(config, decls)
+
+
+def render_plan(plan: Any, con: Console) -> None:
+    table = Table(title="setup tasks")
+    table.add_column("task")
+    table.add_column("backend")
+    table.add_column("starts after")
+    table.add_column("waits inside its init for")
+    for t in plan.tasks:
+        waits = [f"{w.target} (from {w.producer})" for w in plan.waits if w.task == t.name]
+        table.add_row(t.name, t.backend or "(core)", ", ".join(plan.predecessors(t.name)) or "start", ", ".join(waits) or "-")
+    con.print(table)
+    con.print("[bold]why each edge exists[/bold]")
+    for e in plan.edges:
+        con.print(f"  {e.src} -> {e.dst}: {e.reason}")
+    if plan.waits:
+        con.print("[bold]waits inside an init (no edge)[/bold]")
+        for w in plan.waits:
+            con.print(f"  {w.task} waits for {w.kind} '{w.target}' from {w.producer}: {w.reason}")
+    pairs = plan.overlapping_pairs()
+    con.print("[bold]may overlap[/bold]: " + ("; ".join(f"{a} || {b}" for a, b in pairs) or "nothing"))
+    con.print("[bold]critical path[/bold]: " + " -> ".join(plan.critical_path))
+    con.print(f"[bold]refit transport[/bold]: {plan.refit_transport}")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    _, plan = build_plan_from_args(args.config, args.overrides)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        render_plan(plan, _console())
+    return 0
+
+
+# ---------------------------------------------------------------- run
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from rlcore.run import run_job
+
+    config_path = args.config or default_config_path()
+    if config_path is None:
+        raise RlcoreError(
+            f"no config given and examples/{DEFAULT_EXAMPLE} not found; pass a config file"
+        )
+    run_dir = run_job(str(config_path), args.overrides, out=args.out, console=_console())
+    _console().print(f"run directory: {run_dir}")
+    return 0
+
+
+# ---------------------------------------------------------------- new-backend
+
+
+def cmd_new_backend(args: argparse.Namespace) -> int:
+    from rlcore.scaffold import write_backend_package
+
+    path = write_backend_package(args.name, Path(args.dir), roles=args.roles)
+    _console().print(f"wrote plugin package {path}; install it with: pip install -e {path}")
+    return 0
+
+
+# ---------------------------------------------------------------- main
+
+
+def _split_overrides(values: list[str]) -> tuple[str | None, list[str]]:
+    """``rlcore run [CONFIG] [key=value ...]``: the config is the first non-override."""
+    config = None
+    overrides = []
+    for v in values:
+        if config is None and "=" not in v and not overrides:
+            config = v
+        else:
+            overrides.append(v)
+    return config, overrides
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlcore", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plugins", help="list installed backends and their declarations")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("plan", help="print the setup plan of a config")
+    p.add_argument("config", help="YAML config")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("run", help="set up, run the GRPO loop, write a run directory")
+    p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]")
+    p.add_argument("--out", default=None, help="run directory (default: <output_dir>/<name>-<time>)")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("new-backend", help="write a ready backend plugin package")
+    p.add_argument("name", help="backend name, e.g. mybackend")
+    p.add_argument("--dir", default=".", help="parent directory of the new package")
+    p.add_argument("--roles", default="generation", help="comma-separated roles it serves")
+    p.set_defaults(func=cmd_new_backend)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.command == "run":
+        args.config, args.overrides = _split_overrides(args.args)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except RlcoreError as err:
+        _console(stderr=True).print(f"[red]error:[/red] {err}")
+        return 2
+
+
+def entrypoint() -> None:
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""The setup planner: declarations + config -> a DAG of setup tasks, every edge explained.
+
+Rules (DESIGN.md, "The setup plan"):
+
+1. X needs artifact A that Y publishes: if Y publishes A atomically, X starts at
+   once and waits inside its init for A; otherwise X starts after Y.
+2. A backend that is not overlap-safe in this placement runs alone.
+3. Colocated policy and generation overlap only if both declare it safe;
+   otherwise generation first, then policy.
+4. ``refit:initial`` runs as soon as policy and generation are both up; a
+   refit-fed generation serves only after it.
+5. An env that needs the generation endpoint starts at once and waits for it
+   inside its init; it never blocks the refit that makes the endpoint serve.
+
+The planner imports no heavy dependency: ``rlcore plan`` runs anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from rlcore.config import RunConfig, resolve_options
+from rlcore.declarations import BackendDeclaration, Role, Transport
+from rlcore.errors import ConfigError, PlanError
+from rlcore.plan import Edge, Plan, Task, Wait, longest_path
+
+ENDPOINT_EVENT = "generation.endpoint"
+REFIT_TASK = "refit:initial"
+
+# When two inits may not overlap, this order decides who goes first: generation
+# engines that profile free device memory must measure before policy fills it.
+_ROLE_ORDER = {Role.GENERATION: 0, Role.POLICY: 1, Role.ENV: 2}
+
+
+def init_task(role: Role) -> str:
+    return f"init:{role.value}"
+
+
+def selected_roles(config: RunConfig) -> list[Role]:
+    """Roles the run starts, in plan order (env only when ``env.backend`` is set)."""
+    roles = [Role.POLICY, Role.GENERATION]
+    if config.env.backend:
+        roles.append(Role.ENV)
+    return roles
+
+
+def role_view(config: RunConfig, role: Role, decl: BackendDeclaration | None = None) -> dict[str, Any]:
+    """The view of the config that declaration conditions are evaluated against."""
+    section = getattr(config, role.value)
+    options: Any = dict(section.options)
+    if decl is not None and decl.options is not None:
+        resolved = resolve_options(section.options, decl.options, section=role.value, backend=decl.name)
+        options = dataclasses.asdict(resolved)
+    return {
+        "role": role.value,
+        "workers": section.workers,
+        "colocated": bool(config.placement.colocated) and role in (Role.POLICY, Role.GENERATION),
+        "refit_fed": bool(getattr(section, "refit_fed", False)),
+        "options": options,
+    }
+
+
+def _who(role: Role, decl: BackendDeclaration) -> str:
+    return f"{init_task(role)} ({decl.name})"
+
+
+def _conditions(need_or_artifact: Any) -> str:
+    when = getattr(need_or_artifact, "when", ())
+    if not when:
+        return ""
+    return " (because " + " and ".join(c.describe() for c in when) + ")"
+
+
+def detect_accelerator() -> str:
+    """``cuda`` if this host has NVIDIA devices, else ``cpu`` (without importing torch)."""
+    return "cuda" if os.path.exists("/dev/nvidiactl") else "cpu"
+
+
+def choose_transport(
+    config: RunConfig,
+    policy: BackendDeclaration,
+    generation: BackendDeclaration,
+    *,
+    accelerator: str | None = None,
+) -> str:
+    """The refit transport both sides support, best first for the placement.
+
+    ``refit.transport`` other than ``auto`` is honoured if both sides declare it.
+    """
+    common = policy.send_transports & generation.receive_transports
+    requested = config.refit.transport
+    if requested != "auto":
+        if Transport(requested) not in common:
+            raise ConfigError(
+                f"config key 'refit.transport' is '{requested}', but policy backend "
+                f"'{policy.name}' sends over {sorted(map(str, policy.send_transports))} and "
+                f"generation backend '{generation.name}' receives over "
+                f"{sorted(map(str, generation.receive_transports))}; pick one both support or 'auto'",
+                key="refit.transport",
+            )
+        return requested
+    accelerator = accelerator or detect_accelerator()
+    if config.placement.colocated:
+        order = [Transport.CUDA_IPC, Transport.SHARED_MEMORY, Transport.COLLECTIVE, Transport.DISK]
+    else:
+        order = [Transport.COLLECTIVE, Transport.DISK, Transport.HTTP, Transport.SHARED_MEMORY]
+    if accelerator != "cuda":
+        order = [t for t in order if t is not Transport.CUDA_IPC]
+    for t in order:
+        if t in common:
+            return t.value
+    raise PlanError(
+        f"no refit transport in common: policy backend '{policy.name}' sends over "
+        f"{sorted(map(str, policy.send_transports))}, generation backend '{generation.name}' "
+        f"receives over {sorted(map(str, generation.receive_transports))} "
+        f"(placement colocated={config.placement.colocated}, accelerator={accelerator})"
+    )
+
+
+class _Graph:
+    """Edges plus in-init waits, with the cycle check the overlap rules need."""
+
+    def __init__(self) -> None:
+        self.edges: list[Edge] = []
+        self.waits: list[Wait] = []
+
+    def deps(self, *, waits: bool = True) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for e in self.edges:
+            out.setdefault(e.dst, []).append(e.src)
+        for w in self.waits if waits else ():
+            out.setdefault(w.task, []).append(w.producer)
+        return out
+
+    def reaches(self, src: str, dst: str, *, waits: bool = True) -> bool:
+        """``dst`` cannot finish before ``src`` (over edges, and waits unless ``waits=False``)."""
+        deps = self.deps(waits=waits)
+        stack, seen = [dst], set()
+        while stack:
+            node = stack.pop()
+            for d in deps.get(node, ()):
+                if d == src:
+                    return True
+                if d not in seen:
+                    seen.add(d)
+                    stack.append(d)
+        return False
+
+    def serialized(self, a: str, b: str) -> bool:
+        """One of ``a``/``b`` starts only after the other ended (a wait is not enough:
+        a waiting init is running)."""
+        return self.reaches(a, b, waits=False) or self.reaches(b, a, waits=False)
+
+
+def build_plan(
+    config: RunConfig,
+    declarations: Mapping[Role, BackendDeclaration],
+    *,
+    accelerator: str | None = None,
+) -> Plan:
+    """Turn the config and the selected backends' declarations into a setup plan.
+
+    ``declarations`` maps each role the config selects to its backend's declaration.
+    Raises :class:`ConfigError` for a config the declarations cannot serve and
+    :class:`PlanError` for needs nobody meets.
+    """
+    roles = selected_roles(config)
+    for role in roles:
+        if role not in declarations:
+            raise PlanError(f"no declaration given for role '{role}' ({role.value}.backend)")
+        decl = declarations[role]
+        if not decl.serves(role):
+            raise ConfigError(
+                f"config key '{role.value}.backend' selects '{decl.name}', which does not serve "
+                f"role '{role}' (it serves {sorted(r.value for r in decl.roles)})",
+                key=f"{role.value}.backend",
+            )
+    gen = declarations[Role.GENERATION]
+    pol = declarations[Role.POLICY]
+    refit_fed = config.generation.refit_fed
+    if refit_fed and not gen.refit_fed:
+        raise ConfigError(
+            f"config key 'generation.refit_fed' is true, but generation backend '{gen.name}' "
+            "does not declare a refit-fed start; set generation.refit_fed=false",
+            key="generation.refit_fed",
+        )
+    views = {r: role_view(config, r, declarations[r]) for r in roles}
+    transport = choose_transport(config, pol, gen, accelerator=accelerator)
+
+    tasks = [Task(init_task(r), r.value, declarations[r].name) for r in roles]
+    tasks.append(Task(REFIT_TASK, "refit", None))
+    graph = _Graph()
+    endpoint_producer = REFIT_TASK if refit_fed else init_task(Role.GENERATION)
+    posts: dict[str, tuple[str, ...]] = {}
+    if gen.openai_endpoint:
+        posts[endpoint_producer] = (ENDPOINT_EVENT,)
+
+    # Rules 1 and 5: needs become waits (atomic/event) or edges (non-atomic).
+    for role in roles:
+        decl = declarations[role]
+        me = init_task(role)
+        for need in decl.needed(role, views[role]):
+            if need.kind == "event":
+                if need.name == ENDPOINT_EVENT:
+                    if not gen.openai_endpoint:
+                        raise PlanError(
+                            f"{_who(role, decl)} needs the generation endpoint, but generation "
+                            f"backend '{gen.name}' declares no OpenAI-compatible endpoint; "
+                            "choose a generation backend with openai_endpoint=True"
+                        )
+                    serving = (
+                        "after refit:initial, since generation is refit-fed"
+                        if refit_fed
+                        else "when init:generation finishes"
+                    )
+                    graph.waits.append(
+                        Wait(
+                            me,
+                            ENDPOINT_EVENT,
+                            "event",
+                            endpoint_producer,
+                            f"{decl.name} talks to the model through the generation endpoint, which "
+                            f"serves {serving}; {me} starts at once and waits for it inside its "
+                            "init, so it never blocks that refit (rule 5)",
+                        )
+                    )
+                continue
+            producers = [
+                (r, a)
+                for r in roles
+                if r != role
+                for a in declarations[r].produced(r, views[r])
+                if a.name == need.name
+            ]
+            if not producers:
+                raise PlanError(
+                    f"{_who(role, decl)} needs artifact '{need.name}'{_conditions(need)}, but no "
+                    "selected backend produces it under this config"
+                )
+            prole, art = producers[0]
+            them = init_task(prole)
+            why = need.reason or f"{decl.name} reads it"
+            if art.atomic:
+                graph.waits.append(
+                    Wait(
+                        me,
+                        need.name,
+                        "artifact",
+                        them,
+                        f"{me} needs '{need.name}'{_conditions(need)} ({why}); "
+                        f"{declarations[prole].name} publishes it atomically, so {me} starts at "
+                        "once and waits for it inside its init (rule 1)",
+                    )
+                )
+            else:
+                graph.edges.append(
+                    Edge(
+                        them,
+                        me,
+                        f"{me} needs '{need.name}'{_conditions(need)} ({why}), which "
+                        f"{declarations[prole].name} does not publish atomically: {me} starts "
+                        f"after {them} (rule 1)",
+                        1,
+                    )
+                )
+
+    # Rules 2 and 3: inits that may not overlap are ordered, unsafe ones first by role order.
+    ordered_roles = sorted(roles, key=lambda r: _ROLE_ORDER[r])
+    for i, a in enumerate(ordered_roles):
+        for b in ordered_roles[i + 1 :]:
+            colocated = bool(views[a]["colocated"] and views[b]["colocated"])
+            da, db = declarations[a], declarations[b]
+            safe_a = da.overlap.colocated if colocated else da.overlap.non_colocated
+            safe_b = db.overlap.colocated if colocated else db.overlap.non_colocated
+            ta, tb = init_task(a), init_task(b)
+            if (safe_a and safe_b) or graph.serialized(ta, tb):
+                continue
+            # Role order decides, unless one already waits for the other's output.
+            first, second = (ta, tb) if not graph.reaches(tb, ta) else (tb, ta)
+            unsafe = [d for d, s in ((da, safe_a), (db, safe_b)) if not s]
+            placement = "colocated" if colocated else "non-colocated"
+            because = "; ".join(
+                f"{d.name} is not overlap-safe under {placement} placement"
+                + (f" ({d.overlap.reason})" if d.overlap.reason else "")
+                for d in unsafe
+            )
+            if colocated:
+                reason = f"{because}: colocated generation and policy do not overlap, generation first (rule 3)"
+                rule = 3
+            else:
+                reason = f"{because}: it runs alone, {first} before {second} (rule 2)"
+                rule = 2
+            graph.edges.append(Edge(first, second, reason, rule))
+
+    # Rule 4: the first refit needs both sides up, and nothing else.
+    for role in (Role.POLICY, Role.GENERATION):
+        if refit_fed:
+            reason = (
+                "generation is refit-fed (generation.refit_fed == True): it holds no weights until "
+                f"refit:initial, which needs {init_task(role)} up (rule 4)"
+            )
+        else:
+            reason = f"the first weight sync needs {init_task(role)} up (rule 4)"
+        graph.edges.append(Edge(init_task(role), REFIT_TASK, reason, 4))
+
+    names = [t.name for t in tasks]
+    _, chain = longest_path(names, graph.deps(), {n: 1.0 for n in names})
+    plan = Plan(
+        tasks=tuple(tasks),
+        edges=tuple(graph.edges),
+        waits=tuple(graph.waits),
+        critical_path=tuple(chain),
+        posts=posts,
+        refit_transport=transport,
+    )
+    if len(plan.topological_order()) != len(names):
+        raise PlanError(f"the declarations make a dependency cycle: {[e.reason for e in plan.edges]}")
+    return plan

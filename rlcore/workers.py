@@ -1,0 +1,214 @@
+"""Worker groups: N Ray actors of one plain Python class, forming a torch.distributed group.
+
+Backends write their workers as plain classes (unit-testable without Ray);
+:class:`WorkerGroup` wraps them as Ray actors, wires their process group (gloo
+on CPU, NCCL on GPU) and calls them with deadlines and cancellation. Every
+``get`` polls in short slices so a cancelled run never waits on a dead peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rlcore.errors import Cancelled, DeadlineExceeded, RlcoreError
+from rlcore.waiting import CancelToken, Deadline
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(RlcoreError):
+    """A worker of a group failed or died; names the group and rank."""
+
+
+def free_port() -> int:
+    """A TCP port that is free on this host right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def node_ip() -> str:
+    """This process's address for rendezvous (loopback on a single host)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except Exception:  # pragma: no cover - fallback outside Ray
+        pass
+    return "127.0.0.1"
+
+
+class DistributedWorker:
+    """Base for worker classes: rank bookkeeping and torch.distributed setup.
+
+    Subclasses are plain classes; methods run inside Ray actors (or directly in tests).
+    """
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        return node_ip(), free_port()
+
+    def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        os.environ["MASTER_ADDR"] = master_addr
+        os.environ["MASTER_PORT"] = str(master_port)
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def teardown(self) -> None:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as err:  # teardown must not raise
+            log.warning("rank %d: destroy_process_group failed: %s", self.rank, err)
+
+
+def ray_get(
+    refs: Any,
+    *,
+    what: str,
+    cancel: CancelToken | None = None,
+    deadline: Deadline | None = None,
+    slice_s: float = 0.2,
+) -> Any:
+    """``ray.get`` that observes cancellation and a deadline, and names ``what`` on failure."""
+    import ray
+
+    single = not isinstance(refs, list | tuple)
+    pending = [refs] if single else list(refs)
+    deadline = deadline or Deadline.never(what)
+    while True:
+        if cancel is not None and cancel.cancelled:
+            raise Cancelled(f"{what} cancelled: {cancel.reason}")
+        remaining = deadline.remaining()
+        if remaining is not None and remaining <= 0:
+            raise DeadlineExceeded(f"{what} did not finish within {deadline.seconds:g}s")
+        timeout = slice_s if remaining is None else min(slice_s, remaining)
+        ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=timeout)
+        # Surface a failure as soon as any worker fails, not after the slowest finishes.
+        for r in ready:
+            try:
+                ray.get(r, timeout=0)
+            except ray.exceptions.RayActorError as err:
+                raise WorkerError(f"{what}: a worker died: {err}") from err
+            except ray.exceptions.RayTaskError as err:
+                cause = err.cause if getattr(err, "cause", None) is not None else err
+                raise WorkerError(f"{what}: {type(cause).__name__}: {cause}") from cause
+        if not not_ready:
+            values = ray.get(pending)
+            return values[0] if single else values
+
+
+class WorkerGroup:
+    """N actors of ``cls`` (a :class:`DistributedWorker` subclass), ranks 0..N-1.
+
+    Args:
+        cls: the worker class; constructed as ``cls(rank, world_size, *args, **kwargs)``.
+        world_size: number of ranks.
+        name: group name used in errors and actor names.
+        num_cpus, num_gpus: Ray resources per actor.
+        env: environment variables of the actors' processes.
+        dist_backend: ``gloo``/``nccl`` to form a torch.distributed group, or None.
+    """
+
+    def __init__(
+        self,
+        cls: type,
+        world_size: int,
+        *,
+        name: str,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        env: dict[str, str] | None = None,
+        dist_backend: str | None = "gloo",
+        timeout_s: float = 300.0,
+        cancel: CancelToken | None = None,
+        deadline: Deadline | None = None,
+    ) -> None:
+        import ray
+
+        self.name = name
+        self.world_size = world_size
+        self.cancel = cancel
+        self.timeout_s = timeout_s
+        self.actors: list[Any] = []
+        self.start_time_s = 0.0
+        t0 = time.monotonic()
+        remote_cls = ray.remote(cls)
+        runtime_env = {"env_vars": dict(env or {})}
+        try:
+            for rank in range(world_size):
+                self.actors.append(
+                    remote_cls.options(
+                        num_cpus=num_cpus,
+                        num_gpus=num_gpus,
+                        runtime_env=runtime_env,
+                        name=None,
+                        max_restarts=0,
+                    ).remote(rank, world_size, *args, **(kwargs or {}))
+                )
+            ray_get([a.ping.remote() for a in self.actors], what=f"starting {name} workers", cancel=cancel, deadline=deadline)
+            if dist_backend:
+                addr, port = ray_get(self.actors[0].rendezvous_address.remote(), what=f"{name} rendezvous", cancel=cancel, deadline=deadline)
+                self.call("init_process_group", addr, port, dist_backend, timeout_s, what=f"{name} process group", deadline=deadline)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.start_time_s = time.monotonic() - t0
+
+    def call_async(self, method: str, *args: Any, ranks: Sequence[int] | None = None, **kwargs: Any) -> list[Any]:
+        ranks = range(self.world_size) if ranks is None else ranks
+        return [getattr(self.actors[r], method).remote(*args, **kwargs) for r in ranks]
+
+    def get(self, refs: Any, *, what: str, deadline: Deadline | None = None) -> Any:
+        deadline = deadline or Deadline(self.timeout_s, f"{self.name}: {what}")
+        return ray_get(refs, what=f"{self.name}: {what}", cancel=self.cancel, deadline=deadline)
+
+    def call(self, method: str, *args: Any, what: str | None = None, deadline: Deadline | None = None, ranks: Sequence[int] | None = None, **kwargs: Any) -> list[Any]:
+        """Call ``method`` on every rank (or ``ranks``) and wait for all results."""
+        return self.get(self.call_async(method, *args, ranks=ranks, **kwargs), what=what or method, deadline=deadline)
+
+    def pids(self) -> list[int]:
+        return list(self.call("ping", what="ping"))
+
+    def shutdown(self, graceful_s: float = 10.0) -> None:
+        """Tear every actor down: a graceful ``teardown`` with a deadline, then ``ray.kill``."""
+        import ray
+
+        if not self.actors:
+            return
+        try:
+            refs = [a.teardown.remote() for a in self.actors]
+            ray.wait(refs, num_returns=len(refs), timeout=graceful_s)
+        except Exception as err:  # dead actors cannot tear down; kill them anyway
+            log.debug("%s: graceful teardown failed: %s", self.name, err)
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception as err:
+                log.debug("%s: ray.kill failed: %s", self.name, err)
+        self.actors = []

@@ -1,0 +1,285 @@
+"""Table-driven tests of the planner's rules (DESIGN.md, "The setup plan").
+
+The declarations here are test data shaped like the real backends' (the real
+plugins' own tests check that their declarations plan the same way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from rlcore.config import load_config
+from rlcore.declarations import (
+    Artifact,
+    BackendDeclaration,
+    Condition,
+    Need,
+    OverlapSafety,
+    Role,
+)
+from rlcore.errors import ConfigError, PlanError
+from rlcore.planner import build_plan
+
+P, G, E = Role.POLICY, Role.GENERATION, Role.ENV
+CKPT = "megatron.checkpoint"
+
+megatron = BackendDeclaration(
+    name="megatron",
+    roles={P, G},
+    overlap=OverlapSafety(non_colocated=True, colocated=False, reason="shares device memory"),
+    produces=(Artifact(CKPT, atomic=True, role=P),),
+    needs=(Need(CKPT, role=G, when=(Condition("refit_fed", False),), reason="loads converted weights"),),
+    refit_fed=True,
+    send_transports={"collective", "disk"},
+    receive_transports={"collective", "disk"},
+    openai_endpoint=True,
+)
+megatron_nonatomic = BackendDeclaration(
+    name="megatron-old",
+    roles={P, G},
+    produces=(Artifact(CKPT, atomic=False, role=P),),
+    needs=(Need(CKPT, role=G, when=(Condition("refit_fed", False),)),),
+    refit_fed=True,
+    send_transports={"disk"},
+    receive_transports={"disk"},
+    openai_endpoint=True,
+)
+fsdp = BackendDeclaration(name="fsdp", roles={P}, overlap=OverlapSafety(True, True), send_transports={"collective", "shared_memory", "disk"})
+vllm = BackendDeclaration(
+    name="vllm",
+    roles={G},
+    overlap=OverlapSafety(non_colocated=True, colocated=False, reason="profiles free device memory at start"),
+    refit_fed=True,
+    receive_transports={"collective", "shared_memory", "disk"},
+    openai_endpoint=True,
+)
+vllm_no_endpoint = BackendDeclaration(name="vllm-noep", roles={G}, receive_transports={"disk"})
+gym = BackendDeclaration(
+    name="gym",
+    roles={E},
+    needs=(Need("generation.endpoint", kind="event", reason="servers call the model over HTTP"),),
+)
+lonely_env = BackendDeclaration(name="lonely", roles={E}, overlap=OverlapSafety(non_colocated=False, reason="binds every port"))
+lonely_policy = BackendDeclaration(name="lonely-policy", roles={P}, overlap=OverlapSafety(non_colocated=False), send_transports={"disk"})
+
+
+def plan_for(policy, generation, env=None, *overrides: str):
+    cfg = load_config(
+        None,
+        [f"policy.backend={policy.name}", f"generation.backend={generation.name}"]
+        + ([f"env.backend={env.name}"] if env else [])
+        + list(overrides),
+    )
+    decls = {P: policy, G: generation}
+    if env:
+        decls[E] = env
+    return build_plan(cfg, decls, accelerator="cpu")
+
+
+def preds(plan, name):
+    return sorted(plan.predecessors(name))
+
+
+@dataclass
+class Case:
+    id: str
+    policy: BackendDeclaration
+    generation: BackendDeclaration
+    env: BackendDeclaration | None
+    overrides: tuple[str, ...]
+    edges: set[tuple[str, str, int]]  # exactly these (src, dst, rule)
+    waits: set[tuple[str, str, str]]  # exactly these (task, target, producer)
+    overlapping: set[frozenset[str]]  # these pairs must be allowed to overlap
+
+
+CASES = [
+    Case(
+        "worked-example: megatron policy + refit-fed megatron generation + env",
+        megatron, megatron, gym, ("generation.refit_fed=true",),
+        edges={("init:policy", "refit:initial", 4), ("init:generation", "refit:initial", 4)},
+        waits={("init:env", "generation.endpoint", "refit:initial")},
+        overlapping={
+            frozenset({"init:policy", "init:generation"}),
+            frozenset({"init:policy", "init:env"}),
+            frozenset({"init:generation", "init:env"}),
+            frozenset({"refit:initial", "init:env"}),
+        },
+    ),
+    Case(
+        "rule 1 atomic: generation from checkpoint waits inside its init",
+        megatron, megatron, gym, (),
+        edges={("init:policy", "refit:initial", 4), ("init:generation", "refit:initial", 4)},
+        waits={("init:generation", CKPT, "init:policy"), ("init:env", "generation.endpoint", "init:generation")},
+        overlapping={frozenset({"init:policy", "init:generation"}), frozenset({"init:generation", "init:env"})},
+    ),
+    Case(
+        "rule 1 non-atomic: generation starts after policy",
+        megatron_nonatomic, megatron_nonatomic, None, (),
+        edges={
+            ("init:policy", "init:generation", 1),
+            ("init:policy", "refit:initial", 4),
+            ("init:generation", "refit:initial", 4),
+        },
+        waits=set(),
+        overlapping=set(),
+    ),
+    Case(
+        "rule 1 does not apply when the condition fails (refit-fed skips the checkpoint)",
+        megatron_nonatomic, megatron_nonatomic, None, ("generation.refit_fed=true",),
+        edges={("init:policy", "refit:initial", 4), ("init:generation", "refit:initial", 4)},
+        waits=set(),
+        overlapping={frozenset({"init:policy", "init:generation"})},
+    ),
+    Case(
+        "rule 2: env not overlap-safe runs alone, after the others",
+        fsdp, vllm, lonely_env, (),
+        edges={
+            ("init:generation", "init:env", 2),
+            ("init:policy", "init:env", 2),
+            ("init:policy", "refit:initial", 4),
+            ("init:generation", "refit:initial", 4),
+        },
+        waits=set(),
+        overlapping={frozenset({"init:policy", "init:generation"})},
+    ),
+    Case(
+        "rule 2: policy not overlap-safe runs alone between generation and env",
+        lonely_policy, vllm, gym, (),
+        edges={
+            ("init:generation", "init:policy", 2),
+            ("init:policy", "init:env", 2),
+            ("init:policy", "refit:initial", 4),
+            ("init:generation", "refit:initial", 4),
+        },
+        waits={("init:env", "generation.endpoint", "init:generation")},
+        overlapping={frozenset({"init:env", "refit:initial"})},
+    ),
+    Case(
+        "rule 3: colocated vLLM-like generation first, then policy",
+        fsdp, vllm, gym, ("placement.colocated=true",),
+        edges={
+            ("init:generation", "init:policy", 3),
+            ("init:policy", "refit:initial", 4),
+            ("init:generation", "refit:initial", 4),
+        },
+        waits={("init:env", "generation.endpoint", "init:generation")},
+        overlapping={frozenset({"init:policy", "init:env"}), frozenset({"init:generation", "init:env"})},
+    ),
+    Case(
+        "non-colocated fsdp + vllm: everything overlaps",
+        fsdp, vllm, None, (),
+        edges={("init:policy", "refit:initial", 4), ("init:generation", "refit:initial", 4)},
+        waits=set(),
+        overlapping={frozenset({"init:policy", "init:generation"})},
+    ),
+    Case(
+        "rule 3 ordering never contradicts an artifact wait (no deadlock)",
+        megatron, megatron, None, ("placement.colocated=true",),
+        edges={
+            ("init:policy", "init:generation", 3),
+            ("init:policy", "refit:initial", 4),
+            ("init:generation", "refit:initial", 4),
+        },
+        waits={("init:generation", CKPT, "init:policy")},
+        overlapping=set(),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_plan_rules(case: Case) -> None:
+    plan = plan_for(case.policy, case.generation, case.env, *case.overrides)
+    assert {(e.src, e.dst, e.rule) for e in plan.edges} == case.edges
+    assert {(w.task, w.target, w.producer) for w in plan.waits} == case.waits
+    for pair in case.overlapping:
+        a, b = sorted(pair)
+        assert plan.may_overlap(a, b), f"{a} and {b} should overlap"
+    non_overlap = {frozenset(p) for p in [(e.src, e.dst) for e in plan.edges]}
+    for pair in non_overlap:
+        a, b = sorted(pair)
+        assert not plan.may_overlap(a, b)
+    assert all(e.reason for e in plan.edges) and all(w.reason for w in plan.waits)
+    assert len(plan.topological_order()) == len(plan.tasks)
+
+
+def test_worked_example_shape_and_json() -> None:
+    plan = plan_for(megatron, megatron, gym, "generation.refit_fed=true")
+    d = plan.to_dict()
+    assert [t["name"] for t in d["tasks"]] == ["init:policy", "init:generation", "init:env", "refit:initial"]
+    assert {t["name"]: t["backend"] for t in d["tasks"]} == {
+        "init:policy": "megatron", "init:generation": "megatron", "init:env": "gym", "refit:initial": None,
+    }
+    # No edge into any init; refit does not wait for env.
+    assert not [e for e in d["edges"] if e["to"].startswith("init:")]
+    assert not plan.has_path("init:env", "refit:initial")
+    assert sorted(plan.predecessors("refit:initial")) == ["init:generation", "init:policy"]
+    assert plan.posts == {"refit:initial": ("generation.endpoint",)}
+    assert d["critical_path"][-1] == "init:env" and "refit:initial" in d["critical_path"]
+    for e in d["edges"]:
+        assert set(e) >= {"from", "to", "reason"}
+    refit_reasons = [e["reason"] for e in d["edges"] if e["to"] == "refit:initial"]
+    assert all("refit-fed" in r for r in refit_reasons)
+
+
+def test_edge_reasons_name_backend_and_condition() -> None:
+    plan = plan_for(megatron_nonatomic, megatron_nonatomic)
+    (edge,) = [e for e in plan.edges if e.rule == 1]
+    assert CKPT in edge.reason and "refit_fed == False" in edge.reason and "megatron-old" in edge.reason
+    colo = plan_for(fsdp, vllm, None, "placement.colocated=true")
+    (edge,) = [e for e in colo.edges if e.rule == 3]
+    assert "vllm" in edge.reason and "profiles free device memory" in edge.reason
+
+
+def test_refit_fed_unsupported_is_config_error() -> None:
+    with pytest.raises(ConfigError, match="generation.refit_fed") as info:
+        plan_for(fsdp, vllm_no_endpoint, None, "generation.refit_fed=true")
+    assert "vllm-noep" in str(info.value)
+
+
+def test_env_needs_endpoint_generation_has_none() -> None:
+    with pytest.raises(PlanError, match="vllm-noep"):
+        plan_for(BackendDeclaration(name="p", roles={P}, send_transports={"disk"}), vllm_no_endpoint, gym)
+
+
+def test_unmet_artifact_need() -> None:
+    reader = BackendDeclaration(
+        name="reader", roles={G}, needs=(Need(CKPT),), receive_transports={"disk"}
+    )
+    with pytest.raises(PlanError, match=f"needs artifact '{CKPT}'"):
+        plan_for(fsdp, reader)
+
+
+def test_transport_choice() -> None:
+    assert plan_for(fsdp, vllm).refit_transport == "collective"
+    assert plan_for(fsdp, vllm, None, "placement.colocated=true").refit_transport == "shared_memory"
+    assert plan_for(fsdp, vllm, None, "refit.transport=disk").refit_transport == "disk"
+    with pytest.raises(ConfigError, match="refit.transport"):
+        plan_for(fsdp, vllm, None, "refit.transport=http")
+    with pytest.raises(PlanError, match="no refit transport in common"):
+        plan_for(BackendDeclaration(name="p", roles={P}, send_transports={"http"}), vllm)
+
+
+def test_option_condition_uses_declared_default() -> None:
+    @dataclass
+    class GenOptions:
+        load: str = "checkpoint"
+
+    gen = BackendDeclaration(
+        name="optgen",
+        roles={G},
+        needs=(Need(CKPT, when=(Condition("options.load", "checkpoint"),)),),
+        receive_transports={"disk"},
+        options=GenOptions,
+    )
+    pol = BackendDeclaration(name="optpol", roles={P}, produces=(Artifact(CKPT, atomic=True),), send_transports={"disk"})
+    assert [w.target for w in plan_for(pol, gen).waits] == [CKPT]  # default applies
+    assert plan_for(pol, gen, None, "generation.options.load=refit").waits == ()
+    with pytest.raises(ConfigError, match="generation.options.lod"):
+        plan_for(pol, gen, None, "generation.options.lod=x")
+
+
+def test_backend_serving_wrong_role() -> None:
+    with pytest.raises(ConfigError, match="policy.backend"):
+        plan_for(vllm, vllm)
