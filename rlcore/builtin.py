@@ -22,3 +22,10 @@ def rlcore_publish(
     from rlcore.publish import publish_dir
 
     return publish_dir(destination, write, cancel=cancel, deadline=deadline)
+
+
+@hookimpl(trylast=True)
+def rlcore_refit(policy: object, generation: object, ctx: object) -> object:
+    from rlcore.refit.sync import refit
+
+    return refit(policy, generation, ctx)  # type: ignore[arg-type]

@@ -1,0 +1,1 @@
+"""rlcore-arithmetic: a verifiable arithmetic environment for rlcore."""

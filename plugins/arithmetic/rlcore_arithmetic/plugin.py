@@ -1,0 +1,61 @@
+"""The rlcore plugin: declaration and init hook of the ``arithmetic`` env backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlcore.context import InitContext
+from rlcore.declarations import BackendDeclaration, OverlapSafety, Role
+from rlcore.hookspecs import hookimpl
+from rlcore_arithmetic.task import Prompt, make_prompts, reward
+
+
+@dataclass
+class ArithmeticOptions:
+    #: Largest operand in the prompts.
+    max_operand: int = 9
+    #: Operators to draw from, e.g. "+-*".
+    ops: str = "+"
+    #: Seed of the prompt stream (step k uses seed + k).
+    seed: int = 0
+
+
+class ArithmeticEnv:
+    """A prompt source and scorer; cheap, so it lives in the driver process."""
+
+    def __init__(self, options: ArithmeticOptions) -> None:
+        self.options = options
+        self.closed = False
+
+    def sample_prompts(self, n: int, step: int) -> list[Prompt]:
+        o = self.options
+        return make_prompts(n, seed=o.seed * 100_003 + step, max_operand=o.max_operand, ops=o.ops)
+
+    def score(self, prompts: list[Prompt], completions: list[list[str]]) -> list[list[float]]:
+        return [[reward(p, c) for c in group] for p, group in zip(prompts, completions, strict=True)]
+
+    def shutdown(self) -> None:
+        self.closed = True
+
+
+@hookimpl
+def rlcore_declare_backend() -> BackendDeclaration:
+    return BackendDeclaration(
+        name="arithmetic",
+        roles={Role.ENV},
+        overlap=OverlapSafety(non_colocated=True, colocated=True),
+        options=ArithmeticOptions,
+        description="verifiable a+b= task with partial-credit rewards (pure Python)",
+    )
+
+
+@hookimpl
+def rlcore_init_env(ctx: InitContext) -> ArithmeticEnv:
+    if ctx.options.ops and set(ctx.options.ops) - {"+", "-", "*"}:
+        from rlcore.errors import ConfigError
+
+        raise ConfigError(
+            f"env.options.ops of backend 'arithmetic' is {ctx.options.ops!r}; use characters of '+-*'",
+            key="env.options.ops",
+        )
+    return ArithmeticEnv(ctx.options)

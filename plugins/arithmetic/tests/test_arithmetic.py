@@ -1,0 +1,34 @@
+from rlcore_arithmetic.plugin import ArithmeticEnv, ArithmeticOptions, rlcore_declare_backend
+from rlcore_arithmetic.task import Prompt, make_prompts, parse_answer, reward
+
+from rlcore.declarations import validate_declaration
+
+
+def test_prompts_are_seeded_and_correct() -> None:
+    a = make_prompts(20, seed=3, ops="+-*")
+    assert a == make_prompts(20, seed=3, ops="+-*")
+    assert a != make_prompts(20, seed=4, ops="+-*")
+    for p in a:
+        assert eval(p.text.rstrip("=")) == p.answer
+
+
+def test_reward_partial_credit_ordering() -> None:
+    p = Prompt("3+4=", 7)
+    assert reward(p, "7") == 1.0
+    assert reward(p, "7</s>") == 1.0
+    assert reward(p, "8") < 1.0 and reward(p, "8") > reward(p, "30") >= 0.3
+    assert reward(p, "x7") == 0.0 and reward(p, "") == 0.0
+    assert parse_answer("-3abc") == -3
+
+
+def test_env_scores_groups() -> None:
+    env = ArithmeticEnv(ArithmeticOptions())
+    prompts = env.sample_prompts(2, step=0)
+    scores = env.score(prompts, [[str(p.answer), "no"] for p in prompts])
+    assert [s[0] for s in scores] == [1.0, 1.0] and [s[1] for s in scores] == [0.0, 0.0]
+    assert env.sample_prompts(4, 1) != env.sample_prompts(4, 2)
+
+
+def test_declaration_valid() -> None:
+    d = validate_declaration(rlcore_declare_backend(), plugin="arithmetic", distribution="rlcore-arithmetic")
+    assert d.name == "arithmetic" and d.option_names() == ["max_operand", "ops", "seed"]

@@ -1,0 +1,658 @@
+"""Finding, validating and selecting plugins.
+
+:func:`load_registry` builds a :class:`Registry`: a pluggy ``PluginManager`` with
+the hooks of :mod:`rlcore.hookspecs`, the core's own implementations
+(:mod:`rlcore.builtin`), and every plugin installed under the entry-point group
+``rlcore.backends`` that the allowlist lets through.
+
+Each plugin is checked when it is registered:
+
+1. pluggy validates every ``@hookimpl`` against its spec (an argument the spec
+   lacks is rejected), and an implementation whose hook name rlcore does not
+   define (``rlcore_init_polcy``) is rejected too;
+2. a plugin that answers ``rlcore_declare_backend`` is a *backend*: its
+   declaration must pass :func:`rlcore.declarations.validate_declaration` and its
+   name must not already belong to another plugin;
+3. a plugin that declares nothing is a *wrapper* plugin; it may wrap any hook
+   but must not implement an init hook as a plain implementation (it would then
+   run whatever backend the config selects).
+
+A plugin that fails any step is unregistered and recorded as a
+:class:`PluginFailure` (with its distribution and what to do); a warning is
+logged and every other plugin keeps working. Nothing here raises on a bad
+plugin: only :meth:`Registry.backend_for` raises, when the config selects a
+backend that is not there.
+
+Loading is idempotent and cheap, because Ray worker processes load the plugins
+again: a plugin module must import its heavy dependencies inside its hooks.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import inspect
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import pluggy
+
+from rlcore import builtin, hookspecs
+from rlcore.declarations import BackendDeclaration, Role, validate_declaration
+from rlcore.errors import BackendNotFoundError, DeclarationError
+
+logger = logging.getLogger(__name__)
+
+#: Entry-point group under which plugin distributions register their plugin module.
+ENTRY_POINT_GROUP = "rlcore.backends"
+#: Environment variable: comma-separated entry-point names; only those plugins load.
+ALLOWLIST_ENV = "RLCORE_PLUGINS"
+
+#: Failure stages, in the order a plugin goes through them.
+STAGES = ("import", "validate", "declare", "duplicate")
+
+#: The init hook of each role. A wrapper plugin may only wrap these.
+_INIT_HOOKS: dict[Role, str] = {
+    Role.POLICY: "rlcore_init_policy",
+    Role.GENERATION: "rlcore_init_generation",
+    Role.ENV: "rlcore_init_env",
+}
+_DECLARE_HOOK = "rlcore_declare_backend"
+_HOOK_PREFIX = f"{hookspecs.PROJECT}_"
+_ALLOW_HINT = f"plugins.allow in the config or ${ALLOWLIST_ENV}"
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """A plugin that registered successfully.
+
+    Attributes:
+        name: the entry-point name (or the name given to :meth:`Registry.register`).
+        distribution: the distribution that provides it (``rlcore-fsdp``);
+            ``None`` for plugins registered in-process.
+        version: that distribution's version, if known.
+        declaration: the backend it declares; ``None`` for a wrapper-only plugin
+            (and for the core's built-in plugin).
+        plugin: the registered module or object.
+    """
+
+    name: str
+    distribution: str | None
+    version: str | None
+    declaration: BackendDeclaration | None
+    plugin: object
+
+    @property
+    def is_backend(self) -> bool:
+        return self.declaration is not None
+
+    def origin(self) -> str:
+        """``plugin 'name' (distribution dist version)``: how messages name a plugin."""
+        return _origin(self.name, self.distribution, self.version)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form (``rlcore plugins --json``)."""
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "kind": "backend" if self.declaration is not None else "wrapper",
+            "declaration": self.declaration.to_dict() if self.declaration is not None else None,
+        }
+
+
+@dataclass(frozen=True)
+class PluginFailure:
+    """A plugin that was reported and skipped.
+
+    Attributes:
+        name: the entry-point (or registration) name.
+        distribution: the distribution that provides it, if known.
+        stage: where it failed: ``import`` (loading the entry point raised),
+            ``validate`` (a hook implementation does not match the contract in
+            :mod:`rlcore.hookspecs`), ``declare`` (``rlcore_declare_backend``
+            raised or returned an invalid declaration) or ``duplicate`` (its
+            plugin name or backend name belongs to a plugin loaded before it).
+        message: names the plugin and distribution, says what went wrong and what to do.
+        backend: the backend name it declared, when it got that far.
+    """
+
+    name: str
+    distribution: str | None
+    stage: str
+    message: str
+    backend: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form (``rlcore plugins --json``)."""
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "stage": self.stage,
+            "message": self.message,
+            "backend": self.backend,
+        }
+
+
+class _EntryPoint(Protocol):
+    """What :func:`load_registry` uses of an :class:`importlib.metadata.EntryPoint`."""
+
+    name: str
+
+    @property
+    def dist(self) -> Any: ...
+
+    def load(self) -> Any: ...
+
+
+def _origin(name: str, distribution: str | None, version: str | None = None) -> str:
+    if distribution is None:
+        return f"plugin '{name}' (distribution unknown: registered in-process)"
+    return f"plugin '{name}' (distribution {distribution}{' ' + version if version else ''})"
+
+
+def _closest(name: str, candidates: Iterable[str]) -> str | None:
+    match = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.5)
+    return match[0] if match else None
+
+
+class Registry:
+    """The loaded plugins of one process.
+
+    Attributes:
+        pm: the pluggy plugin manager (project ``rlcore``, hooks from
+            :mod:`rlcore.hookspecs`). Call hooks through :meth:`hook` so that only
+            the selected backend runs.
+        backends: backend plugins by declared backend name.
+        wrappers: wrapper-only plugins, in registration order.
+        failures: plugins that were reported and skipped.
+        disabled: entry-point names not loaded because of the allowlist.
+        core: the core's own plugins (:mod:`rlcore.builtin`): neither backends
+            nor wrappers, always called.
+    """
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.backends: dict[str, PluginInfo] = {}
+        self.wrappers: list[PluginInfo] = []
+        self.failures: list[PluginFailure] = []
+        self.disabled: list[str] = []
+        self.core: list[PluginInfo] = []
+        self._hook_names: tuple[str, ...] = tuple(
+            sorted(n for n, c in vars(self.pm.hook).items() if isinstance(c, pluggy.HookCaller))
+        )
+        self._disabled_reason: dict[str, str] = {}
+
+    # -- registration ---------------------------------------------------------
+
+    def register(
+        self,
+        plugin: object,
+        name: str,
+        distribution: str | None = None,
+        version: str | None = None,
+    ) -> PluginInfo | None:
+        """Register, validate and classify one plugin.
+
+        Returns its :class:`PluginInfo`, or ``None`` if it failed (the failure is
+        appended to :attr:`failures`, logged as a warning, and the plugin is
+        unregistered again). Registering an object that is already registered
+        returns its existing info and changes nothing. Never raises.
+        """
+        existing = self._info_of(plugin)
+        if existing is not None:
+            logger.debug(
+                "%s is already registered; registering again is a no-op", existing.origin()
+            )
+            return existing
+        who = _origin(name, distribution, version)
+
+        holder = self._info_named(name)
+        if holder is not None or self.pm.has_plugin(name):
+            other = holder.origin() if holder is not None else f"plugin '{name}'"
+            return self._fail(
+                plugin,
+                name,
+                distribution,
+                "duplicate",
+                f"{who}: the plugin name '{name}' is already taken by {other}, so this one "
+                "was skipped. Uninstall one of the two distributions, or load only one of "
+                f"them ({_ALLOW_HINT}).",
+            )
+
+        try:
+            self.pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as err:
+            return self._fail(
+                plugin,
+                name,
+                distribution,
+                "validate",
+                f"{who}: a hook implementation does not match rlcore's hook specification: "
+                f"{'; '.join(str(err).splitlines())}. An implementation may take any subset "
+                "of its spec's arguments and no others; see the docstrings in rlcore.hookspecs.",
+            )
+        except Exception as err:  # noqa: BLE001 - a plugin must never take the core down
+            return self._fail(
+                plugin,
+                name,
+                distribution,
+                "validate",
+                f"{who}: pluggy could not register it: {type(err).__name__}: {err}",
+            )
+
+        problem = self._unknown_hooks(plugin)
+        if problem:
+            return self._fail(plugin, name, distribution, "validate", f"{who}: {problem}")
+        self._warn_unmarked(plugin, who)
+
+        try:
+            decl_obj = self._call_declare(plugin)
+        except Exception as err:  # noqa: BLE001
+            return self._fail(
+                plugin,
+                name,
+                distribution,
+                "declare",
+                f"{who}: rlcore_declare_backend failed: {type(err).__name__}: {err}. "
+                "It must build and return a BackendDeclaration cheaply, without importing "
+                "the backend's engine.",
+            )
+
+        if decl_obj is None:
+            problem = self._wrapper_problem(plugin)
+            if problem:
+                return self._fail(plugin, name, distribution, "validate", f"{who}: {problem}")
+            info = PluginInfo(name, distribution, version, None, plugin)
+            self.wrappers.append(info)
+            logger.debug("registered wrapper %s", info.origin())
+            return info
+
+        try:
+            decl = validate_declaration(decl_obj, plugin=name, distribution=distribution)
+        except DeclarationError as err:
+            return self._fail(
+                plugin,
+                name,
+                distribution,
+                "declare",
+                f"{err}\nFix the declaration returned by rlcore_declare_backend "
+                "(see rlcore.declarations.BackendDeclaration).",
+                backend=getattr(decl_obj, "name", None),
+            )
+
+        owner = self.backends.get(decl.name)
+        if owner is not None:
+            return self._fail(
+                plugin,
+                name,
+                distribution,
+                "duplicate",
+                f"{who} declares backend '{decl.name}', which {owner.origin()} already "
+                f"provides; this one was skipped and '{decl.name}' stays with plugin "
+                f"'{owner.name}'. Uninstall one of the two distributions, or load only one "
+                f"of them ({_ALLOW_HINT}).",
+                backend=decl.name,
+            )
+
+        info = PluginInfo(name, distribution, version, decl, plugin)
+        self.backends[decl.name] = info
+        self._warn_role_hooks(info)
+        logger.debug("registered backend '%s' from %s", decl.name, info.origin())
+        return info
+
+    def _register_core(self, plugin: object, name: str) -> PluginInfo:
+        """Register one of the core's own plugins; a failure here is a bug in rlcore."""
+        from rlcore import __version__
+
+        if (existing := self._info_of(plugin)) is not None:
+            return existing
+        self.pm.register(plugin, name=name)
+        info = PluginInfo(name, "rlcore", __version__, None, plugin)
+        self.core.append(info)
+        return info
+
+    def _fail(
+        self,
+        plugin: object | None,
+        name: str,
+        distribution: str | None,
+        stage: str,
+        message: str,
+        *,
+        backend: str | None = None,
+    ) -> None:
+        if plugin is not None and self.pm.get_name(plugin) == name:
+            self.pm.unregister(plugin, name=name)
+        failure = PluginFailure(name, distribution, stage, message, backend)
+        if failure not in self.failures:
+            self.failures.append(failure)
+            logger.warning("skipping plugin (%s): %s", stage, message)
+        return None
+
+    def _info_of(self, plugin: object) -> PluginInfo | None:
+        for info in self._all():
+            if info.plugin is plugin:
+                return info
+        return None
+
+    def _info_named(self, name: str) -> PluginInfo | None:
+        for info in self._all():
+            if info.name == name:
+                return info
+        return None
+
+    def _all(self) -> list[PluginInfo]:
+        return [*self.core, *self.backends.values(), *self.wrappers]
+
+    def _own_impls(self, plugin: object, hook_name: str) -> list[pluggy.HookImpl]:
+        caller = getattr(self.pm.hook, hook_name, None)
+        if caller is None:
+            return []
+        return [impl for impl in caller.get_hookimpls() if impl.plugin is plugin]
+
+    def _unknown_hooks(self, plugin: object) -> str | None:
+        """Implementations whose hook rlcore does not define (pluggy only flags them
+        in ``check_pending``; we check the one plugin here). ``optionalhook=True``
+        opts out, as in pluggy."""
+        unknown: list[str] = []
+        for caller in self.pm.get_hookcallers(plugin) or []:
+            if caller.spec is not None:
+                continue
+            if any(i.plugin is plugin and not i.optionalhook for i in caller.get_hookimpls()):
+                unknown.append(caller.name)
+        if not unknown:
+            return None
+        parts = []
+        for hook_name in sorted(unknown):
+            hint = _closest(hook_name, self._hook_names)
+            parts.append(f"'{hook_name}'" + (f" (did you mean '{hint}'?)" if hint else ""))
+        return (
+            f"implements {', '.join(parts)}, which rlcore does not define. "
+            f"rlcore's hooks are: {', '.join(self._hook_names)} (see rlcore.hookspecs). "
+            "Rename the function, or mark it @hookimpl(optionalhook=True) if that is intended."
+        )
+
+    def _warn_unmarked(self, plugin: object, who: str) -> None:
+        """Functions named like hooks but without ``@hookimpl`` are ignored by pluggy."""
+        for attr in dir(plugin):
+            if not attr.startswith(_HOOK_PREFIX):
+                continue
+            try:
+                value = inspect.getattr_static(plugin, attr)
+            except AttributeError:
+                continue
+            func = getattr(value, "__func__", value)
+            if not inspect.isfunction(func):
+                continue
+            marked = hasattr(func, f"{hookspecs.PROJECT}_impl") or hasattr(
+                func, f"{hookspecs.PROJECT}_spec"
+            )
+            if not marked:
+                logger.warning(
+                    "%s: function '%s' is not marked with @hookimpl (from rlcore.hookspecs) "
+                    "and will never be called",
+                    who,
+                    attr,
+                )
+
+    def _call_declare(self, plugin: object) -> object | None:
+        """Call this plugin's own ``rlcore_declare_backend`` implementation(s)."""
+        results = []
+        for impl in self._own_impls(plugin, _DECLARE_HOOK):
+            if impl.wrapper or impl.hookwrapper:
+                continue
+            result = impl.function()
+            if result is not None:
+                results.append(result)
+        if len(results) > 1:
+            raise ValueError(
+                f"{len(results)} implementations returned a declaration; "
+                "a plugin provides exactly one backend"
+            )
+        return results[0] if results else None
+
+    def _wrapper_problem(self, plugin: object) -> str | None:
+        plain = [
+            hook_name
+            for hook_name in _INIT_HOOKS.values()
+            if any(not (i.wrapper or i.hookwrapper) for i in self._own_impls(plugin, hook_name))
+        ]
+        if not plain:
+            return None
+        return (
+            f"implements {', '.join(plain)} but declares no backend. Return a "
+            "BackendDeclaration from rlcore_declare_backend to make it a backend, or mark "
+            "the implementation @hookimpl(wrapper=True) to make it a wrapper plugin."
+        )
+
+    def _warn_role_hooks(self, info: PluginInfo) -> None:
+        assert info.declaration is not None
+        for role, hook_name in _INIT_HOOKS.items():
+            has = any(
+                not (i.wrapper or i.hookwrapper) for i in self._own_impls(info.plugin, hook_name)
+            )
+            if role in info.declaration.roles and not has:
+                logger.warning(
+                    "%s declares role '%s' but does not implement %s; selecting it for %s "
+                    "will fail",
+                    info.origin(),
+                    role,
+                    hook_name,
+                    role,
+                )
+            elif has and role not in info.declaration.roles:
+                logger.debug(
+                    "%s implements %s but does not declare role '%s'; it will never be called",
+                    info.origin(),
+                    hook_name,
+                    role,
+                )
+
+    # -- selection --------------------------------------------------------------
+
+    def backend_for(self, role: Role | str, name: str | None) -> PluginInfo:
+        """The backend called ``name`` that serves ``role``.
+
+        Raises :class:`BackendNotFoundError` naming the config key
+        (``<role>.backend``), the value, the backends that serve the role, the
+        closest name, and why a plugin of that name is missing (failed to load,
+        left out by the allowlist, or serves other roles).
+        """
+        role = Role(role)
+        key = f"{role.value}.backend"
+        serving = sorted(
+            n for n, i in self.backends.items() if i.declaration and role in i.declaration.roles
+        )
+        choices = ", ".join(serving) if serving else "(none loaded)"
+        if not name:
+            raise BackendNotFoundError(
+                f"config key '{key}' is not set; backends that serve {role}: {choices} "
+                "(`rlcore plugins` lists them)"
+            )
+        info = self.backends.get(name)
+        if info is not None and info.declaration is not None:
+            if role in info.declaration.roles:
+                return info
+            served = ", ".join(sorted(r.value for r in info.declaration.roles))
+            msg = (
+                f"config key '{key}' is '{name}', but backend '{name}' of {info.origin()} "
+                f"serves {served}, not {role}. Backends that serve {role}: {choices}."
+            )
+        else:
+            msg = f"config key '{key}' is '{name}', but no loaded plugin provides a backend of that name."
+            hint = _closest(name, serving)
+            if hint:
+                msg += f" Did you mean '{hint}'?"
+            msg += f" Backends that serve {role}: {choices}."
+        for failure in self.failures:
+            if name in (failure.name, failure.backend):
+                msg += (
+                    f"\nA plugin of that name failed to load ({failure.stage}): {failure.message}"
+                )
+        if name in self._disabled_reason:
+            msg += f"\nPlugin '{name}' is installed but {self._disabled_reason[name]}."
+        msg += "\nRun `rlcore plugins` to list installed backends and plugins that failed."
+        raise BackendNotFoundError(msg)
+
+    def hook(self, hook_name: str, selected: Iterable[PluginInfo]) -> pluggy.HookCaller:
+        """A caller of ``hook_name`` that runs only the ``selected`` backends.
+
+        Every other backend plugin is left out; wrapper plugins and the core's
+        own plugins stay in, so wrappers (timing, fault injection) see the call::
+
+            info = registry.backend_for(Role.POLICY, cfg.policy.backend)
+            handle = registry.hook("rlcore_init_policy", [info])(ctx=ctx)
+        """
+        if hook_name not in self._hook_names:
+            raise ValueError(
+                f"'{hook_name}' is not an rlcore hook; hooks: {', '.join(self._hook_names)}"
+            )
+        keep = {id(info.plugin) for info in selected}
+        remove = [i.plugin for i in self.backends.values() if id(i.plugin) not in keep]
+        return self.pm.subset_hook_caller(hook_name, remove_plugins=remove)
+
+    def declarations(self) -> dict[str, BackendDeclaration]:
+        """Every loaded backend's declaration, by backend name."""
+        return {
+            n: i.declaration for n, i in sorted(self.backends.items()) if i.declaration is not None
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary: backends, wrappers, failures, disabled entry points."""
+        return {
+            "backends": [i.to_dict() for _, i in sorted(self.backends.items())],
+            "wrappers": [i.to_dict() for i in self.wrappers],
+            "failures": [f.to_dict() for f in self.failures],
+            "disabled": list(self.disabled),
+        }
+
+
+# -- loading --------------------------------------------------------------------
+
+
+def _env_allowlist() -> set[str] | None:
+    raw = os.environ.get(ALLOWLIST_ENV)
+    if raw is None:
+        return None
+    names = {part.strip() for part in raw.split(",") if part.strip()}
+    return names or None
+
+
+def allowlist(config_allow: Sequence[str] | None) -> set[str] | None:
+    """The entry-point names allowed to load, or ``None`` for no restriction.
+
+    ``config_allow`` is ``plugins.allow`` from the config (``None``: unset; an
+    empty list allows nothing). ``$RLCORE_PLUGINS`` is a comma-separated list
+    (unset, empty or only commas and spaces: unset). When both are given a
+    plugin must be in both: each one only narrows the set.
+    """
+    allowed: set[str] | None = None
+    if config_allow is not None:
+        allowed = {str(n).strip() for n in config_allow if str(n).strip()}
+    env = _env_allowlist()
+    if env is not None:
+        allowed = env if allowed is None else allowed & env
+    return allowed
+
+
+def _iter_entry_points() -> list[_EntryPoint]:
+    """Installed entry points of :data:`ENTRY_POINT_GROUP`, in a stable order.
+
+    Sorted by name then distribution, so that every process (Ray workers load
+    plugins again) resolves a name clash the same way.
+    """
+    eps = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+    return sorted(eps, key=lambda ep: (ep.name, _dist_of(ep)[0] or ""))
+
+
+def _dist_of(ep: _EntryPoint) -> tuple[str | None, str | None]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return None, None
+    try:
+        return dist.name, dist.version
+    except Exception:  # noqa: BLE001 - broken metadata must not stop loading
+        return None, None
+
+
+def _why_disabled(name: str, config_allow: Sequence[str] | None) -> str:
+    reasons = []
+    if config_allow is not None and name not in config_allow:
+        reasons.append(f"plugins.allow = {list(config_allow)}")
+    env = _env_allowlist()
+    if env is not None and name not in env:
+        reasons.append(f"{ALLOWLIST_ENV}={os.environ.get(ALLOWLIST_ENV, '')!r}")
+    return "not loaded because it is not in " + " nor in ".join(reasons)
+
+
+def load_registry(
+    allow: Sequence[str] | None = None,
+    *,
+    entry_points: bool = True,
+    extra: Iterable[tuple[str, object]] = (),
+) -> Registry:
+    """Build the registry of this process.
+
+    Registers the core's built-in plugin, then every installed entry point of
+    group ``rlcore.backends`` that :func:`allowlist` lets through (``allow`` is
+    ``plugins.allow`` from the config), then the ``extra`` ``(name, plugin)``
+    pairs (in-process plugins, e.g. test wrappers; the allowlist does not apply
+    to them). A plugin that fails to import or validate is recorded in
+    ``failures`` and skipped; this function does not raise for a bad plugin.
+
+    Args:
+        allow: ``plugins.allow`` from the config; ``None``: no restriction.
+        entry_points: scan installed entry points (``False``: only ``extra``).
+        extra: plugins to register in-process, in order.
+    """
+    registry = Registry()
+    registry._register_core(builtin, builtin.PLUGIN_NAME)
+
+    if entry_points:
+        allowed = allowlist(allow)
+        found = _iter_entry_points()
+        if allowed is not None:
+            unknown = allowed - {ep.name for ep in found}
+            for name in sorted(unknown):
+                hint = _closest(name, [ep.name for ep in found])
+                logger.warning(
+                    "the plugin allowlist (%s) names '%s', but no installed plugin has that "
+                    "entry-point name%s",
+                    _ALLOW_HINT,
+                    name,
+                    f"; did you mean '{hint}'?" if hint else "",
+                )
+        for ep in found:
+            dist, version = _dist_of(ep)
+            if allowed is not None and ep.name not in allowed:
+                registry.disabled.append(ep.name)
+                registry._disabled_reason[ep.name] = _why_disabled(ep.name, allow)
+                logger.info(
+                    "plugin '%s' (%s) %s", ep.name, dist, registry._disabled_reason[ep.name]
+                )
+                continue
+            try:
+                plugin = ep.load()
+            except (Exception, SystemExit) as err:  # noqa: BLE001 - incl. SyntaxError
+                logger.debug("import of plugin '%s' failed", ep.name, exc_info=True)
+                registry._fail(
+                    None,
+                    ep.name,
+                    dist,
+                    "import",
+                    f"{_origin(ep.name, dist, version)} failed to import "
+                    f"'{getattr(ep, 'value', ep.name)}': {type(err).__name__}: {err}. "
+                    "Fix the error or uninstall the distribution; to skip it, leave it out "
+                    f"of the plugin allowlist ({_ALLOW_HINT}).",
+                )
+                continue
+            registry.register(plugin, ep.name, dist, version)
+
+    for name, plugin in extra:
+        registry.register(plugin, name)
+    return registry

@@ -1,0 +1,129 @@
+"""A tiny Llama-family Hugging Face checkpoint, made locally and deterministically.
+
+No downloads: the tokenizer is a real Hugging Face ``tokenizers`` tokenizer
+built here (a character-level vocabulary over digits, arithmetic symbols and
+lower-case letters, with BOS/EOS/PAD/UNK), saved as ``tokenizer.json`` so that
+transformers and vLLM load it like any other. The weights are random from a
+seed. The result is cached under ``<cache>/tiny-model/<key>`` through atomic
+publish, so concurrent inits that ask for it end with one complete copy.
+
+The default shape (hidden 128, 4 heads) gives head size 32, which vLLM's CPU
+attention accepts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+from rlcore.config import ModelConfig, TinyModelConfig
+from rlcore.waiting import CancelToken, Deadline
+
+log = logging.getLogger(__name__)
+
+#: Bump when the recipe below changes, so old cached models are not reused.
+RECIPE_VERSION = 1
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>"]
+ALPHABET = list("0123456789+-*=?() ,.:") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+
+
+def tiny_model_key(cfg: TinyModelConfig, dtype: str) -> str:
+    blob = json.dumps({"recipe": RECIPE_VERSION, "dtype": dtype, **asdict(cfg)}, sort_keys=True)
+    return f"llama-h{cfg.hidden_size}-l{cfg.num_layers}-s{cfg.seed}-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
+    """The character-level tokenizer (deterministic: the vocabulary is fixed, not trained)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ALPHABET)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # Every character is its own token; decoding joins them back without spaces.
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    bos = vocab["<s>"]
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=512,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def write_tiny_model(directory: Path, cfg: TinyModelConfig, dtype: str = "float32") -> None:
+    """Write tokenizer, config and seeded random weights (safetensors) into ``directory``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(str(directory))
+    vocab_size = len(tokenizer)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype=dtype,
+    )
+    gen = torch.Generator().manual_seed(cfg.seed)
+    with torch.device("cpu"):
+        torch.manual_seed(cfg.seed)
+        model = LlamaForCausalLM(config)
+    # Re-draw every weight from our own generator: independent of transformers' init order.
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    model.to(getattr(torch, dtype)).save_pretrained(str(directory), safe_serialization=True)
+
+
+def ensure_model(
+    model: ModelConfig,
+    cache_dir: Path,
+    *,
+    cancel: CancelToken | None = None,
+    deadline: Deadline | None = None,
+) -> Path:
+    """The checkpoint directory to use: ``model.path`` if set, else the cached tiny model.
+
+    Creates and publishes the tiny model atomically the first time.
+    """
+    if model.path:
+        path = Path(model.path).expanduser()
+        if not (path / "config.json").is_file():
+            from rlcore.errors import ConfigError
+
+            raise ConfigError(
+                f"config key 'model.path' is '{model.path}', which is not a Hugging Face checkpoint "
+                "directory (no config.json); set model.path=null to use the tiny local model",
+                key="model.path",
+            )
+        return path
+    from rlcore.publish import publish_dir
+
+    destination = cache_dir / "tiny-model" / tiny_model_key(model.tiny, model.dtype)
+    return publish_dir(
+        destination,
+        lambda d: write_tiny_model(d, model.tiny, model.dtype),
+        cancel=cancel,
+        deadline=deadline,
+    )

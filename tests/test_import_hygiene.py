@@ -1,0 +1,50 @@
+"""``import rlcore`` and ``rlcore plugins`` must not import heavy frameworks.
+
+Runs in a fresh interpreter (this test process may already have imported them)
+and checks ``sys.modules`` afterwards in the parent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "ray", "vllm", "megatron", "transformers")
+
+_SCRIPT = """
+import contextlib, importlib, importlib.util, io, json, sys
+
+import rlcore
+import rlcore.registry
+from rlcore.registry import load_registry
+
+load_registry()
+done = ["rlcore", "rlcore.registry", "load_registry()"]
+for mod in ("rlcore.config", "rlcore.planner", "rlcore.plan"):
+    if importlib.util.find_spec(mod) is not None:
+        importlib.import_module(mod)
+        done.append(mod)
+if importlib.util.find_spec("rlcore.cli") is not None:
+    import rlcore.cli
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+        rlcore.cli.main(["plugins", "--json"])
+    done.append("rlcore plugins --json")
+sys.__stdout__.write(json.dumps({"done": done, "modules": sorted(sys.modules)}))
+"""
+
+
+def test_light_imports_do_not_load_heavy_frameworks() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "RLCORE_PLUGINS"}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert {"rlcore", "rlcore.registry", "load_registry()"} <= set(result["done"])
+    heavy = sorted(m for m in result["modules"] if m.split(".")[0] in HEAVY)
+    assert heavy == [], f"{', '.join(result['done'])} imported heavy modules: {heavy}"
