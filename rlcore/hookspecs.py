@@ -138,7 +138,7 @@ def rlcore_refit(policy: BackendHandle, generation: BackendHandle, ctx: Any) -> 
     Args:
         policy: the handle ``rlcore_init_policy`` returned.
         generation: the handle ``rlcore_init_generation`` returned.
-        ctx: a :class:`rlcore.refit.RefitContext`: chosen transport, bucket size,
+        ctx: a :class:`rlcore.context.RefitContext`: chosen transport, bucket size,
             timeout, cancellation token, step number.
 
     Returns:

@@ -30,7 +30,9 @@ megatron = BackendDeclaration(
     roles={P, G},
     overlap=OverlapSafety(non_colocated=True, colocated=False, reason="shares device memory"),
     produces=(Artifact(CKPT, atomic=True, role=P),),
-    needs=(Need(CKPT, role=G, when=(Condition("refit_fed", False),), reason="loads converted weights"),),
+    needs=(
+        Need(CKPT, role=G, when=(Condition("refit_fed", False),), reason="loads converted weights"),
+    ),
     refit_fed=True,
     send_transports={"collective", "disk"},
     receive_transports={"collective", "disk"},
@@ -46,11 +48,18 @@ megatron_nonatomic = BackendDeclaration(
     receive_transports={"disk"},
     openai_endpoint=True,
 )
-fsdp = BackendDeclaration(name="fsdp", roles={P}, overlap=OverlapSafety(True, True), send_transports={"collective", "shared_memory", "disk"})
+fsdp = BackendDeclaration(
+    name="fsdp",
+    roles={P},
+    overlap=OverlapSafety(True, True),
+    send_transports={"collective", "shared_memory", "disk"},
+)
 vllm = BackendDeclaration(
     name="vllm",
     roles={G},
-    overlap=OverlapSafety(non_colocated=True, colocated=False, reason="profiles free device memory at start"),
+    overlap=OverlapSafety(
+        non_colocated=True, colocated=False, reason="profiles free device memory at start"
+    ),
     refit_fed=True,
     receive_transports={"collective", "shared_memory", "disk"},
     openai_endpoint=True,
@@ -61,8 +70,15 @@ gym = BackendDeclaration(
     roles={E},
     needs=(Need("generation.endpoint", kind="event", reason="servers call the model over HTTP"),),
 )
-lonely_env = BackendDeclaration(name="lonely", roles={E}, overlap=OverlapSafety(non_colocated=False, reason="binds every port"))
-lonely_policy = BackendDeclaration(name="lonely-policy", roles={P}, overlap=OverlapSafety(non_colocated=False), send_transports={"disk"})
+lonely_env = BackendDeclaration(
+    name="lonely", roles={E}, overlap=OverlapSafety(non_colocated=False, reason="binds every port")
+)
+lonely_policy = BackendDeclaration(
+    name="lonely-policy",
+    roles={P},
+    overlap=OverlapSafety(non_colocated=False),
+    send_transports={"disk"},
+)
 
 
 def plan_for(policy, generation, env=None, *overrides: str):
@@ -97,7 +113,10 @@ class Case:
 CASES = [
     Case(
         "worked-example: megatron policy + refit-fed megatron generation + env",
-        megatron, megatron, gym, ("generation.refit_fed=true",),
+        megatron,
+        megatron,
+        gym,
+        ("generation.refit_fed=true",),
         edges={("init:policy", "refit:initial", 4), ("init:generation", "refit:initial", 4)},
         waits={("init:env", "generation.endpoint", "refit:initial")},
         overlapping={
@@ -109,14 +128,26 @@ CASES = [
     ),
     Case(
         "rule 1 atomic: generation from checkpoint waits inside its init",
-        megatron, megatron, gym, (),
+        megatron,
+        megatron,
+        gym,
+        (),
         edges={("init:policy", "refit:initial", 4), ("init:generation", "refit:initial", 4)},
-        waits={("init:generation", CKPT, "init:policy"), ("init:env", "generation.endpoint", "init:generation")},
-        overlapping={frozenset({"init:policy", "init:generation"}), frozenset({"init:generation", "init:env"})},
+        waits={
+            ("init:generation", CKPT, "init:policy"),
+            ("init:env", "generation.endpoint", "init:generation"),
+        },
+        overlapping={
+            frozenset({"init:policy", "init:generation"}),
+            frozenset({"init:generation", "init:env"}),
+        },
     ),
     Case(
         "rule 1 non-atomic: generation starts after policy",
-        megatron_nonatomic, megatron_nonatomic, None, (),
+        megatron_nonatomic,
+        megatron_nonatomic,
+        None,
+        (),
         edges={
             ("init:policy", "init:generation", 1),
             ("init:policy", "refit:initial", 4),
@@ -127,14 +158,20 @@ CASES = [
     ),
     Case(
         "rule 1 does not apply when the condition fails (refit-fed skips the checkpoint)",
-        megatron_nonatomic, megatron_nonatomic, None, ("generation.refit_fed=true",),
+        megatron_nonatomic,
+        megatron_nonatomic,
+        None,
+        ("generation.refit_fed=true",),
         edges={("init:policy", "refit:initial", 4), ("init:generation", "refit:initial", 4)},
         waits=set(),
         overlapping={frozenset({"init:policy", "init:generation"})},
     ),
     Case(
         "rule 2: env not overlap-safe runs alone, after the others",
-        fsdp, vllm, lonely_env, (),
+        fsdp,
+        vllm,
+        lonely_env,
+        (),
         edges={
             ("init:generation", "init:env", 2),
             ("init:policy", "init:env", 2),
@@ -146,7 +183,10 @@ CASES = [
     ),
     Case(
         "rule 2: policy not overlap-safe runs alone between generation and env",
-        lonely_policy, vllm, gym, (),
+        lonely_policy,
+        vllm,
+        gym,
+        (),
         edges={
             ("init:generation", "init:policy", 2),
             ("init:policy", "init:env", 2),
@@ -158,25 +198,37 @@ CASES = [
     ),
     Case(
         "rule 3: colocated vLLM-like generation first, then policy",
-        fsdp, vllm, gym, ("placement.colocated=true",),
+        fsdp,
+        vllm,
+        gym,
+        ("placement.colocated=true",),
         edges={
             ("init:generation", "init:policy", 3),
             ("init:policy", "refit:initial", 4),
             ("init:generation", "refit:initial", 4),
         },
         waits={("init:env", "generation.endpoint", "init:generation")},
-        overlapping={frozenset({"init:policy", "init:env"}), frozenset({"init:generation", "init:env"})},
+        overlapping={
+            frozenset({"init:policy", "init:env"}),
+            frozenset({"init:generation", "init:env"}),
+        },
     ),
     Case(
         "non-colocated fsdp + vllm: everything overlaps",
-        fsdp, vllm, None, (),
+        fsdp,
+        vllm,
+        None,
+        (),
         edges={("init:policy", "refit:initial", 4), ("init:generation", "refit:initial", 4)},
         waits=set(),
         overlapping={frozenset({"init:policy", "init:generation"})},
     ),
     Case(
         "rule 3 ordering never contradicts an artifact wait (no deadlock)",
-        megatron, megatron, None, ("placement.colocated=true",),
+        megatron,
+        megatron,
+        None,
+        ("placement.colocated=true",),
         edges={
             ("init:policy", "init:generation", 3),
             ("init:policy", "refit:initial", 4),
@@ -207,9 +259,17 @@ def test_plan_rules(case: Case) -> None:
 def test_worked_example_shape_and_json() -> None:
     plan = plan_for(megatron, megatron, gym, "generation.refit_fed=true")
     d = plan.to_dict()
-    assert [t["name"] for t in d["tasks"]] == ["init:policy", "init:generation", "init:env", "refit:initial"]
+    assert [t["name"] for t in d["tasks"]] == [
+        "init:policy",
+        "init:generation",
+        "init:env",
+        "refit:initial",
+    ]
     assert {t["name"]: t["backend"] for t in d["tasks"]} == {
-        "init:policy": "megatron", "init:generation": "megatron", "init:env": "gym", "refit:initial": None,
+        "init:policy": "megatron",
+        "init:generation": "megatron",
+        "init:env": "gym",
+        "refit:initial": None,
     }
     # No edge into any init; refit does not wait for env.
     assert not [e for e in d["edges"] if e["to"].startswith("init:")]
@@ -226,7 +286,11 @@ def test_worked_example_shape_and_json() -> None:
 def test_edge_reasons_name_backend_and_condition() -> None:
     plan = plan_for(megatron_nonatomic, megatron_nonatomic)
     (edge,) = [e for e in plan.edges if e.rule == 1]
-    assert CKPT in edge.reason and "refit_fed == False" in edge.reason and "megatron-old" in edge.reason
+    assert (
+        CKPT in edge.reason
+        and "refit_fed == False" in edge.reason
+        and "megatron-old" in edge.reason
+    )
     colo = plan_for(fsdp, vllm, None, "placement.colocated=true")
     (edge,) = [e for e in colo.edges if e.rule == 3]
     assert "vllm" in edge.reason and "profiles free device memory" in edge.reason
@@ -240,7 +304,9 @@ def test_refit_fed_unsupported_is_config_error() -> None:
 
 def test_env_needs_endpoint_generation_has_none() -> None:
     with pytest.raises(PlanError, match="vllm-noep"):
-        plan_for(BackendDeclaration(name="p", roles={P}, send_transports={"disk"}), vllm_no_endpoint, gym)
+        plan_for(
+            BackendDeclaration(name="p", roles={P}, send_transports={"disk"}), vllm_no_endpoint, gym
+        )
 
 
 def test_unmet_artifact_need() -> None:
@@ -273,7 +339,9 @@ def test_option_condition_uses_declared_default() -> None:
         receive_transports={"disk"},
         options=GenOptions,
     )
-    pol = BackendDeclaration(name="optpol", roles={P}, produces=(Artifact(CKPT, atomic=True),), send_transports={"disk"})
+    pol = BackendDeclaration(
+        name="optpol", roles={P}, produces=(Artifact(CKPT, atomic=True),), send_transports={"disk"}
+    )
     assert [w.target for w in plan_for(pol, gen).waits] == [CKPT]  # default applies
     assert plan_for(pol, gen, None, "generation.options.load=refit").waits == ()
     with pytest.raises(ConfigError, match="generation.options.lod"):

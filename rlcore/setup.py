@@ -1,0 +1,416 @@
+"""rlcore's setup: the plan's tasks as hook calls, run by the executor.
+
+:func:`run_setup` reads top to bottom:
+
+1. resolve the backend of each role (``env`` only when ``env.backend`` is set)
+   and check its ``<role>.options`` against the backend's options dataclass;
+2. build the plan (:func:`rlcore.planner.build_plan`) unless one is given;
+3. turn each task into an executor task: ``init:<role>`` calls
+   ``rlcore_init_<role>`` of the selected backend (plus wrapper plugins and the
+   core's own), ``refit:initial`` calls ``rlcore_refit`` for the policy and
+   generation backends; after a task, post the core events the plan says it
+   makes available (``generation.endpoint``);
+4. run them (:func:`rlcore.executor.execute`): each starts the moment its
+   dependencies are done; the first failure cancels the rest, started backends
+   are shut down in reverse order and :class:`~rlcore.errors.SetupError` names
+   the task, backend, role and root cause;
+5. measure: ``timing/setup/*`` metrics and Chrome-trace events.
+
+Handles a backend returns are captured by a core wrapper innermost in the hook
+chain, so a wrapper plugin that fails *after* the backend's init returned (fault
+injection, a broken timing plugin) does not leak the started backend: the
+executor shuts it down with the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlcore.config import RunConfig, cache_dir, resolve_options
+from rlcore.context import InitContext, RefitContext
+from rlcore.declarations import Role
+from rlcore.errors import ConfigError, PlanError, PluginError, RefitError
+from rlcore.events import EventBoard
+from rlcore.executor import ExecutionResult, TaskRun, TaskSpec, execute
+from rlcore.hookspecs import hookimpl
+from rlcore.metrics import PREFIX, setup_metrics
+from rlcore.plan import Plan
+from rlcore.planner import build_plan, choose_transport, selected_roles
+from rlcore.trace import TraceRecorder
+from rlcore.waiting import CancelToken, Deadline
+
+if TYPE_CHECKING:
+    from rlcore.registry import PluginInfo, Registry
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SetupResult", "choose_transport", "refit_context", "role_of_task", "run_setup"]
+
+REFIT_TASK = "refit:initial"
+ENDPOINT_EVENT = "generation.endpoint"
+
+
+@dataclass
+class SetupResult:
+    """A finished setup.
+
+    Attributes:
+        plan: the plan that ran.
+        handles: started backends by role (``policy``, ``generation``, ``env``).
+        execution: per-task records and results (times for metrics and traces).
+        metrics: ``timing/setup/*`` (see :mod:`rlcore.metrics`), plus
+            ``weight_sync_time_s`` and ``collective_init_time_s`` of the first refit.
+        trace_events: Chrome-trace events of the setup (origin: its first start).
+        plugins: the selected backends' plugins by role (for later hook calls).
+        transport: the refit transport chosen for the run.
+        refit_report: what ``refit:initial`` returned.
+    """
+
+    plan: Plan
+    handles: dict[str, Any]
+    execution: ExecutionResult
+    metrics: dict[str, float]
+    trace_events: list[dict[str, Any]]
+    plugins: dict[str, PluginInfo] = field(default_factory=dict)
+    transport: str | None = None
+    refit_report: Any = None
+
+    def shutdown(self, timeout_s: float | None = None) -> list[str]:
+        """Shut every started backend down, last started first. Idempotent.
+
+        Each shutdown is bounded by ``timeout_s`` (default
+        ``setup.shutdown_timeout_s``); returns one line per shutdown that raised
+        or hung.
+        """
+        return self.execution.shutdown(timeout_s)
+
+    def __enter__(self) -> SetupResult:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def role_of_task(name: str) -> Role | None:
+    """``init:policy`` -> ``Role.POLICY``; ``None`` for tasks that are not inits."""
+    kind, _, role = name.partition(":")
+    if kind != "init":
+        return None
+    try:
+        return Role(role)
+    except ValueError:
+        return None
+
+
+def refit_context(
+    config: RunConfig,
+    *,
+    step: int,
+    transport: str,
+    cancel: CancelToken,
+    deadline: Deadline | None = None,
+) -> RefitContext:
+    """The :class:`RefitContext` of one weight sync (``refit:initial`` is step 0).
+
+    Its deadline is the sooner of ``deadline`` and ``refit.timeout_s`` from now.
+    """
+    base = deadline or Deadline.never(f"refit step {step}")
+    return RefitContext(
+        step=step,
+        transport=transport,
+        bucket_bytes=int(config.refit.bucket_mb * 2**20),
+        timeout_s=config.refit.timeout_s,
+        cancel=cancel,
+        deadline=base.sooner(config.refit.timeout_s, f"refit step {step}"),
+        config=config,
+        cache_dir=cache_dir(config),
+    )
+
+
+def _shutdown_handle(handle: Any) -> None:
+    stop = getattr(handle, "shutdown", None)
+    if stop is None:
+        raise TypeError(
+            f"handle {type(handle).__name__} has no shutdown() (rlcore.handles.BackendHandle)"
+        )
+    stop()
+
+
+class _StartedCapture:
+    """Core wrapper, innermost in each init hook's chain: tells the executor about a
+    handle the moment the backend's init returns it, before any outer wrapper
+    can fail and lose it (see :meth:`rlcore.executor.TaskRun.started`)."""
+
+    def __init__(self) -> None:
+        self._runs: dict[int, TaskRun] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def tracking(self, ctx: InitContext, run: TaskRun) -> Iterator[None]:
+        with self._lock:
+            self._runs[id(ctx)] = run
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._runs.pop(id(ctx), None)
+
+    def _capture(self, ctx: InitContext) -> Generator[None, Any, Any]:
+        handle = yield
+        with self._lock:
+            run = self._runs.get(id(ctx))
+        if run is not None and handle is not None:
+            run.started(handle)
+        return handle
+
+    @hookimpl(wrapper=True, trylast=True)
+    def rlcore_init_policy(self, ctx: InitContext) -> Generator[None, Any, Any]:
+        return (yield from self._capture(ctx))
+
+    @hookimpl(wrapper=True, trylast=True)
+    def rlcore_init_generation(self, ctx: InitContext) -> Generator[None, Any, Any]:
+        return (yield from self._capture(ctx))
+
+    @hookimpl(wrapper=True, trylast=True)
+    def rlcore_init_env(self, ctx: InitContext) -> Generator[None, Any, Any]:
+        return (yield from self._capture(ctx))
+
+
+@contextmanager
+def _registered(registry: Registry, plugin: object) -> Iterator[None]:
+    name = f"rlcore.setup.capture-{id(plugin):x}"
+    registry.pm.register(plugin, name=name)
+    try:
+        yield
+    finally:
+        registry.pm.unregister(plugin, name=name)
+
+
+def _check_plan(plan: Plan, roles: list[Role]) -> None:
+    for task in plan.tasks:
+        role = role_of_task(task.name)
+        if task.name == REFIT_TASK:
+            for r in (Role.POLICY, Role.GENERATION):
+                init = f"init:{r.value}"
+                if not plan.has_path(init, REFIT_TASK):
+                    raise PlanError(f"the plan runs {REFIT_TASK} without waiting for {init}")
+        elif role is None or role not in roles:
+            raise PlanError(
+                f"the plan has task '{task.name}', which setup cannot run (it runs "
+                f"{', '.join(f'init:{r.value}' for r in roles)} and {REFIT_TASK})"
+            )
+
+
+def _task_deadlines(config: RunConfig, plan: Plan) -> dict[str, float]:
+    per_task = dict(config.setup.task_deadline_s)
+    for name in per_task:
+        if name not in plan.names:
+            raise ConfigError(
+                f"config key 'setup.task_deadline_s' names task '{name}', which is not in "
+                f"the plan; tasks: {', '.join(plan.names)}",
+                key=f"setup.task_deadline_s.{name}",
+            )
+    return {t: float(per_task.get(t, config.setup.deadline_s)) for t in plan.names}
+
+
+def run_setup(
+    config: RunConfig,
+    registry: Registry,
+    *,
+    run_dir: Path,
+    plan: Plan | None = None,
+    cancel: CancelToken | None = None,
+    progress: Callable[[str, str], None] | None = None,
+    grace_s: float = 5.0,
+) -> SetupResult:
+    """Start every backend the config selects, as the plan allows, and do the first refit.
+
+    Args:
+        config: the run config.
+        registry: the loaded plugins (:func:`rlcore.registry.load_registry`).
+        run_dir: the run's output directory (passed to backends).
+        plan: a plan to run instead of building one from the declarations.
+        cancel: the run's cancellation token (e.g. set on Ctrl-C); a new one if omitted.
+        progress: ``progress(task, what)`` for each task event (``start``, ``end``,
+            ``failed``, ``cancelled``, ``timed_out``, ``not_started``).
+        grace_s: how long running tasks get to stop after a failure before they
+            are abandoned (their late results are still shut down).
+
+    Returns:
+        The :class:`SetupResult`; call its ``shutdown()`` when done.
+
+    Raises:
+        SetupError: a task failed, timed out or setup was cancelled; started
+            backends have been shut down. It carries ``.execution`` and ``.plan``.
+        BackendNotFoundError, ConfigError, PlanError: before anything started.
+    """
+    roles = selected_roles(config)
+    infos: dict[Role, PluginInfo] = {}
+    options: dict[Role, Any] = {}
+    for role in roles:
+        section = getattr(config, role.value)
+        info = registry.backend_for(role, section.backend)
+        assert info.declaration is not None
+        infos[role] = info
+        options[role] = resolve_options(
+            section.options,
+            info.declaration.options,
+            section=role.value,
+            backend=info.declaration.name,
+        )
+    declarations = {r: i.declaration for r, i in infos.items() if i.declaration is not None}
+    if plan is None:
+        plan = build_plan(config, declarations)
+    _check_plan(plan, roles)
+    deadlines = _task_deadlines(config, plan)
+    transport = plan.refit_transport or choose_transport(
+        config, declarations[Role.POLICY], declarations[Role.GENERATION]
+    )
+
+    cancel = cancel or CancelToken()
+    board = EventBoard(cancel)
+    cache = cache_dir(config)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handles: dict[str, Any] = {}
+    capture = _StartedCapture()
+    awaited = {w.target for w in plan.waits if w.kind == "event"}
+
+    def init_task(role: Role) -> Callable[[TaskRun], Any]:
+        info = infos[role]
+        backend = declarations[role].name
+        hook_name = f"rlcore_init_{role.value}"
+        init_hook = registry.hook(hook_name, [info])
+        publish_hook = registry.hook("rlcore_publish", [info])
+
+        def run(task: TaskRun) -> Any:
+            ctx = InitContext(
+                role=role,
+                backend=backend,
+                config=config,
+                options=options[role],
+                cancel=task.cancel,
+                deadline=task.deadline,
+                run_dir=run_dir,
+                cache_dir=cache,
+                events=board,
+                publish_hook=publish_hook,
+                log=logging.getLogger(f"rlcore.backend.{backend}"),
+            )
+            with capture.tracking(ctx, task):
+                handle = init_hook(ctx=ctx)
+            if handle is None:
+                raise PluginError(
+                    f"{info.origin()} declares backend '{backend}' for role {role} but "
+                    f"implements no {hook_name} (the hook returned None); implement it and "
+                    "return the started backend's handle",
+                    plugin=info.name,
+                    distribution=info.distribution,
+                )
+            handles[role.value] = handle
+            return handle
+
+        return run
+
+    def refit_task(task: TaskRun) -> Any:
+        pol, gen = infos[Role.POLICY], infos[Role.GENERATION]
+        ctx = refit_context(
+            config, step=0, transport=transport, cancel=task.cancel, deadline=task.deadline
+        )
+        report = registry.hook("rlcore_refit", [pol, gen])(
+            policy=handles[Role.POLICY.value], generation=handles[Role.GENERATION.value], ctx=ctx
+        )
+        if report is None:
+            raise RefitError(
+                f"no rlcore_refit implementation synced policy backend "
+                f"'{declarations[Role.POLICY].name}' to generation backend "
+                f"'{declarations[Role.GENERATION].name}' (every implementation returned None)"
+            )
+        return report
+
+    def post_events(task_name: str) -> Callable[[Any], None] | None:
+        events = tuple(plan.posts.get(task_name, ()))
+        if not events:
+            return None
+
+        def on_done(_result: Any) -> None:
+            for event in events:
+                value = None
+                if event == ENDPOINT_EVENT:
+                    value = getattr(handles.get(Role.GENERATION.value), "endpoint", None)
+                    if value is None and event in awaited:
+                        gen = infos[Role.GENERATION]
+                        raise PluginError(
+                            f"{gen.origin()}: generation backend "
+                            f"'{declarations[Role.GENERATION].name}' declares an OpenAI-compatible "
+                            "endpoint, but its handle has no 'endpoint' (rlcore.handles.Endpoint) "
+                            "for the tasks that wait for it",
+                            plugin=gen.name,
+                            distribution=gen.distribution,
+                        )
+                log.debug("%s posts event %s", task_name, event)
+                board.post(event, value)
+
+        return on_done
+
+    specs: list[TaskSpec] = []
+    for task in plan.tasks:
+        role = role_of_task(task.name)
+        specs.append(
+            TaskSpec(
+                name=task.name,
+                deps=plan.predecessors(task.name),
+                run=refit_task if role is None else init_task(role),
+                shutdown=None if role is None else _shutdown_handle,
+                deadline_s=deadlines[task.name],
+                on_done=post_events(task.name),
+                label={
+                    # A refit involves both backends: name them both in errors.
+                    "backend": task.backend
+                    or f"{declarations[Role.POLICY].name} -> {declarations[Role.GENERATION].name}",
+                    "role": task.role,
+                },
+            )
+        )
+
+    try:
+        with _registered(registry, capture):
+            execution = execute(
+                specs,
+                cancel=cancel,
+                deadline=Deadline(config.setup.deadline_s, "setup"),
+                grace_s=grace_s,
+                shutdown_timeout_s=config.setup.shutdown_timeout_s,
+                on_event=progress,
+                on_cancel=lambda _reason: board.wake_all(),
+            )
+    except BaseException as err:
+        err.plan = plan  # type: ignore[attr-defined]
+        raise
+
+    report = execution.results.get(REFIT_TASK)
+    metrics = setup_metrics(plan, execution)
+    if report is not None:
+        for key, attr in (
+            ("weight_sync_time_s", "weight_sync_time_s"),
+            ("collective_init_time_s", "channel_init_time_s"),
+        ):
+            value = getattr(report, attr, None)
+            if isinstance(value, int | float):
+                metrics[f"{PREFIX}{key}"] = float(value)
+    return SetupResult(
+        plan=plan,
+        handles=handles,
+        execution=execution,
+        metrics=metrics,
+        trace_events=TraceRecorder.from_execution(execution, plan).events,
+        plugins={r.value: i for r, i in infos.items()},
+        transport=transport,
+        refit_report=report,
+    )
