@@ -421,7 +421,7 @@ def test_task_deadline_names_the_task(tmp_path: Path, leaks) -> None:
     assert isinstance(err.cause, DeadlineExceeded)
     assert "init:policy" in str(err.cause) and "0.3s" in str(err.cause)
     assert err.execution.records["init:policy"].status == "timed_out"
-    assert "refit:initial" in err.aborted
+    assert "refit:initial (fake-policy -> fake-gen)" in err.aborted
     assert sorted(journal.roles("shutdown")) == ["env", "generation"]
     leaks.assert_clean()
 
