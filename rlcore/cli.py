@@ -101,18 +101,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 def build_plan_from_args(config_path: str | None, overrides: Sequence[str]) -> tuple[Any, Any]:
     """Load the config, the plugins it allows and its backends' declarations; plan."""
     from rlcore.config import load_config
-    from rlcore.declarations import Role
-    from rlcore.planner import build_plan, selected_roles
-    from rlcore.registry import load_registry
+    from rlcore.registry import load_registry, plan_for
 
     config = load_config(config_path, overrides)
-    registry = load_registry(config.plugins.allow)
-    decls = {
-        role: registry.backend_for(role, getattr(config, role.value).backend).declaration
-        for role in selected_roles(config)
-    }
-    assert all(isinstance(r, Role) for r in decls)
-    return config, build_plan(config, decls)
+    return config, plan_for(load_registry(config.plugins.allow), config)
 
 
 def render_plan(plan: Any, con: Console) -> None:

@@ -17,24 +17,21 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from rlcore.errors import DeclarationError
 
 
-class Role(str, Enum):
+class Role(StrEnum):
     """A part of the RL job a backend can serve."""
 
     POLICY = "policy"
     GENERATION = "generation"
     ENV = "env"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Transport(str, Enum):
+class Transport(StrEnum):
     """A way to move weights from policy to generation during refit."""
 
     COLLECTIVE = "collective"  # torch.distributed group: NCCL on GPUs, gloo on CPUs
@@ -42,9 +39,6 @@ class Transport(str, Enum):
     CUDA_IPC = "cuda_ipc"  # same GPU(s): CUDA IPC handles
     DISK = "disk"  # safetensors published atomically; always works
     HTTP = "http"  # through the generation server's HTTP API
-
-    def __str__(self) -> str:
-        return self.value
 
 
 #: Events the core itself raises during setup. A backend may wait for them.

@@ -78,16 +78,16 @@ def run_grpo(
     for step in range(1, cfg.steps + 1):
         if cancelled():
             break
-        t_step = time.time()
+        t_step = time.monotonic()
         phases: dict[str, float] = {}
 
-        def phase(name: str, t0: float) -> None:
-            t1 = time.time()
+        def phase(name: str, t0: float, step: int = step, phases: dict[str, float] = phases) -> None:
+            t1 = time.monotonic()
             phases[name] = t1 - t0
             if trace:
                 trace(name, t0, t1, step)
 
-        t0 = time.time()
+        t0 = time.monotonic()
         prompts = env.sample_prompts(cfg.prompts_per_step, step)
         prompt_ids = [tokenizer(p.text).input_ids for p in prompts]
         groups = generation.generate(
@@ -99,13 +99,13 @@ def run_grpo(
         )
         phase("rollout", t0)
 
-        t0 = time.time()
+        t0 = time.monotonic()
         texts = [[tokenizer.decode(c["token_ids"], skip_special_tokens=True) for c in g] for g in groups]
         rewards = env.score(prompts, texts)
         advantages = group_advantages(rewards)
         phase("reward", t0)
 
-        t0 = time.time()
+        t0 = time.monotonic()
         batch = [(pid, c["token_ids"]) for pid, g in zip(prompt_ids, groups, strict=True) for c in g]
         flat_adv = [a for g in advantages for a in g]
         gen_lp = [c["logprobs"] for g in groups for c in g]
@@ -113,11 +113,11 @@ def run_grpo(
         train = policy.train_step(batch, flat_adv, old_lp, clip_eps=cfg.clip_eps, lr=cfg.learning_rate)
         phase("train", t0)
 
-        t0 = time.time()
+        t0 = time.monotonic()
         report = refit(step)
         phase("refit", t0)
 
-        t0 = time.time()
+        t0 = time.monotonic()
         probe_err = token_mult_prob_error(generation.logprobs(probe_batch), policy.logprobs(probe_batch))
         phase("probe", t0)
 
@@ -135,7 +135,7 @@ def run_grpo(
             "refit/throughput_gib_s": report.throughput_gib_s,
             "refit/transport": report.transport,
             "refit/token_mult_prob_error": probe_err,
-            "timing/step_time_s": time.time() - t_step,
+            "timing/step_time_s": time.monotonic() - t_step,
             **{f"timing/{k}_time_s": v for k, v in phases.items()},
         }
         history.append(metrics)

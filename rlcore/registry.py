@@ -656,3 +656,24 @@ def load_registry(
     for name, plugin in extra:
         registry.register(plugin, name)
     return registry
+
+
+def selected_backends(registry: Registry, config: Any) -> dict[Role, PluginInfo]:
+    """The backend each role of ``config`` selects (env only when ``env.backend`` is set).
+
+    Raises :class:`BackendNotFoundError` naming the config key for a missing backend.
+    """
+    from rlcore.planner import selected_roles
+
+    return {
+        role: registry.backend_for(role, getattr(config, role.value).backend)
+        for role in selected_roles(config)
+    }
+
+
+def plan_for(registry: Registry, config: Any) -> Any:
+    """The setup plan of ``config`` with the declarations of its selected backends."""
+    from rlcore.planner import build_plan
+
+    decls = {r: i.declaration for r, i in selected_backends(registry, config).items()}
+    return build_plan(config, decls)  # type: ignore[arg-type]

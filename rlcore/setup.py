@@ -250,14 +250,14 @@ def run_setup(
             backends have been shut down. It carries ``.execution`` and ``.plan``.
         BackendNotFoundError, ConfigError, PlanError: before anything started.
     """
+    from rlcore.registry import selected_backends
+
     roles = selected_roles(config)
-    infos: dict[Role, PluginInfo] = {}
+    infos = selected_backends(registry, config)
     options: dict[Role, Any] = {}
-    for role in roles:
+    for role, info in infos.items():
         section = getattr(config, role.value)
-        info = registry.backend_for(role, section.backend)
         assert info.declaration is not None
-        infos[role] = info
         options[role] = resolve_options(
             section.options,
             info.declaration.options,

@@ -1,0 +1,222 @@
+"""``rlcore run``: set up -> GRPO loop -> report, into a run directory.
+
+Reads top to bottom: load config and plugins, start the cluster, run the setup
+plan with progress shown, run the loop (rollout, reward, train step, refit,
+probe), write ``metrics.jsonl``, ``trace.json`` and the plots, tear everything
+down (also on failure or Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from rlcore.cluster import Cluster
+from rlcore.config import RunConfig, cache_dir, load_config
+from rlcore.errors import RlcoreError
+from rlcore.grpo import Sequence_, run_grpo, token_mult_prob_error
+from rlcore.metrics import MetricsWriter
+from rlcore.plots import plot_reward, plot_setup_timeline
+from rlcore.registry import load_registry, plan_for
+from rlcore.setup import SetupResult, refit_context, run_setup
+from rlcore.trace import TraceRecorder
+from rlcore.waiting import CancelToken
+
+log = logging.getLogger(__name__)
+
+
+def make_run_dir(config: RunConfig, out: str | None) -> Path:
+    if out:
+        path = Path(out)
+    else:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = Path(config.output_dir) / f"{config.name}-{stamp}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class SetupProgress:
+    """A live table of setup tasks: waiting / running / done, with elapsed times."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.state = {n: ("waiting", None, None) for n in names}
+        self.t0 = time.monotonic()
+
+    def __call__(self, task: str, what: str) -> None:
+        _, start, _ = self.state.get(task, ("waiting", None, None))
+        now = time.monotonic()
+        if what == "start":
+            self.state[task] = ("running", now, None)
+        else:
+            self.state[task] = (what, start, now)
+
+    def __rich__(self) -> Table:
+        table = Table(title="setup", expand=False)
+        table.add_column("task")
+        table.add_column("state")
+        table.add_column("time", justify="right")
+        now = time.monotonic()
+        style = {"running": "yellow", "end": "green", "ok": "green", "failed": "red"}
+        for name, (state, start, end) in self.state.items():
+            elapsed = "" if start is None else f"{(end or now) - start:.1f}s"
+            label = "done" if state in ("end", "ok") else state
+            table.add_row(name, f"[{style.get(state, 'white')}]{label}[/]", elapsed)
+        return table
+
+
+def _probe_batch(env: Any, tokenizer: Any, n: int) -> list[Sequence_]:
+    """Fixed prompt/answer pairs (the env's, when it makes prompts) for logprob comparison."""
+    if hasattr(env, "sample_prompts"):
+        prompts = env.sample_prompts(n, step=-1)
+        pairs = [(p.text, str(getattr(p, "answer", ""))) for p in prompts]
+    else:
+        pairs = [(f"{i}+{i}=", str(2 * i)) for i in range(n)]
+    return [
+        Sequence_(tokenizer(p).input_ids, tokenizer(c, add_special_tokens=False).input_ids + [tokenizer.eos_token_id])
+        for p, c in pairs
+    ]
+
+
+def run_job(
+    config_path: str | None,
+    overrides: Sequence[str] = (),
+    *,
+    out: str | None = None,
+    console: Console | None = None,
+    setup_only: bool = False,
+) -> Path:
+    """Run the main job; returns the run directory. Raises RlcoreError subclasses on failure."""
+    console = console or Console()
+    config = load_config(config_path, overrides)
+    run_dir = make_run_dir(config, out)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
+    registry = load_registry(config.plugins.allow)
+    for f in registry.failures:
+        console.print(f"[yellow]skipped plugin {f.name} ({f.distribution}): {f.message}[/yellow]")
+
+    trace = TraceRecorder()
+    metrics_writer = MetricsWriter(run_dir / "metrics.jsonl")
+    cluster = Cluster(config.cluster)
+    cancel = CancelToken()
+    setup: SetupResult | None = None
+    try:
+        with console.status("starting Ray cluster"):
+            t0 = time.monotonic()
+            cluster.start()
+            trace.add_span("cluster start", t0, time.monotonic(), cat="setup", lane="cluster")
+        plan = plan_for(registry, config)
+        progress = SetupProgress([t.name for t in plan.tasks])
+        with Live(progress, console=console, refresh_per_second=4, transient=False):
+            setup = run_setup(config, registry, run_dir=run_dir, plan=plan, cancel=cancel, progress=progress)
+        trace.add_execution(setup.execution, setup.plan)
+        setup_record = dict(setup.metrics)
+        setup_record["timing/setup/cluster_start_time_s"] = cluster.start_time_s or 0.0
+        metrics_writer.write(setup_record, step=0)
+        console.print(
+            "setup: total {:.2f}s, critical path {:.2f}s, serial sum {:.2f}s".format(
+                setup.metrics["timing/setup/total_setup_time_s"],
+                setup.metrics["timing/setup/critical_path_s"],
+                setup.metrics["timing/setup/serial_sum_s"],
+            )
+        )
+        _plot_setup(setup, run_dir, config)
+        if not setup_only:
+            _train(config, setup, registry, cancel, trace, metrics_writer, run_dir, console)
+        return run_dir
+    except KeyboardInterrupt:
+        cancel.cancel("interrupted (Ctrl-C)")
+        raise
+    finally:
+        if setup is not None:
+            for line in setup.shutdown():
+                console.print(f"[yellow]shutdown: {line}[/yellow]")
+        cluster.shutdown()
+        metrics_writer.close()
+        trace.write(run_dir / "trace.json")
+
+
+def _plot_setup(setup: SetupResult, run_dir: Path, config: RunConfig) -> None:
+    ex = setup.execution
+    spans = [
+        (name, rec.start - ex.start, rec.end - ex.start, rec.status)
+        for name, rec in ex.records.items()
+        if rec.start is not None and rec.end is not None
+    ]
+    m = setup.metrics
+    plot_setup_timeline(
+        spans,
+        run_dir / "setup_timeline.png",
+        title=f"{config.name}: setup ({config.policy.backend} + {config.generation.backend})",
+        annotations={
+            "total": m["timing/setup/total_setup_time_s"],
+            "critical path": m["timing/setup/critical_path_s"],
+            "serial sum": m["timing/setup/serial_sum_s"],
+        },
+    )
+
+
+def _train(
+    config: RunConfig,
+    setup: SetupResult,
+    registry: Any,
+    cancel: CancelToken,
+    trace: TraceRecorder,
+    writer: MetricsWriter,
+    run_dir: Path,
+    console: Console,
+) -> None:
+    from transformers import AutoTokenizer
+
+    from rlcore.tinymodel import ensure_model
+
+    policy, generation = setup.handles["policy"], setup.handles["generation"]
+    env = setup.handles.get("env")
+    if env is None or not hasattr(env, "sample_prompts"):
+        raise RlcoreError(
+            "rlcore run's GRPO loop needs an env backend that makes prompts and scores them "
+            "(sample_prompts/score), e.g. env.backend=arithmetic"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(config.model, cache_dir(config))))
+    probe = _probe_batch(env, tokenizer, config.refit.probe_prompts)
+    probe_pairs = [(s.prompt, s.completion) for s in probe]
+    refit_hook = registry.hook("rlcore_refit", [setup.plugins["policy"], setup.plugins["generation"]])
+
+    # The first refit (refit:initial) already ran during setup: check it too.
+    err0 = token_mult_prob_error(generation.logprobs(probe_pairs), policy.logprobs(probe_pairs))
+    writer.write({"refit/token_mult_prob_error": err0, "refit/transport": setup.transport}, step=0)
+
+    def refit(step: int) -> Any:
+        ctx = refit_context(config, step=step, transport=setup.transport or "disk", cancel=cancel)
+        return refit_hook(policy=policy, generation=generation, ctx=ctx)
+
+    def on_step(m: dict[str, Any]) -> None:
+        writer.write(m, step=m["step"])
+        console.print(
+            f"step {m['step']:>3}  reward {m['reward/mean']:.3f}  exact {m['reward/exact']:.2f}  "
+            f"refit {m['refit/weight_sync_time_s'] * 1e3:.0f} ms  "
+            f"mult_prob_err {m['refit/token_mult_prob_error']:.4f}  ({m['timing/step_time_s']:.1f}s)"
+        )
+
+    history = run_grpo(
+        cfg=config.grpo,
+        tokenizer=tokenizer,
+        policy=policy,
+        generation=generation,
+        env=env,
+        refit=refit,
+        probe=probe,
+        on_step=on_step,
+        trace=lambda name, t0, t1, step: trace.add_span(name, t0, t1, cat="step", lane="grpo", args={"step": step}),
+        cancelled=lambda: cancel.cancelled,
+    )
+    if history:
+        plot_reward(history, run_dir / "reward.png", title=f"{config.name}: reward per step")
