@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlcore.errors import RefitError
+from rlcore.errors import PublishError, RefitError
 from rlcore.refit.specs import TensorSpec
 
 log = logging.getLogger(__name__)
@@ -153,7 +153,12 @@ def send_weights(
             save_file(payload, str(staging / f"bucket-{i:05d}.safetensors"))
             sent += sum(t.numel() * t.element_size() for t in payload.values())
 
-    publish_dir(_step_dir(spec, step), write)
+    try:
+        publish_dir(_step_dir(spec, step), write)
+    except PublishError as err:
+        if isinstance(err.__cause__, RefitError):  # the stream's fault, not the disk's
+            raise err.__cause__ from None
+        raise
     return sent
 
 
