@@ -121,6 +121,21 @@ def ray_get(
             return values[0] if single else values
 
 
+def _check_fits(name: str, world_size: int, num_cpus: float, num_gpus: float) -> None:
+    """Fail at once when the cluster can never hold the group (Ray would wait forever)."""
+    import ray
+
+    total = ray.cluster_resources()
+    for kind, per in (("CPU", num_cpus), ("GPU", num_gpus)):
+        need = per * world_size
+        if need > total.get(kind, 0.0) + 1e-9:
+            raise WorkerError(
+                f"{name}: {world_size} workers x {per:g} {kind} = {need:g} {kind}, but the Ray cluster "
+                f"has {total.get(kind, 0.0):g}; lower <role>.workers or <role>.devices_per_worker, "
+                "or give the cluster more (cluster.num_cpus / cluster.num_gpus)"
+            )
+
+
 class WorkerGroup:
     """N actors of ``cls`` (a :class:`DistributedWorker` subclass), ranks 0..N-1.
 
@@ -158,6 +173,7 @@ class WorkerGroup:
         self.actors: list[Any] = []
         self.start_time_s = 0.0
         t0 = time.monotonic()
+        _check_fits(name, world_size, num_cpus, num_gpus)
         remote_cls = ray.remote(cls)
         runtime_env = {"env_vars": dict(env or {})}
         try:
