@@ -665,10 +665,16 @@ def selected_backends(registry: Registry, config: Any) -> dict[Role, PluginInfo]
     """
     from rlcore.planner import selected_roles
 
-    return {
-        role: registry.backend_for(role, getattr(config, role.value).backend)
-        for role in selected_roles(config)
-    }
+    found: dict[Role, PluginInfo] = {}
+    problems: list[str] = []
+    for role in selected_roles(config):  # report every bad key at once, not one per run
+        try:
+            found[role] = registry.backend_for(role, getattr(config, role.value).backend)
+        except BackendNotFoundError as err:
+            problems.append(str(err))
+    if problems:
+        raise BackendNotFoundError("\n".join(problems))
+    return found
 
 
 def plan_for(registry: Registry, config: Any) -> Any:

@@ -1,0 +1,63 @@
+"""The CLI as a person uses it: exit codes and messages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlcore.cli import _split_overrides, main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_unknown_key_names_closest(capsys, tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("policy:\n  backend: fsdp\ngeneration:\n  backend: vllm\n  refit_fd: true\n")
+    assert main(["plan", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "generation.refit_fd" in err and "generation.refit_fed" in err
+
+
+def test_wrong_type_override_names_key_value_and_type(capsys) -> None:
+    assert main(["plan", str(REPO / "examples" / "quickstart.yaml"), "grpo.steps=many"]) == 2
+    err = capsys.readouterr().err
+    assert "grpo.steps" in err and "many" in err and "int" in err
+
+
+def test_unknown_backend_names_key_and_choices(capsys, tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("policy:\n  backend: fsdp\ngeneration:\n  backend: vllm\nenv:\n  backend: arithmatic\n")
+    assert main(["plan", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "env.backend" in err and "arithmetic" in err
+
+
+def test_missing_config_file(capsys) -> None:
+    assert main(["plan", "does-not-exist.yaml"]) == 2
+    assert "does-not-exist.yaml" in capsys.readouterr().err
+
+
+def test_run_arguments_split() -> None:
+    assert _split_overrides(["c.yaml", "a=1", "b=2"]) == ("c.yaml", ["a=1", "b=2"])
+    assert _split_overrides(["a=1"]) == (None, ["a=1"])
+
+
+def test_plugins_json_lists_installed_env(capsys) -> None:
+    assert main(["plugins", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    names = {b["name"]: b for b in data["backends"]}
+    assert names["arithmetic"]["distribution"] == "rlcore-arithmetic"
+    assert names["arithmetic"]["declaration"]["roles"] == ["env"]
+
+
+def test_plan_json_of_quickstart(capsys) -> None:
+    pytest.importorskip("rlcore_fsdp")
+    pytest.importorskip("rlcore_vllm")
+    assert main(["plan", str(REPO / "examples" / "quickstart.yaml"), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [t["name"] for t in plan["tasks"]] == ["init:policy", "init:generation", "init:env", "refit:initial"]
+    assert not [e for e in plan["edges"] if e["to"].startswith("init:")]  # all inits overlap
+    assert {e["from"] for e in plan["edges"] if e["to"] == "refit:initial"} == {"init:policy", "init:generation"}
+    assert plan["refit_transport"] == "collective"
