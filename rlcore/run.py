@@ -93,13 +93,18 @@ def run_job(
     out: str | None = None,
     console: Console | None = None,
     setup_only: bool = False,
+    extra_plugins: Sequence[tuple[str, Any]] = (),
 ) -> Path:
-    """Run the main job; returns the run directory. Raises RlcoreError subclasses on failure."""
+    """Run the main job; returns the run directory. Raises RlcoreError subclasses on failure.
+
+    ``extra_plugins`` are (name, plugin) pairs registered beside the installed ones
+    (wrapper plugins for tracing or fault injection when embedding rlcore).
+    """
     console = console or Console()
     config = load_config(config_path, overrides)
     run_dir = make_run_dir(config, out)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
-    registry = load_registry(config.plugins.allow)
+    registry = load_registry(config.plugins.allow, extra=extra_plugins)
     for f in registry.failures:
         console.print(f"[yellow]skipped plugin {f.name} ({f.distribution}): {f.message}[/yellow]")
 

@@ -69,6 +69,11 @@ class _Collective:
         self.pg.broadcast(buf, 0, self.timeout).wait()
 
     def close(self) -> None:
+        if self.pg is not None:
+            try:
+                self.pg.shutdown()
+            except Exception as err:  # closing must not raise
+                log.debug("refit channel: process group shutdown failed: %s", err)
         self.pg = None
         self.store = None
 

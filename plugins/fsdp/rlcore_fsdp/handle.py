@@ -1,0 +1,129 @@
+"""The driver-side handle of the FSDP policy: the training loop's and refit's grip on it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from rlcore.refit.specs import TensorSpec
+from rlcore.workers import WorkerGroup
+
+
+class FSDPPolicy:
+    """A started FSDP policy: N :class:`~rlcore_fsdp.worker.FSDPWorker` ranks in Ray actors.
+
+    Implements :class:`rlcore.handles.RefitSender` (rank 0 sends; every rank takes
+    part in the export) and the policy side of :func:`rlcore.grpo.run_grpo`
+    (``logprobs``, ``train_step``). Every call waits through
+    :meth:`rlcore.workers.WorkerGroup.call`, i.e. with the group's cancellation token
+    and a deadline (``policy.options.timeout_s``), and names the failing rank.
+
+    Attributes:
+        group: the worker group.
+        device_type: ``cpu`` or ``cuda`` (picks gloo or NCCL for collective refit).
+        info: rank 0's load report (timings in seconds, sizes) plus ``init_s``.
+    """
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        *,
+        device_type: str,
+        specs: Sequence[TensorSpec] | None = None,
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        self.group = group
+        self.device_type = device_type
+        self.info = dict(info or {})
+        self._specs = list(specs) if specs is not None else None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the fsdp policy has been shut down")
+
+    # ------------------------------------------------------------ refit sender
+
+    def weight_specs(self) -> list[TensorSpec]:
+        """Every weight (HF name, full shape, dtype) in send order; fixed after load."""
+        self._check_open()
+        if self._specs is None:
+            self._specs = list(self.group.call("weight_specs", ranks=[0], what="weight specs")[0])
+        return list(self._specs)
+
+    def refit_address(self) -> tuple[str, int]:
+        self._check_open()
+        host, port = self.group.call("refit_address", ranks=[0], what="refit address")[0]
+        return str(host), int(port)
+
+    def open_refit_channel(self, spec: Any) -> list[Any]:
+        self._check_open()
+        return self.group.call_async("open_refit_channel", spec)
+
+    def send_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
+        import ray
+
+        self._check_open()
+        plan = ray.put(buckets)  # one copy in the object store for every rank
+        return self.group.call_async("send_weights", spec, step, plan)
+
+    # ------------------------------------------------------------ training loop
+
+    def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        """Per-token logprobs of each row's completion tokens (right padding, explicit mask).
+
+        Rows are split across the ranks; the shards come back in rank order.
+        """
+        import ray
+
+        self._check_open()
+        rows = ray.put([(list(p), list(c)) for p, c in batch])
+        parts = self.group.call("logprobs", rows, what="logprobs")
+        return [row for part in parts for row in part]
+
+    def train_step(
+        self,
+        batch: Sequence[tuple[Sequence[int], Sequence[int]]],
+        advantages: Sequence[float],
+        old_logprobs: Sequence[Sequence[float]] | None = None,
+        *,
+        clip_eps: float = 0.2,
+        lr: float = 1e-5,
+    ) -> dict[str, float]:
+        """One GRPO step on every rank; returns rank 0's metrics (``loss``, ``grad_norm``,
+        ``clip_fraction``, ``tokens``, ``lr``)."""
+        import ray
+
+        self._check_open()
+        # Top-level object refs are resolved by Ray: one stored copy for every rank.
+        rows = ray.put([(list(p), list(c)) for p, c in batch])
+        adv = ray.put([float(a) for a in advantages])
+        old = ray.put(None if old_logprobs is None else [list(map(float, r)) for r in old_logprobs])
+        results = self.group.call(
+            "train_step", rows, adv, old, float(clip_eps), float(lr), what="train step"
+        )
+        return dict(results[0])
+
+    # ------------------------------------------------------------ lifecycle
+
+    def pids(self) -> list[int]:
+        """Process ids of the ranks (for leak checks)."""
+        self._check_open()
+        return self.group.pids()
+
+    def shutdown(self) -> None:
+        """Release every actor (graceful teardown, then kill). Safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        from rlcore.refit.sync import forget_sessions
+
+        forget_sessions(self)
+        self.group.shutdown()

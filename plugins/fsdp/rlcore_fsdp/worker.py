@@ -1,0 +1,612 @@
+"""One rank of the FSDP policy: a Hugging Face causal LM sharded with FSDP1.
+
+:class:`FSDPWorker` is a plain class. :class:`rlcore.workers.WorkerGroup` runs N
+of them as Ray actors that form a torch.distributed group (gloo on CPU, NCCL on
+CUDA); a test can run one in-process after ``init_process_group`` with world
+size 1.
+
+Collective methods (``load``, ``logprobs``, ``train_step``, ``export_*``,
+``send_weights``) must be called on every rank, with the same arguments: FSDP
+all-gathers each unit's parameters in every forward, backward and export, so
+the ranks work in lockstep.
+
+Conventions:
+
+* **Names.** Weights are exported under Hugging Face ``state_dict`` names (FSDP's
+  ``_fsdp_wrapped_module.`` and similar wrapper prefixes removed); tied weights
+  appear under every name the unwrapped model's ``state_dict`` has.
+* **Export order.** One FSDP unit at a time, in ``FSDP.fsdp_modules`` order (the
+  root unit, i.e. embeddings, final norm and head, then each decoder layer);
+  within a unit, in the flat parameter's order. :meth:`FSDPWorker.weight_specs`
+  describes exactly this order without gathering anything.
+* **Eval mode.** The model stays in ``eval()`` mode (dropout off) for logprobs and
+  for training, so the ratio of a training step compares like with like.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlcore.refit.specs import TensorSpec, plan_buckets
+from rlcore.workers import DistributedWorker, free_port, node_ip
+
+if TYPE_CHECKING:
+    from rlcore.refit.channels import ChannelSpec
+    from rlcore_fsdp.plugin import FSDPOptions
+
+log = logging.getLogger(__name__)
+
+#: A batch row: (prompt token ids, completion token ids).
+Row = tuple[Sequence[int], Sequence[int]]
+
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+#: Bucket size of the rank-0 -> all broadcast at load time.
+_SYNC_BUCKET_BYTES = 64 << 20
+
+
+def hf_name(name: str) -> str:
+    """A parameter name inside the FSDP-wrapped model as the unwrapped model names it."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def shard_range(n: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rows ``[start, end)`` of rank ``rank`` when ``n`` rows are split into contiguous,
+    near-equal parts (the first ``n % world_size`` ranks get one more)."""
+    base, extra = divmod(n, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def micro_batch_count(n: int, world_size: int, micro_batch_size: int) -> int:
+    """Forward passes every rank runs for an ``n``-row batch (at least one: the ranks
+    must run the same number of passes, so ranks with fewer rows run padding passes)."""
+    return max(1, math.ceil(math.ceil(n / world_size) / micro_batch_size))
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One exported weight: its HF name and where FSDP exposes it while summoned."""
+
+    name: str
+    module: nn.Module
+    param_name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _check_rows(batch: Sequence[Row]) -> list[tuple[list[int], list[int]]]:
+    rows = []
+    for i, row in enumerate(batch):
+        try:
+            prompt, completion = row
+        except (TypeError, ValueError):
+            raise ValueError(f"batch row {i} is not a (prompt_ids, completion_ids) pair") from None
+        prompt, completion = [int(t) for t in prompt], [int(t) for t in completion]
+        if not prompt:
+            raise ValueError(
+                f"batch row {i} has an empty prompt: the first completion token needs context"
+            )
+        rows.append((prompt, completion))
+    return rows
+
+
+class FSDPWorker(DistributedWorker):
+    """One FSDP rank. See the module docstring for the lockstep rule and conventions."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size)
+        self.model: Any = None  # the FSDP root module
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.options: FSDPOptions | None = None
+        self.device = torch.device("cpu")
+        self.pad_id = 0
+        self._layout: list[tuple[Any, list[_Entry]]] = []
+        self._specs: list[TensorSpec] = []
+        self._open_channels: list[ChannelSpec] = []
+
+    # ------------------------------------------------------------------ load
+
+    def load(
+        self, model_dir: str, dtype: str, options: FSDPOptions, device: str = "cpu"
+    ) -> dict[str, Any]:
+        """Load the checkpoint on rank 0, copy it to every rank, shard it with FSDP.
+
+        Rank 0 reads the weights; the other ranks build the model on the meta device,
+        materialise it empty and receive every parameter and buffer (non-persistent
+        ones such as rotary ``inv_freq`` included) by broadcast, so only one process
+        reads the checkpoint. A failure on any rank fails every rank promptly.
+        Returns timings (seconds) and sizes.
+        """
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # no per-rank progress bars in the driver's log
+        self.options = options
+        if options.threads_per_worker > 0:
+            torch.set_num_threads(options.threads_per_worker)
+        torch.manual_seed(options.seed)
+        if device == "cuda":
+            torch.cuda.set_device(0)  # Ray exposes one GPU per rank
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        torch_dtype = getattr(torch, dtype)
+
+        t0 = time.monotonic()
+        model, error = None, None
+        try:
+            if self.rank == 0:
+                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+                model.to(self.device)
+            else:
+                config = AutoConfig.from_pretrained(model_dir)
+                with torch.device("meta"):
+                    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+                model.to_empty(device=self.device)
+                # to_empty gives each module its own new tensor: restore tied weights.
+                model.tie_weights()
+        except Exception as err:  # reported to every rank below
+            error = err
+        load_s = time.monotonic() - t0
+
+        t0 = time.monotonic()
+        self._sync_from_rank0(model, error)
+        assert model is not None
+        sync_s = time.monotonic() - t0
+        self.pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
+        params = sum(p.numel() for p in model.parameters())
+
+        t0 = time.monotonic()
+        self.model = self._wrap(model, options)
+        self.model.eval()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=0.0, weight_decay=options.weight_decay
+        )
+        self._layout = self._unit_layout()
+        self._specs = [
+            TensorSpec(e.name, e.shape, e.dtype) for _, entries in self._layout for e in entries
+        ]
+        wrap_s = time.monotonic() - t0
+        return {
+            "rank": self.rank,
+            "device": self.device.type,
+            "load_s": load_s,
+            "sync_s": sync_s,
+            "wrap_s": wrap_s,
+            "units": len(self._layout),
+            "params": params,
+            "local_numel": sum(p.numel() for p in self.model.parameters()),
+        }
+
+    def _sync_from_rank0(self, model: Any, error: BaseException | None) -> None:
+        """Agree that every rank built the same model, then broadcast rank 0's tensors."""
+        tensors: list[tuple[str, torch.Tensor]] = []
+        if model is not None:
+            tensors = list(model.named_parameters()) + list(model.named_buffers())
+        layout = (
+            None if error is not None else [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors]
+        )
+        if self.world_size > 1:
+            status = [None] * self.world_size
+            dist.all_gather_object(status, (repr(error) if error is not None else None, layout))
+        else:
+            status = [(repr(error) if error is not None else None, layout)]
+        if error is not None:
+            raise error
+        for rank, (other_error, other_layout) in enumerate(status):
+            if other_error is not None:
+                raise RuntimeError(
+                    f"rank {rank} of the fsdp policy failed to build the model: {other_error}"
+                )
+            if other_layout != status[0][1]:
+                diff = (
+                    next(
+                        (a, b)
+                        for a, b in zip(status[0][1], other_layout or [], strict=False)
+                        if a != b
+                    )
+                    if other_layout
+                    else ("?", "?")
+                )
+                raise RuntimeError(
+                    f"rank {rank} built a different model than rank 0 "
+                    f"({len(other_layout or [])} vs {len(status[0][1])} tensors; first difference {diff})"
+                )
+        if self.world_size == 1:
+            return
+        # Coalesced broadcast: one collective per <= 64 MiB of raw bytes, any dtype mix.
+        bucket: list[torch.Tensor] = []
+        size = 0
+
+        def flush() -> None:
+            total = sum(t.numel() * t.element_size() for t in bucket)
+            if self.rank == 0:
+                flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in bucket])
+            else:
+                flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+            dist.broadcast(flat, src=0)
+            if self.rank != 0:
+                off = 0
+                with torch.no_grad():
+                    for t in bucket:
+                        n = t.numel() * t.element_size()
+                        t.copy_(flat[off : off + n].view(t.dtype).view(t.shape))
+                        off += n
+
+        for _, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > _SYNC_BUCKET_BYTES:
+                flush()
+                bucket, size = [], 0
+            bucket.append(t.data if isinstance(t, nn.Parameter) else t)
+            size += nbytes
+        if bucket:
+            flush()
+
+    def _wrap(self, model: Any, options: FSDPOptions) -> Any:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardingStrategy
+        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+        layer_classes = decoder_layer_classes(model)
+        if not layer_classes:
+            log.warning(
+                "fsdp: found no decoder layer class in %s (no _no_split_modules, no model.layers); "
+                "wrapping the whole model as one FSDP unit",
+                type(model).__name__,
+            )
+        policy = (
+            functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_classes)
+            if layer_classes
+            else None
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # FSDP1 deprecation notice
+            # world size 1: FSDP says it uses NO_SHARD instead, which is what we want
+            warnings.filterwarnings("ignore", message=".*switching to use `NO_SHARD`")
+            return FSDP(
+                model,
+                auto_wrap_policy=policy,
+                sharding_strategy=ShardingStrategy.FULL_SHARD,
+                device_id=self.device,
+                use_orig_params=options.use_orig_params,
+                limit_all_gathers=True,
+            )
+
+    def _unit_layout(self) -> list[tuple[Any, list[_Entry]]]:
+        """Every FSDP unit with the weights it owns, from FSDP1's flat-parameter metadata.
+
+        ``flat_param._fqns``/``_param_infos``/``_shapes`` list the unit's own parameters
+        (nested units excluded) with full shapes; ``_shared_param_infos`` lists further
+        names of tied parameters. Nothing is gathered.
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        module_names = {id(m): n for n, m in self.model.named_modules()}
+        layout = []
+        for unit in FSDP.fsdp_modules(self.model):
+            handle = unit._handle
+            if handle is None:  # a unit without parameters of its own
+                continue
+            flat = handle.flat_param
+            dtype = str(flat.dtype).removeprefix("torch.")
+            unit_name = module_names[id(unit)]
+            prefix = hf_name(unit_name + ".") if unit_name else ""
+            entries, shapes = [], {}
+            for fqn, info, shape in zip(flat._fqns, flat._param_infos, flat._shapes, strict=True):
+                entries.append(
+                    _Entry(prefix + hf_name(fqn), info.module, info.param_name, tuple(shape), dtype)
+                )
+                shapes[(id(info.module), info.param_name)] = tuple(shape)
+            for shared in flat._shared_param_infos:
+                fqn = (
+                    f"{shared.module_name}.{shared.param_name}"
+                    if shared.module_name
+                    else shared.param_name
+                )
+                shape = shapes[(id(shared.prim_module), shared.prim_param_name)]
+                entries.append(
+                    _Entry(prefix + hf_name(fqn), shared.module, shared.param_name, shape, dtype)
+                )
+            layout.append((unit, entries))
+        return layout
+
+    # ---------------------------------------------------------------- export
+
+    def weight_specs(self) -> list[TensorSpec]:
+        """Every exported weight (HF name, full shape, dtype) in export order. No collective."""
+        self._require_loaded()
+        return list(self._specs)
+
+    def export_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream (HF name, full tensor) pairs in :meth:`weight_specs` order. Collective.
+
+        Every rank must iterate it to the end (each FSDP unit is all-gathered by all
+        ranks); only rank 0 yields, the others yield nothing. Rank 0 holds at most one
+        gathered unit plus the tensors its consumer keeps: each yielded tensor is a
+        fresh copy, valid after the unit is resharded.
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        self._require_loaded()
+        for unit, entries in self._layout:
+            with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=True):
+                if self.rank != 0:
+                    continue
+                for e in entries:
+                    full = getattr(e.module, e.param_name)
+                    if tuple(full.shape) != e.shape:
+                        raise RuntimeError(
+                            f"fsdp export: {e.name} has shape {tuple(full.shape)} while summoned, "
+                            f"expected {e.shape} (FSDP internals changed?)"
+                        )
+                    # Copy first: a view would pin the unsharded storage past the reshard.
+                    yield e.name, full.detach().clone()
+
+    def export_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """:meth:`export_stream` grouped like the core's refit plan
+        (:func:`rlcore.refit.specs.plan_buckets`): each bucket holds at most
+        ``bucket_bytes``, except a single larger tensor, which goes alone. Collective."""
+        plan = plan_buckets(self.weight_specs(), bucket_bytes)
+        stream = self.export_stream()
+        try:
+            if self.rank == 0:
+                for bucket in plan:
+                    yield [next(stream) for _ in bucket]
+        finally:
+            for _ in stream:  # keep the ranks in lockstep whatever the consumer did
+                pass
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole stream collected into a dict on rank 0 (CPU; ``{}`` on other ranks).
+        O(model) memory: for tests and small models. Collective."""
+        return {name: t.cpu() for name, t in self.export_stream()}
+
+    def reference_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full parameters gathered on every rank by summoning the whole model at once,
+        independently of the streaming export. O(model) memory per rank: for tests and
+        debugging only. Collective."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        self._require_loaded()
+        with FSDP.summon_full_params(self.model, writeback=False, rank0_only=False):
+            return {
+                hf_name(n): p.detach().clone().cpu()
+                for n, p in self.model.named_parameters(remove_duplicate=False)
+            }
+
+    # ----------------------------------------------------------------- refit
+
+    def refit_address(self) -> tuple[str, int]:
+        """Host and free port on this rank's node for a collective refit channel."""
+        return node_ip(), free_port()
+
+    def open_refit_channel(self, spec: ChannelSpec) -> None:
+        """Join refit channel ``spec`` as its rank 0 (the sender); other ranks do nothing."""
+        from rlcore.refit import channels
+
+        if self.rank == 0:
+            channels.open_channel(spec, 0)
+            self._open_channels.append(spec)
+
+    def send_weights(self, spec: ChannelSpec, step: int, buckets: list[list[TensorSpec]]) -> int:
+        """Stream the current weights over ``spec`` following the plan ``buckets``.
+
+        Every rank runs the export (collective); rank 0 sends. If sending fails, rank 0
+        still finishes the export so the other ranks are not left in a gather.
+        Returns the bytes sent (0 on ranks other than 0).
+        """
+        from rlcore.refit import channels
+
+        stream = self.export_stream()
+        try:
+            if self.rank == 0:
+                return channels.send_weights(spec, step, stream, buckets)
+            return 0
+        finally:
+            for _ in stream:
+                pass
+
+    # ------------------------------------------------------------- compute
+
+    def _forward_token_logprobs(
+        self, rows: Sequence[tuple[list[int], list[int]]]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+        """Right-padded forward pass over ``rows`` (explicit attention mask).
+
+        Returns ``token_lp`` [rows, columns] (float32), ``mask`` [rows, columns] (the
+        columns that hold a completion token's logprob) and, per row, the column span
+        ``(start, end)`` of its completion tokens. Logits are computed only from the
+        shortest prompt's last position on (``logits_to_keep``): prompt positions that
+        predict no completion token cost no vocabulary-sized memory.
+        """
+        lengths = [len(p) + len(c) for p, c in rows]
+        width = max(lengths)
+        first = min(len(p) for p, _ in rows) - 1  # first position that predicts a completion token
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width - 1 - first), dtype=torch.bool)
+        spans = []
+        for i, (p, c) in enumerate(rows):
+            ids[i, : lengths[i]] = torch.tensor(p + c, dtype=torch.long)
+            attention[i, : lengths[i]] = 1
+            spans.append((len(p) - 1 - first, len(p) - 1 - first + len(c)))
+            mask[i, spans[-1][0] : spans[-1][1]] = True
+        ids, attention = ids.to(self.device), attention.to(self.device)
+        out = self.model(
+            input_ids=ids, attention_mask=attention, use_cache=False, logits_to_keep=width - first
+        )
+        logits = out.logits[:, :-1].float()  # positions first .. width - 2
+        target = ids[:, first + 1 :].unsqueeze(-1)
+        token_lp = logits.gather(-1, target).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        return token_lp, mask.to(self.device), spans
+
+    def _micro_batches(self, local: list[Any], n_rows: int) -> Iterator[list[Any]]:
+        """This rank's rows in micro-batches; every rank yields the same number of them
+        (trailing ones may be empty)."""
+        assert self.options is not None
+        size = self.options.micro_batch_size
+        for i in range(micro_batch_count(n_rows, self.world_size, size)):
+            yield local[i * size : (i + 1) * size]
+
+    def logprobs(self, batch: Sequence[Row]) -> list[list[float]]:
+        """Per-token logprobs of each completion under the current weights. Collective.
+
+        The rows are split into contiguous near-equal shards, one per rank; each rank
+        returns the logprobs of its own shard, so concatenating the results in rank
+        order gives the whole batch (:meth:`FSDPPolicy.logprobs` does). A rank without
+        rows runs padding passes so that FSDP's gathers stay in lockstep.
+        """
+        self._require_loaded()
+        rows = _check_rows(batch)
+        start, end = shard_range(len(rows), self.world_size, self.rank)
+        out: list[list[float]] = []
+        with torch.no_grad():
+            for chunk in self._micro_batches(rows[start:end], len(rows)):
+                token_lp, _, spans = self._forward_token_logprobs(
+                    chunk or [([self.pad_id], [self.pad_id])]
+                )
+                if not chunk:
+                    continue
+                token_lp = token_lp.cpu()
+                out.extend(
+                    token_lp[i, a:b].tolist() for i, (a, b) in enumerate(spans[: len(chunk)])
+                )
+        return out
+
+    def train_step(
+        self,
+        batch: Sequence[Row],
+        advantages: Sequence[float],
+        old_logprobs: Sequence[Sequence[float]] | None,
+        clip_eps: float,
+        lr: float,
+    ) -> dict[str, float]:
+        """One GRPO step (clipped policy gradient, AdamW). Collective.
+
+        ``loss = -mean over all completion tokens of the batch of
+        min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)`` with
+        ``ratio = exp(logprob - old_logprob)`` and ``A`` the row's advantage.
+        ``old_logprobs=None`` means on-policy (ratio 1, same gradient as REINFORCE).
+
+        Rows are sharded across ranks like :meth:`logprobs`; each rank scales its token
+        sum by ``world_size / total_tokens`` so that FSDP's gradient averaging yields
+        exactly the gradient of the global token mean. Ranks without rows (a batch
+        smaller than the group) run zero-weight padding passes.
+
+        Returns ``loss``, ``grad_norm`` (before clipping), ``clip_fraction`` (tokens whose
+        ratio left the clip range), ``tokens`` and ``lr``; identical on every rank.
+        """
+        self._require_loaded()
+        assert self.optimizer is not None and self.options is not None
+        rows = _check_rows(batch)
+        if len(advantages) != len(rows):
+            raise ValueError(f"{len(advantages)} advantages for a batch of {len(rows)} rows")
+        if old_logprobs is not None:
+            if len(old_logprobs) != len(rows):
+                raise ValueError(
+                    f"{len(old_logprobs)} old_logprobs rows for a batch of {len(rows)} rows"
+                )
+            for i, ((_, c), old) in enumerate(zip(rows, old_logprobs, strict=True)):
+                if len(old) != len(c):
+                    raise ValueError(
+                        f"batch row {i}: {len(old)} old logprobs for {len(c)} completion tokens"
+                    )
+        n_tokens = sum(len(c) for _, c in rows)
+        start, end = shard_range(len(rows), self.world_size, self.rank)
+        local = [
+            (rows[i], float(advantages[i]), None if old_logprobs is None else old_logprobs[i])
+            for i in range(start, end)
+        ]
+        scale = self.world_size / max(n_tokens, 1)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        clipped = torch.zeros((), dtype=torch.float64)
+        for chunk in self._micro_batches(local, len(rows)):
+            padding = not chunk
+            chunk_rows = [r for r, _, _ in chunk] or [([self.pad_id], [self.pad_id])]
+            token_lp, mask, spans = self._forward_token_logprobs(chunk_rows)
+            if padding:
+                mask = torch.zeros_like(mask)
+            adv = torch.zeros(len(chunk_rows), 1, device=self.device)
+            old = token_lp.detach().clone()
+            for i, (_, a, old_row) in enumerate(chunk):
+                adv[i, 0] = a
+                if old_row is not None:
+                    start, end = spans[i]
+                    old[i, start:end] = torch.tensor(old_row, dtype=old.dtype)
+            log_ratio = torch.where(mask, token_lp - old, torch.zeros_like(token_lp))
+            ratio = torch.exp(log_ratio)
+            objective = torch.minimum(
+                ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
+            )
+            token_loss = -objective * mask
+            (token_loss.sum() * scale).backward()
+            loss_sum += token_loss.detach().sum().double().cpu()
+            clipped += (((ratio.detach() - 1).abs() > clip_eps) & mask).sum().double().cpu()
+        max_norm = self.options.max_grad_norm if self.options.max_grad_norm > 0 else math.inf
+        grad_norm = self.model.clip_grad_norm_(max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = torch.stack([loss_sum, clipped]).to(self.device)
+        if self.world_size > 1:
+            dist.all_reduce(stats)
+        stats = stats.cpu()
+        return {
+            "loss": float(stats[0]) / max(n_tokens, 1),
+            "grad_norm": float(grad_norm),
+            "clip_fraction": float(stats[1]) / max(n_tokens, 1),
+            "tokens": float(n_tokens),
+            "lr": float(lr),
+        }
+
+    # ------------------------------------------------------------ lifecycle
+
+    def _require_loaded(self) -> None:
+        if self.model is None:
+            raise RuntimeError("FSDPWorker.load must be called first")
+
+    def teardown(self) -> None:
+        """Close refit channels, drop the model, destroy the process group."""
+        from rlcore.refit import channels
+
+        for spec in self._open_channels:
+            try:
+                channels.close_channel(spec)
+            except Exception as err:  # teardown must not raise
+                log.warning(
+                    "rank %d: closing refit channel %s failed: %s", self.rank, spec.key, err
+                )
+        self._open_channels = []
+        self._layout, self.model, self.optimizer = [], None, None
+        super().teardown()
+
+
+def decoder_layer_classes(model: nn.Module) -> set[type[nn.Module]]:
+    """The model's decoder layer class(es), the unit of FSDP wrapping.
+
+    From ``model._no_split_modules`` (class names transformers keeps whole), else
+    the class of ``model.model.layers[0]``; empty if neither exists.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    if not classes:
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+            classes = {type(layers[0])}
+    return classes

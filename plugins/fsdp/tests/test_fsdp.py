@@ -1,0 +1,483 @@
+"""Tests of the fsdp policy backend.
+
+1. One rank in this process (world size 1, gloo): logprobs, export, specs, training.
+2. Two ranks in Ray actors, started through the real init hook: sharded logprobs and
+   training against a single-process reference, refit over disk and collective,
+   shutdown and init failure without leaks.
+3. The declaration and the entry point's import hygiene.
+
+The reference model is plain transformers, one unpadded row at a time.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rlcore_fsdp.plugin import FSDPOptions, rlcore_declare_backend, rlcore_init_policy
+from rlcore_fsdp.worker import FSDPWorker, micro_batch_count, shard_range
+
+from rlcore.config import ClusterConfig, TinyModelConfig, cache_dir, load_config, resolve_options
+from rlcore.context import InitContext
+from rlcore.declarations import Role, validate_declaration
+from rlcore.events import EventBoard
+from rlcore.refit.specs import plan_buckets, spec_of
+from rlcore.tinymodel import write_tiny_model
+from rlcore.waiting import CancelToken, Deadline
+from rlcore.workers import free_port
+
+# Rows: (prompt ids, completion ids). Uneven lengths exercise right padding; an empty
+# completion and a one-token prompt are edge cases. Token ids < 51 (tiny vocabulary).
+BATCH = [
+    ([2, 5, 6], [7, 8, 9, 10]),
+    ([2, 11], [12]),
+    ([2, 3, 4, 5, 6, 7], [8, 9]),
+    ([2], []),
+    ([2, 30, 31], [32, 33, 34]),
+]
+ADVANTAGES = [1.0, -0.5, 0.7, 0.0, -1.2]
+CLIP_EPS = 0.2
+LR = 1e-3
+
+
+# ---------------------------------------------------------------- reference
+
+
+def hf_model(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def reference_logprobs(model: Any, batch: list) -> list[list[float]]:
+    out = []
+    with torch.no_grad():
+        for p, c in batch:
+            logp = model(input_ids=torch.tensor([p + c])).logits[0, :-1].float().log_softmax(-1)
+            out.append([logp[len(p) - 1 + j, t].item() for j, t in enumerate(c)])
+    return out
+
+
+def perturbed_old(logprobs: list[list[float]]) -> list[list[float]]:
+    """Old logprobs off by -0.3, +0.05 or +0.3: some ratios leave the clip range, some not."""
+    shifts = (-0.3, 0.05, 0.3)
+    return [
+        [lp + shifts[(i + j) % 3] for j, lp in enumerate(row)] for i, row in enumerate(logprobs)
+    ]
+
+
+def reference_step(
+    model: Any, batch: list, adv: list, old: list, *, max_grad_norm: float = 1.0
+) -> dict:
+    """The GRPO step, written independently: per-row forward, global token mean."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    terms = []
+    for (p, c), a, o in zip(batch, adv, old, strict=True):
+        if not c:
+            continue
+        logp = model(input_ids=torch.tensor([p + c])).logits[0, :-1].float().log_softmax(-1)
+        lp = logp[len(p) - 1 : len(p) - 1 + len(c)].gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
+        ratio = torch.exp(lp - torch.tensor(o))
+        terms.append(torch.minimum(ratio * a, ratio.clamp(1 - CLIP_EPS, 1 + CLIP_EPS) * a))
+    loss = -torch.cat(terms).mean()
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    opt.step()
+    return {"loss": loss.item(), "grad_norm": norm.item(), "state": model.state_dict()}
+
+
+def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(r) for r in a] == [len(r) for r in b]
+    return max(
+        (abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)),
+        default=0.0,
+    )
+
+
+def assert_same_tensors(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(got[name], t), name
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tiny-model")
+    write_tiny_model(d, TinyModelConfig())
+    return d
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 with tied input/output embeddings (one tensor under two names)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-qwen2-tied")
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(d)
+    return d
+
+
+def test_sharding_helpers() -> None:
+    for n in range(0, 9):
+        for world in (1, 2, 3):
+            ranges = [shard_range(n, world, r) for r in range(world)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+            assert max(e - s for s, e in ranges) - min(e - s for s, e in ranges) <= 1
+            assert micro_batch_count(n, world, 2) >= math.ceil(max(e - s for s, e in ranges) / 2)
+            assert micro_batch_count(n, world, 2) >= 1
+
+
+# ------------------------------------------------------- 1. in-process rank
+
+
+@pytest.fixture(scope="module")
+def worker(model_dir: Path) -> Iterator[FSDPWorker]:
+    w = FSDPWorker(0, 1)
+    w.init_process_group("127.0.0.1", free_port(), "gloo", 60.0)
+    try:
+        w.load(str(model_dir), "float32", FSDPOptions(micro_batch_size=2))
+        yield w
+    finally:
+        w.teardown()
+
+
+def test_logprobs_match_transformers(worker: FSDPWorker, model_dir: Path) -> None:
+    got = worker.logprobs(BATCH)
+    assert [len(r) for r in got] == [len(c) for _, c in BATCH]
+    assert max_diff(got, reference_logprobs(hf_model(model_dir), BATCH)) < 1e-5
+    with pytest.raises(ValueError, match="row 1 has an empty prompt"):
+        worker.logprobs([([2], [3]), ([], [3])])
+
+
+def test_export_equals_hf_state_dict_and_specs(worker: FSDPWorker, model_dir: Path) -> None:
+    want = hf_model(model_dir).state_dict()
+    stream = list(worker.export_stream())
+    assert_same_tensors(dict(stream), want)
+    assert len(stream) == len(want)  # no duplicates
+    # weight_specs (computed without gathering) is exactly the stream's sequence.
+    assert worker.weight_specs() == [spec_of(n, t) for n, t in stream]
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 40_000, 150_000, 1 << 30])
+def test_export_buckets_are_bounded(worker: FSDPWorker, bucket_bytes: int) -> None:
+    specs = worker.weight_specs()
+    buckets = list(worker.export_buckets(bucket_bytes))
+    assert [[n for n, _ in b] for b in buckets] == [
+        [s.name for s in b] for b in plan_buckets(specs, bucket_bytes)
+    ]
+    for b in buckets:
+        size = sum(t.numel() * t.element_size() for _, t in b)
+        assert size <= bucket_bytes or len(b) == 1
+    assert [n for b in buckets for n, _ in b] == [s.name for s in specs]
+
+
+def test_train_step_matches_reference(worker: FSDPWorker, model_dir: Path) -> None:
+    before = worker.export_state_dict()
+    old = perturbed_old(worker.logprobs(BATCH))
+    got = worker.train_step(BATCH, ADVANTAGES, old, CLIP_EPS, LR)
+    ref = reference_step(hf_model(model_dir), BATCH, ADVANTAGES, old)
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    assert 0.0 < got["clip_fraction"] < 1.0 and got["tokens"] == 10
+    after = worker.export_state_dict()
+    assert all(not torch.equal(before[n], after[n]) for n in before if "norm" not in n)
+    for name, t in ref["state"].items():
+        torch.testing.assert_close(after[name], t, rtol=0, atol=1e-5, msg=name)
+    # The next logprobs see the update.
+    assert max_diff(worker.logprobs(BATCH), reference_logprobs(hf_model(model_dir), BATCH)) > 1e-4
+
+
+def test_on_policy_step_without_old_logprobs(worker: FSDPWorker) -> None:
+    got = worker.train_step(BATCH[:2], [1.0, -1.0], None, CLIP_EPS, 0.0)
+    # ratio == 1: loss is minus the token-weighted mean advantage (4 tokens at +1, 1 at -1)
+    assert got["loss"] == pytest.approx(-(4 - 1) / 5) and got["clip_fraction"] == 0.0
+
+
+def test_tied_embeddings_in_process(worker: FSDPWorker, tied_model_dir: Path) -> None:
+    """Qwen2 with tied embeddings: decoder layer class found, both names exported."""
+    other = FSDPWorker(0, 1)  # shares the process group of ``worker``; no teardown
+    other.load(str(tied_model_dir), "float32", FSDPOptions())
+    ref = hf_model(tied_model_dir)
+    stream = list(other.export_stream())
+    assert_same_tensors(dict(stream), ref.state_dict())
+    assert other.weight_specs() == [spec_of(n, t) for n, t in stream]
+    assert max_diff(other.logprobs(BATCH), reference_logprobs(ref, BATCH)) < 1e-5
+    other.train_step(BATCH, ADVANTAGES, None, CLIP_EPS, LR)
+    after = other.export_state_dict()
+    assert torch.equal(after["lm_head.weight"], after["model.embed_tokens.weight"])
+    assert not torch.equal(after["lm_head.weight"], ref.state_dict()["lm_head.weight"])
+
+
+# ------------------------------------------------------- 2. two Ray ranks
+
+
+def fsdp_actor_pids() -> set[int]:
+    """FSDPWorker actor processes started from this process (Ray titles them)."""
+    import psutil
+
+    pids = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "FSDPWorker" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                pids.add(p.pid)
+        except psutil.Error:
+            pass
+    return pids
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 15.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def init_context(tmp: Path, *overrides: str) -> InitContext:
+    cfg = load_config(
+        None,
+        [
+            "policy.backend=fsdp",
+            "generation.backend=x",
+            "policy.workers=2",
+            f"setup.cache_dir={tmp}",
+            *overrides,
+        ],
+    )
+    cancel = CancelToken()
+    return InitContext(
+        role=Role.POLICY,
+        backend="fsdp",
+        config=cfg,
+        options=resolve_options(cfg.policy.options, FSDPOptions, section="policy", backend="fsdp"),
+        cancel=cancel,
+        deadline=Deadline(120.0, "init:policy"),
+        run_dir=tmp / "run",
+        cache_dir=cache_dir(cfg),
+        events=EventBoard(cancel),
+    )
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    from rlcore.cluster import Cluster
+
+    cluster = Cluster(ClusterConfig(num_cpus=2)).start()
+    try:
+        yield
+    finally:
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def policy_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fsdp-ray")
+
+
+@pytest.fixture(scope="module")
+def policy(ray_cluster: None, policy_tmp: Path) -> Iterator[Any]:
+    # micro_batch_size 2 on 2 ranks: 5 rows -> 3 + 2 rows, 2 passes each (one padding).
+    handle = rlcore_init_policy(init_context(policy_tmp, "policy.options.micro_batch_size=2"))
+    try:
+        yield handle
+    finally:
+        handle.shutdown()
+
+
+@pytest.fixture(scope="module")
+def policy_model_dir(policy: Any, policy_tmp: Path) -> Path:
+    from rlcore.tinymodel import ensure_model
+
+    return ensure_model(init_context(policy_tmp).config.model, policy_tmp)
+
+
+def test_ray_init_two_ranks(policy: Any) -> None:
+    from rlcore.handles import RefitSender
+
+    assert isinstance(policy, RefitSender) and policy.device_type == "cpu"
+    assert policy.world_size == 2 and policy.info["units"] == 3
+    assert policy.info["local_numel"] == policy.info["params"] // 2
+    assert len(set(policy.pids())) == 2
+
+
+def test_ray_logprobs_sharded(policy: Any, policy_model_dir: Path) -> None:
+    ref = hf_model(policy_model_dir)
+    assert max_diff(policy.logprobs(BATCH), reference_logprobs(ref, BATCH)) < 1e-5
+    # fewer rows than ranks: rank 1 runs a padding pass
+    assert max_diff(policy.logprobs(BATCH[:1]), reference_logprobs(ref, BATCH[:1])) < 1e-5
+
+
+def test_ray_train_step_matches_reference(policy: Any, policy_model_dir: Path) -> None:
+    old = perturbed_old(policy.logprobs(BATCH))
+    got = policy.train_step(BATCH, ADVANTAGES, old, clip_eps=CLIP_EPS, lr=LR)
+    ref = reference_step(hf_model(policy_model_dir), BATCH, ADVANTAGES, old)
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    exported, empty = policy.group.call("export_state_dict")
+    assert empty == {}  # only rank 0 yields
+    for name, t in ref["state"].items():
+        torch.testing.assert_close(exported[name], t, rtol=0, atol=1e-5, msg=name)
+    # Both ranks gather the same full parameters, and the stream equals that gather.
+    gathered = policy.group.call("reference_state_dict")
+    assert_same_tensors(gathered[1], gathered[0])
+    assert_same_tensors(exported, gathered[0])
+    # A batch smaller than the group: rank 1 trains on a zero-weight padding row.
+    got = policy.train_step(BATCH[:1], [1.0], None, clip_eps=CLIP_EPS, lr=LR)
+    assert got["tokens"] == 4 and math.isfinite(got["grad_norm"])
+    assert_same_tensors(*policy.group.call("reference_state_dict"))
+
+
+def test_ray_refit_disk_roundtrip(policy: Any, policy_tmp: Path) -> None:
+    from rlcore.refit.channels import ChannelSpec, receive_weights
+    from rlcore.workers import ray_get
+
+    spec = ChannelSpec("disk", "fsdp-test", 2, root=str(policy_tmp / "refit"), timeout_s=30)
+    specs = policy.weight_specs()
+    buckets = plan_buckets(specs, 50_000)
+    assert len(buckets) > 3
+    ray_get(policy.open_refit_channel(spec), what="open")
+    sent = ray_get(policy.send_weights(spec, 7, buckets), what="send")
+    assert sent[0] == sum(s.nbytes for s in specs) and sent[1] == 0
+    received = dict(receive_weights(spec, 1, 7, buckets))
+    assert_same_tensors(received, policy.group.call("export_state_dict")[0])
+
+
+def test_ray_refit_collective_roundtrip(policy: Any) -> None:
+    """This process joins the gloo refit channel as the receiving rank 1."""
+    from rlcore.refit.channels import ChannelSpec, close_channel, open_channel, receive_weights
+    from rlcore.workers import ray_get
+
+    host, port = policy.refit_address()
+    spec = ChannelSpec("collective", "fsdp-test-coll", 2, addr=host, port=port, timeout_s=30)
+    buckets = plan_buckets(policy.weight_specs(), 100_000)
+    opened = policy.open_refit_channel(spec)
+    open_channel(spec, 1)
+    try:
+        ray_get(opened, what="open")
+        sending = policy.send_weights(spec, 1, buckets)
+        received = {n: t.clone() for n, t in receive_weights(spec, 1, 1, buckets)}
+        ray_get(sending, what="send")
+    finally:
+        close_channel(spec)
+    assert_same_tensors(received, policy.group.call("export_state_dict")[0])
+
+
+def test_ray_shutdown_leaves_nothing(policy: Any) -> None:
+    """Runs after the other tests of the shared policy (file order), which it shuts down."""
+    import ray
+
+    pids = set(policy.pids())
+    assert pids <= fsdp_actor_pids()
+    actors = list(policy.group.actors)
+    policy.shutdown()
+    policy.shutdown()  # idempotent
+    assert wait_for(lambda: not (pids & fsdp_actor_pids())), "FSDP actors still alive"
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actors[0].ping.remote(), timeout=10)
+    with pytest.raises(RuntimeError, match="shut down"):
+        policy.logprobs(BATCH)
+
+
+def test_ray_tied_embeddings_two_ranks(
+    ray_cluster: None, policy_tmp: Path, tied_model_dir: Path
+) -> None:
+    """Rank 1 builds the model on the meta device: its tied weights must be re-tied."""
+    handle = rlcore_init_policy(init_context(policy_tmp, f"model.path={tied_model_dir}"))
+    try:
+        ref = hf_model(tied_model_dir)
+        exported = handle.group.call("export_state_dict")[0]
+        assert_same_tensors(exported, ref.state_dict())
+        assert handle.weight_specs() == [spec_of(n, t) for n, t in exported.items()]
+        assert max_diff(handle.logprobs(BATCH), reference_logprobs(ref, BATCH)) < 1e-5
+        handle.train_step(BATCH, ADVANTAGES, None, clip_eps=CLIP_EPS, lr=LR)
+        gathered = handle.group.call("reference_state_dict")
+        assert_same_tensors(gathered[1], gathered[0])
+        assert torch.equal(gathered[0]["lm_head.weight"], gathered[0]["model.embed_tokens.weight"])
+    finally:
+        handle.shutdown()
+
+
+def test_ray_init_failure_cleans_up(ray_cluster: None, policy_tmp: Path, model_dir: Path) -> None:
+    """Rank 0 cannot read the weights: every rank fails at once and no actor is left."""
+    from rlcore.workers import WorkerError
+
+    broken = policy_tmp / "broken-model"
+    shutil.copytree(model_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    before = fsdp_actor_pids()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="loading the model"):
+        rlcore_init_policy(init_context(policy_tmp, f"model.path={broken}"))
+    assert time.monotonic() - t0 < 60  # promptly: not after the 300 s collective timeout
+    assert wait_for(lambda: not (fsdp_actor_pids() - before)), (
+        "FSDP actors left after a failed init"
+    )
+
+
+def test_init_needs_ray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match=r"rlcore\.cluster\.Cluster"):
+        rlcore_init_policy(init_context(tmp_path))
+
+
+# ------------------------------------------------ 3. declaration and import
+
+
+def test_declaration_is_valid() -> None:
+    d = validate_declaration(rlcore_declare_backend(), plugin="fsdp", distribution="rlcore-fsdp")
+    assert d.name == "fsdp" and d.roles == {Role.POLICY}
+    assert d.overlap.non_colocated and d.overlap.colocated
+    assert {t.value for t in d.send_transports} == {"collective", "shared_memory", "disk"}
+    assert d.options is FSDPOptions and "micro_batch_size" in d.option_names()
+
+
+def test_options_are_checked() -> None:
+    from rlcore.errors import ConfigError
+
+    opts = resolve_options({"max_grad_norm": 0.5}, FSDPOptions, section="policy", backend="fsdp")
+    assert opts.max_grad_norm == 0.5
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        resolve_options({"micro_batch": 4}, FSDPOptions, section="policy", backend="fsdp")
+
+
+def test_entry_point_is_light() -> None:
+    script = (
+        "import sys, json\n"
+        "from rlcore.registry import load_registry\n"
+        "reg = load_registry(['fsdp'])\n"
+        "import rlcore_fsdp.plugin as p\n"
+        "p.rlcore_declare_backend()\n"
+        "heavy = [m for m in ('torch', 'ray', 'transformers') if m in sys.modules]\n"
+        "print(json.dumps({'heavy': heavy, 'backends': sorted(reg.declarations())}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    import json
+
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["heavy"] == [] and "fsdp" in result["backends"]
