@@ -94,10 +94,14 @@ def ray_get(
     slice_s: float = 0.2,
 ) -> Any:
     """``ray.get`` that observes cancellation and a deadline, and names ``what`` on failure."""
-    import ray
-
     single = not isinstance(refs, list | tuple)
     pending = [refs] if single else list(refs)
+    if not pending:
+        # Handles that did their work in the driver return no refs; ray.wait([])
+        # would start a local cluster.
+        return []
+    import ray
+
     deadline = deadline or Deadline.never(what)
     while True:
         if cancel is not None and cancel.cancelled:

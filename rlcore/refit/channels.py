@@ -15,6 +15,7 @@ walk the same bucket plan, so no extra metadata crosses the wire.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -198,6 +199,8 @@ def remove_step(spec: ChannelSpec, step: int) -> None:
     """Delete a file transport's step directory once every receiver has loaded it."""
     if spec.transport != "collective" and spec.root:
         shutil.rmtree(_step_dir(spec, step), ignore_errors=True)
+        with contextlib.suppress(OSError):  # the channel's directory, once empty
+            os.rmdir(_step_dir(spec, step).parent)
 
 
 def shm_root() -> str:

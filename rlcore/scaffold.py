@@ -1,0 +1,185 @@
+"""``rlcore new-backend NAME``: write a ready backend plugin package.
+
+:func:`write_backend_package` fills the templates in ``rlcore/templates/backend``
+(package data) for the chosen roles and writes::
+
+    rlcore-<name>/
+        pyproject.toml          entry point <name> in group rlcore.backends
+        README.md
+        rlcore_<name>/__init__.py
+        rlcore_<name>/plugin.py the declaration and init hooks (a working toy engine)
+        rlcore_<name>/py.typed
+        tests/test_conformance.py   rlcore.testing.BackendConformance, wired in
+
+The generated plugin passes the conformance suite as written: it claims only
+what its toy engine does. The package is assembled in a private directory and
+renamed into place, so a failure never leaves half a package behind, and an
+existing directory is never overwritten.
+
+Template syntax: ``${placeholder}`` (:class:`string.Template`) and whole-line
+``#:if role [role ...]`` / ``#:endif`` blocks, kept when the backend serves any
+of the listed roles.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+from string import Template
+
+from rlcore.declarations import Role
+from rlcore.errors import ConfigError
+
+#: Backend names the scaffold accepts: the declaration's rule, and short enough for a package.
+NAME_RULE = "lower case letters, digits, '_' and '-', starting with a letter, at most 40 characters"
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
+_IF_RE = re.compile(r"^#:if\s+(?P<roles>[a-z ]+)$")
+_ENDIF = "#:endif"
+_ROLE_ORDER = [Role.POLICY, Role.GENERATION, Role.ENV]
+
+
+def check_name(name: str) -> str:
+    """Return ``name`` if it is a valid backend name; raise ConfigError naming the rule otherwise."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ConfigError(
+            f"backend name {name!r} is not valid: use {NAME_RULE} (e.g. 'mybackend', 'my-engine')",
+            key="name",
+        )
+    if name.endswith(("-", "_")) or "--" in name or "__" in name:
+        raise ConfigError(
+            f"backend name {name!r} is not valid: no trailing or doubled '-'/'_' ({NAME_RULE})",
+            key="name",
+        )
+    return name
+
+
+def parse_roles(roles: str) -> list[Role]:
+    """``"policy,generation"`` -> roles in plan order; ConfigError for an unknown or empty list."""
+    parts = [p.strip() for p in str(roles).split(",") if p.strip()]
+    valid = ", ".join(r.value for r in _ROLE_ORDER)
+    if not parts:
+        raise ConfigError(f"--roles is empty; give one or more of {valid}", key="roles")
+    chosen = set()
+    for part in parts:
+        try:
+            chosen.add(Role(part))
+        except ValueError:
+            raise ConfigError(
+                f"--roles names {part!r}, which is not a role; roles are {valid}", key="roles"
+            ) from None
+    return [r for r in _ROLE_ORDER if r in chosen]
+
+
+def _template(name: str) -> str:
+    return (resources.files("rlcore") / "templates" / "backend" / name).read_text(encoding="utf-8")
+
+
+def _select_blocks(text: str, roles: set[str]) -> str:
+    """Keep ``#:if`` blocks whose roles intersect ``roles``; drop the marker lines."""
+    out: list[str] = []
+    keep: bool | None = None  # None: outside a block
+    for lineno, line in enumerate(text.splitlines(keepends=True), 1):
+        stripped = line.strip()
+        match = _IF_RE.match(stripped)
+        if match:
+            if keep is not None:
+                raise ValueError(f"template line {lineno}: nested #:if")
+            keep = bool(set(match["roles"].split()) & roles)
+            continue
+        if stripped == _ENDIF:
+            if keep is None:
+                raise ValueError(f"template line {lineno}: #:endif without #:if")
+            keep = None
+            continue
+        if keep is None or keep:
+            out.append(line)
+    if keep is not None:
+        raise ValueError("template ends inside an #:if block")
+    return "".join(out)
+
+
+def _render(template: str, roles: list[Role], values: dict[str, str]) -> str:
+    text = _select_blocks(_template(template), {r.value for r in roles})
+    return Template(text).substitute(values)
+
+
+def _values(name: str, roles: list[Role]) -> dict[str, str]:
+    module = "rlcore_" + name.replace("-", "_")
+    title = "".join(part.capitalize() for part in re.split(r"[-_]", name))
+    model = [r for r in roles if r in (Role.POLICY, Role.GENERATION)]
+    decl_imports = ["BackendDeclaration", "OverlapSafety", "Role"]
+    if Role.POLICY in roles:
+        decl_imports.insert(0, "Artifact")
+    if model:
+        decl_imports.append("Transport")
+    deps = ['"torch>=2.4"', '"safetensors>=0.4"'] if model else []
+    overrides = [f"{r.value}.options.vocab_size=32" for r in model]
+    roles_text = ", ".join(r.value for r in roles)
+    return {
+        "name": name,
+        "dist": f"rlcore-{name}",
+        "module": module,
+        "title": title,
+        "roles": ", ".join(f"Role.{r.name}" for r in roles),
+        "roles_text": roles_text,
+        "first_role": roles[0].value,
+        "decl_imports": ", ".join(decl_imports),
+        "deps": ", ".join(deps),
+        "overrides": "[" + ", ".join(f'"{o}"' for o in overrides) + "]",
+        "description": f"{roles_text} backend '{name}' (generated toy engine: replace it)",
+    }
+
+
+def write_backend_package(name: str, parent: Path, roles: str = "generation") -> Path:
+    """Write the plugin package ``rlcore-<name>`` under ``parent`` and return its path.
+
+    Args:
+        name: the backend's name (``policy.backend: <name>`` selects it); lower case
+            letters, digits, ``_`` and ``-``, starting with a letter.
+        parent: directory to write into (created if missing).
+        roles: comma-separated roles it serves: ``policy``, ``generation``, ``env``.
+
+    Raises:
+        ConfigError: the name or a role is invalid, or ``parent/rlcore-<name>`` exists.
+    """
+    check_name(name)
+    chosen = parse_roles(roles)
+    values = _values(name, chosen)
+    parent = Path(parent)
+    target = parent / values["dist"]
+    if os.path.lexists(target):
+        raise ConfigError(
+            f"{target} already exists; rlcore new-backend never overwrites: remove it or "
+            "choose another --dir",
+            key="dir",
+        )
+    parent.mkdir(parents=True, exist_ok=True)
+    files = {
+        "pyproject.toml": _render("pyproject.toml.tmpl", chosen, values),
+        "README.md": _render("README.md.tmpl", chosen, values),
+        f"{values['module']}/__init__.py": _render("__init__.py.tmpl", chosen, values),
+        f"{values['module']}/plugin.py": _render("plugin.py.tmpl", chosen, values),
+        f"{values['module']}/py.typed": "",
+        "tests/test_conformance.py": _render("test_conformance.py.tmpl", chosen, values),
+    }
+    staging = Path(tempfile.mkdtemp(prefix=f".{values['dist']}.", dir=parent))
+    try:
+        for rel, text in files.items():
+            path = staging / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+        staging.chmod(0o755)
+        try:
+            os.rename(staging, target)  # one step; fails if a non-empty target appeared meanwhile
+        except OSError as err:
+            raise ConfigError(
+                f"{target} appeared while writing it ({err}); nothing was overwritten", key="dir"
+            ) from err
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
