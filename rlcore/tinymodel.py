@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 from dataclasses import asdict
 from pathlib import Path
 
@@ -23,6 +24,10 @@ from rlcore.config import ModelConfig, TinyModelConfig
 from rlcore.waiting import CancelToken, Deadline
 
 log = logging.getLogger(__name__)
+
+#: transformers' lazy imports are not thread-safe (two threads importing LlamaConfig
+#: at once get ImportError), and concurrent inits in one process ask for the same model.
+_WRITE_LOCK = threading.Lock()
 
 #: Bump when the recipe below changes, so old cached models are not reused.
 RECIPE_VERSION = 1
@@ -121,9 +126,10 @@ def ensure_model(
     from rlcore.publish import publish_dir
 
     destination = cache_dir / "tiny-model" / tiny_model_key(model.tiny, model.dtype)
-    return publish_dir(
-        destination,
-        lambda d: write_tiny_model(d, model.tiny, model.dtype),
-        cancel=cancel,
-        deadline=deadline,
-    )
+    with _WRITE_LOCK:  # across processes, atomic publish picks one winner
+        return publish_dir(
+            destination,
+            lambda d: write_tiny_model(d, model.tiny, model.dtype),
+            cancel=cancel,
+            deadline=deadline,
+        )

@@ -22,6 +22,8 @@ def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
         "model.embed_tokens.weight": torch.randn(51, 16, generator=g),
         "model.layers.0.self_attn.q_proj.weight": torch.randn(16, 16, generator=g),
         "model.layers.0.mlp.up_proj.weight": torch.randn(32, 16, generator=g).to(torch.bfloat16),
+        # 6 bytes: the float32 after it sits at an unaligned offset in its bucket.
+        "model.layers.0.odd.bias": torch.randn(3, generator=g).to(torch.bfloat16),
         "model.norm.weight": torch.randn(16, generator=g),
         "lm_head.weight": torch.randn(51, 16, generator=g),
         "model.count": torch.arange(7, dtype=torch.int64),

@@ -106,7 +106,11 @@ def _unpack(buf: Any, bucket: Sequence[TensorSpec]) -> list[Any]:
     out, off = [], 0
     for s in bucket:
         n = s.nbytes
-        out.append(buf[off : off + n].view(getattr(torch, s.dtype)).reshape(s.shape))
+        dtype = getattr(torch, s.dtype)
+        raw = buf[off : off + n]
+        if off % dtype.itemsize:  # unaligned for this dtype (after an odd-sized tensor): copy
+            raw = raw.clone()
+        out.append(raw.view(dtype).reshape(s.shape))
         off += n
     return out
 

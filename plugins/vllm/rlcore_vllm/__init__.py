@@ -1,0 +1,1 @@
+"""rlcore-vllm: vLLM as rlcore's generation backend."""

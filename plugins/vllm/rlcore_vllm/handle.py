@@ -1,0 +1,245 @@
+"""The generation handle: vLLM engines in a Ray worker group, as rlcore sees them.
+
+:func:`start_generation` is the body of the ``rlcore_init_generation`` hook; it
+returns a :class:`VLLMGeneration`, which implements
+:class:`rlcore.handles.RefitReceiver` (the core's refit streams weights into
+it) and the calls the training loop makes (``generate``, ``logprobs``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from rlcore.context import InitContext
+from rlcore.errors import RlcoreError
+from rlcore.handles import Endpoint
+from rlcore.workers import WorkerGroup
+from rlcore_vllm.plugin import VLLMOptions
+from rlcore_vllm.worker import Sample, VLLMWorker
+
+log = logging.getLogger(__name__)
+
+GROUP_NAME = "vllm-generation"
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """The sampling seed of prompt ``index`` of a call made with ``seed``.
+
+    vLLM seeds the ``j``-th sample of a request ``seed + j``, so consecutive
+    per-prompt seeds (``seed + index``) would make prompt 0's second sample and
+    prompt 1's first share a random stream. A 48-bit hash keeps every
+    (call, prompt, sample) stream distinct, and does not depend on how the
+    prompts are split across workers.
+    """
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _split(count: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` ranges of ``count`` items over ``parts`` workers (sizes differ by <= 1)."""
+    base, extra = divmod(count, parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+class VLLMGeneration:
+    """Handle of the ``vllm`` generation backend: ``workers`` independent engines.
+
+    Attributes:
+        group: the Ray worker group (one :class:`VLLMWorker` per engine).
+        refit_ranks: number of engines; engine ``i`` is rank ``1 + i`` of refit channels.
+        endpoints: each engine's OpenAI-compatible endpoint (server mode), else empty.
+        start_info: per-worker start timings (seconds) reported by the workers.
+    """
+
+    device_type: str
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        specs: list[Any],
+        *,
+        endpoints: Sequence[Endpoint] = (),
+        start_info: Sequence[dict[str, Any]] = (),
+        device_type: str = "cpu",
+    ) -> None:
+        self.group = group
+        self.refit_ranks = group.world_size
+        self.endpoints = list(endpoints)
+        self.start_info = list(start_info)
+        self.device_type = device_type
+        self._specs = list(specs)
+        self._closed = False
+
+    # ------------------------------------------------------------ refit side
+
+    def weight_specs(self) -> list[Any]:
+        """``TensorSpec`` of every weight the engines expect (Hugging Face names)."""
+        return list(self._specs)
+
+    def open_refit_channel(self, spec: Any) -> list[Any]:
+        """Every engine joins channel ``spec`` (engine ``i`` as rank ``1 + i``); Ray refs."""
+        return [a.open_refit_channel.remote(spec, 1 + i) for i, a in enumerate(self._actors())]
+
+    def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
+        """Every engine receives and loads the buckets; Ray refs that resolve when all have loaded."""
+        return [a.receive_weights.remote(spec, step, buckets) for a in self._actors()]
+
+    # -------------------------------------------------------- training loop
+
+    @property
+    def endpoint(self) -> Endpoint | None:
+        """Engine 0's OpenAI-compatible endpoint (server mode), else None.
+
+        Each engine serves its own; spread load over :attr:`endpoints` if needed.
+        """
+        return self.endpoints[0] if self.endpoints else None
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+    ) -> list[list[Sample]]:
+        """``n`` samples per prompt, each ``{"token_ids": [...], "logprobs": [...]}``.
+
+        Prompts are split into contiguous slices over the engines; prompt ``i``
+        samples with seed :func:`prompt_seed` ``(seed, i)``, so results do not
+        depend on the number of engines.
+        """
+        seeds = [prompt_seed(seed, i) for i in range(len(prompt_ids))]
+        refs = [
+            actor.generate.remote(
+                [list(p) for p in prompt_ids[a:b]], n, max_tokens, temperature, seeds[a:b]
+            )
+            for actor, (a, b) in zip(
+                self._actors(), _split(len(prompt_ids), self.refit_ranks), strict=True
+            )
+            if b > a
+        ]
+        parts = self.group.get(refs, what="generate")
+        return [group for part in parts for group in part]
+
+    def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        """Per-token log-probabilities of each ``(prompt_ids, completion_ids)`` pair's completion."""
+        refs = [
+            actor.logprobs.remote([(list(p), list(c)) for p, c in batch[a:b]])
+            for actor, (a, b) in zip(
+                self._actors(), _split(len(batch), self.refit_ranks), strict=True
+            )
+            if b > a
+        ]
+        parts = self.group.get(refs, what="logprobs")
+        return [row for part in parts for row in part]
+
+    # ------------------------------------------------------------ lifecycle
+
+    def _actors(self) -> list[Any]:
+        if self._closed:
+            raise RlcoreError(f"{GROUP_NAME}: the vllm generation handle was shut down")
+        return self.group.actors
+
+    def shutdown(self) -> None:
+        """Stop every engine and server process; forget refit channels. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        from rlcore.refit.sync import forget_sessions
+
+        forget_sessions(self)
+        self.group.shutdown()
+
+
+def _options(raw: Any) -> VLLMOptions:
+    if isinstance(raw, VLLMOptions):
+        return raw
+    return VLLMOptions(**dict(raw or {}))
+
+
+def start_generation(ctx: InitContext) -> VLLMGeneration:
+    """Start ``generation.workers`` vLLM engines as configured by ``ctx``; see the module doc."""
+    import ray
+
+    from rlcore.errors import ConfigError
+    from rlcore.tinymodel import ensure_model
+
+    options = _options(ctx.options)
+    section = ctx.config.generation
+    model_dir = ensure_model(
+        ctx.config.model, ctx.cache_dir, cancel=ctx.cancel, deadline=ctx.deadline
+    )
+    cuda = ray.cluster_resources().get("GPU", 0) >= 1
+    if cuda and section.devices_per_worker != 1:
+        raise ConfigError(
+            "generation.devices_per_worker must be 1 for the vllm backend on GPUs (one GPU per "
+            f"engine; tensor parallelism is not supported yet), got {section.devices_per_worker}",
+            key="generation.devices_per_worker",
+        )
+    threads = max(1, int(section.devices_per_worker))
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine: no engine-core subprocess
+        "VLLM_CPU_KVCACHE_SPACE": str(options.kv_cache_gib),
+        "OMP_NUM_THREADS": str(threads),
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    log_dir = ctx.run_dir / "vllm"
+    group = WorkerGroup(
+        VLLMWorker,
+        section.workers,
+        name=GROUP_NAME,
+        args=(str(model_dir),),
+        kwargs={
+            "dtype": ctx.config.model.dtype,
+            "refit_fed": bool(section.refit_fed),
+            "options": options,
+            "log_dir": str(log_dir),
+        },
+        num_cpus=1.0 if cuda else float(section.devices_per_worker),
+        num_gpus=1.0 if cuda else 0.0,
+        env=env,
+        dist_backend=None,
+        timeout_s=options.call_timeout_s,
+        cancel=ctx.cancel,
+        deadline=ctx.deadline,
+    )
+    try:
+        remaining = ctx.deadline.remaining()
+        start_timeout = (
+            options.server_start_timeout_s
+            if remaining is None
+            else min(options.server_start_timeout_s, remaining)
+        )
+        what = "starting vLLM servers" if options.serve_openai else "building vLLM engines"
+        info = group.call("start", start_timeout, what=what, deadline=ctx.deadline)
+        specs = group.call("weight_specs", ranks=[0], what="weight specs", deadline=ctx.deadline)[0]
+        endpoints = []
+        if options.serve_openai:
+            for e in group.call("endpoint_info", what="endpoints", deadline=ctx.deadline):
+                endpoints.append(Endpoint(base_url=e["base_url"], model=e["model"]))
+    except BaseException:
+        group.shutdown()
+        raise
+    ctx.log.info(
+        "vllm: %d engine(s) up (%s, %s) in %s",
+        section.workers,
+        "refit-fed" if section.refit_fed else "checkpoint weights",
+        "OpenAI server" if options.serve_openai else "in-process",
+        ", ".join(f"{i.get('total_s', 0.0):.1f}s" for i in info),
+    )
+    log.debug("vllm options: %s", asdict(options))
+    return VLLMGeneration(
+        group, specs, endpoints=endpoints, start_info=info, device_type="cuda" if cuda else "cpu"
+    )

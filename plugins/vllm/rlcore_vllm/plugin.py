@@ -1,0 +1,76 @@
+"""The rlcore plugin: declaration, options and init hook of the ``vllm`` generation backend.
+
+Light on purpose: ``rlcore plugins`` imports this module, so nothing here imports
+vllm, torch, transformers or ray. The engine is built by
+:mod:`rlcore_vllm.handle` inside :func:`rlcore_init_generation`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rlcore.context import InitContext
+from rlcore.declarations import BackendDeclaration, OverlapSafety, Role, Transport
+from rlcore.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from rlcore_vllm.handle import VLLMGeneration
+
+
+@dataclass
+class VLLMOptions:
+    """``generation.options`` of the ``vllm`` backend."""
+
+    #: Start vLLM's OpenAI-compatible server in each worker (bound to 127.0.0.1)
+    #: and serve generation through it; the handle's ``endpoint`` then points at
+    #: worker 0's server. Off: the engine runs inside the worker process (faster start).
+    serve_openai: bool = False
+    #: CPU only: GiB of memory for the KV cache (``VLLM_CPU_KVCACHE_SPACE``).
+    kv_cache_gib: int = 1
+    #: CUDA only: fraction of GPU memory vLLM may take (``gpu_memory_utilization``).
+    gpu_memory_utilization: float = 0.9
+    #: Longest prompt + completion, in tokens.
+    max_model_len: int = 512
+    #: Run the model eagerly (no CUDA graphs / torch.compile): faster start.
+    enforce_eager: bool = True
+    #: Port of worker 0's server (worker i uses port + i); 0 picks free ports.
+    port: int = 0
+    #: Model name the server answers to (``model`` field of OpenAI requests).
+    served_model_name: str = "policy"
+    #: How long a worker waits for its server's ``/health`` before giving up.
+    server_start_timeout_s: float = 120.0
+    #: Upper bound on one generate/logprobs call of the handle.
+    call_timeout_s: float = 900.0
+
+
+DESCRIPTION = (
+    "vLLM engines (one per worker) fed through vLLM's weight-transfer API; "
+    "optional OpenAI-compatible endpoint"
+)
+
+
+@hookimpl
+def rlcore_declare_backend() -> BackendDeclaration:
+    return BackendDeclaration(
+        name="vllm",
+        roles={Role.GENERATION},
+        overlap=OverlapSafety(
+            non_colocated=True,
+            colocated=False,
+            reason="profiles free device memory at start",
+        ),
+        refit_fed=True,
+        receive_transports={Transport.COLLECTIVE, Transport.SHARED_MEMORY, Transport.DISK},
+        openai_endpoint=True,
+        options=VLLMOptions,
+        description=DESCRIPTION,
+    )
+
+
+@hookimpl
+def rlcore_init_generation(ctx: InitContext) -> VLLMGeneration:
+    """Start ``generation.workers`` vLLM engines (see :func:`rlcore_vllm.handle.start_generation`)."""
+    from rlcore_vllm.handle import start_generation
+
+    return start_generation(ctx)

@@ -1,0 +1,366 @@
+"""One vLLM engine: a plain worker class that rlcore runs as a Ray actor.
+
+A :class:`VLLMWorker` owns one engine (a data-parallel replica), either
+
+* **in-process** (default): ``vllm.LLM`` inside the worker process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), called directly; or
+* **server mode** (``serve_openai``): vLLM's OpenAI-compatible server as a child
+  process group (see :mod:`rlcore_vllm.server`); generation, logprobs and refit
+  then go over HTTP to it, so what the endpoint serves is exactly what refit
+  loaded.
+
+Either way, weights arrive through vLLM's own weight-transfer API with the
+``rlcore`` engine of :mod:`rlcore_vllm.transfer`.
+
+Module import is light (the driver imports this module to name the class);
+vllm, torch and transformers are imported inside the methods.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from rlcore.workers import DistributedWorker, free_port
+
+log = logging.getLogger(__name__)
+
+Sample = dict[str, list]  # {"token_ids": [...], "logprobs": [...]}
+
+
+class VLLMWorker(DistributedWorker):
+    """One vLLM engine of the generation worker group.
+
+    Args:
+        rank, world_size: this worker's index and the number of engines.
+        model_dir: Hugging Face checkpoint directory (config and tokenizer are
+            always read from it; weights only when not ``refit_fed``).
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
+        refit_fed: build the engine with dummy weights; the first refit brings real ones.
+        options: the backend's :class:`rlcore_vllm.plugin.VLLMOptions`.
+        log_dir: where server mode writes the server's log.
+        seed: the engine's global seed.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        model_dir: str,
+        *,
+        dtype: str,
+        refit_fed: bool,
+        options: Any,
+        log_dir: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(rank, world_size)
+        self.model_dir = model_dir
+        self.dtype = dtype
+        self.refit_fed = refit_fed
+        self.options = options
+        self.log_dir = log_dir
+        self.seed = seed
+        self.llm: Any = None
+        self.server: Any = None
+        #: Why the engine's weights cannot be trusted (a refit failed half-way), or None.
+        self.stale: str | None = None
+
+    # ------------------------------------------------------------------ start
+
+    def _engine_args(self) -> dict[str, Any]:
+        import torch
+
+        o = self.options
+        args: dict[str, Any] = {
+            "model": self.model_dir,
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "max_model_len": o.max_model_len,
+            "enforce_eager": o.enforce_eager,
+        }
+        if self.refit_fed:
+            args["load_format"] = "dummy"
+        if torch.cuda.is_available():
+            args["gpu_memory_utilization"] = o.gpu_memory_utilization
+        return args
+
+    def start(self, timeout_s: float) -> dict[str, Any]:
+        """Build the engine (or start the server and wait for it); returns timings in seconds."""
+        t0 = time.monotonic()
+        if self.options.serve_openai:
+            return {
+                "server_start_s": self._start_server(timeout_s),
+                "total_s": time.monotonic() - t0,
+            }
+        from rlcore_vllm.transfer import BACKEND, register
+
+        register(strict=True)
+        from vllm import LLM
+        from vllm.config import WeightTransferConfig
+
+        t1 = time.monotonic()
+        self.llm = LLM(
+            **self._engine_args(), weight_transfer_config=WeightTransferConfig(backend=BACKEND)
+        )
+        t2 = time.monotonic()
+        return {"import_s": t1 - t0, "engine_s": t2 - t1, "total_s": t2 - t0}
+
+    def _start_server(self, timeout_s: float) -> float:
+        import json
+
+        from rlcore_vllm.server import ServerProcess
+        from rlcore_vllm.transfer import BACKEND
+
+        o = self.options
+        args = self._engine_args()
+        argv = ["--model", args.pop("model"), "--served-model-name", o.served_model_name]
+        argv += ["--weight-transfer-config", json.dumps({"backend": BACKEND})]
+        if args.pop("enforce_eager"):
+            argv.append("--enforce-eager")
+        for key, value in args.items():
+            argv += ["--" + key.replace("_", "-"), str(value)]
+        env = {"VLLM_SERVER_DEV_MODE": "1"}
+        allow = os.environ.get("VLLM_PLUGINS")
+        if allow is not None and "rlcore_weight_transfer" not in allow.split(","):
+            # An allowlist that leaves out our engine would make the server fail at start.
+            env["VLLM_PLUGINS"] = ",".join(
+                [p for p in allow.split(",") if p] + ["rlcore_weight_transfer"]
+            )
+        port = o.port + self.rank if o.port else free_port()
+        log_dir = Path(self.log_dir) if self.log_dir else Path("/tmp")
+        self.server = ServerProcess(
+            argv,
+            port=port,
+            log_path=log_dir / f"vllm-server-{self.rank}-{os.getpid()}.log",
+            env=env,
+        )
+        try:
+            return self.server.wait_healthy(timeout_s)
+        except BaseException:
+            self.server.stop()
+            raise
+
+    # ------------------------------------------------------------- inference
+
+    def _check_weights(self) -> None:
+        if self.stale is not None:
+            raise RuntimeError(
+                f"vLLM worker {self.rank}: {self.stale}; its weights may mix two versions, "
+                "so it refuses to generate until a refit succeeds"
+            )
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        seeds: Sequence[int],
+    ) -> list[list[Sample]]:
+        """``n`` samples per prompt: ``[[{"token_ids": [...], "logprobs": [...]}] * n] * len(prompts)``.
+
+        Prompt ``i`` samples with seed ``seeds[i]`` (vLLM gives its ``j``-th sample
+        ``seeds[i] + j``). ``logprobs`` are the sampled tokens' log-probabilities
+        under the model (before temperature), as :meth:`logprobs` computes them.
+        """
+        self._check_weights()
+        if len(seeds) != len(prompt_ids):
+            raise ValueError(f"{len(prompt_ids)} prompts but {len(seeds)} seeds")
+        if not prompt_ids:
+            return []
+        if self.server is not None:
+            return self._map(
+                lambda i: self._server_generate(
+                    prompt_ids[i], n, max_tokens, temperature, seeds[i]
+                ),
+                len(prompt_ids),
+            )
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=temperature,
+                max_tokens=max_tokens,
+                logprobs=0,
+                seed=int(s),
+                detokenize=False,
+            )
+            for s in seeds
+        ]
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(p)} for p in prompt_ids], params, use_tqdm=False
+        )
+        return [
+            [
+                {
+                    "token_ids": list(c.token_ids),
+                    "logprobs": [
+                        float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs, strict=True)
+                    ],
+                }
+                for c in sorted(o.outputs, key=lambda c: c.index)
+            ]
+            for o in outputs
+        ]
+
+    def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        """Log-probabilities of each completion's tokens given its prompt (and the tokens before)."""
+        self._check_weights()
+        if not batch:
+            return []
+        if self.server is not None:
+            return self._map(lambda i: self._server_logprobs(*batch[i]), len(batch))
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(p) + list(c)} for p, c in batch], params, use_tqdm=False
+        )
+        result = []
+        for (prompt, completion), o in zip(batch, outputs, strict=True):
+            ids = list(prompt) + list(completion)
+            lps = o.prompt_logprobs  # entry k: logprob of ids[k] given ids[:k] (entry 0 is None)
+            result.append([float(lps[k][ids[k]].logprob) for k in range(len(prompt), len(ids))])
+        return result
+
+    def _map(self, fn: Any, count: int) -> list[Any]:
+        with ThreadPoolExecutor(max_workers=min(count, 16), thread_name_prefix="vllm-http") as pool:
+            return list(pool.map(fn, range(count)))
+
+    def _server_generate(
+        self, prompt: Sequence[int], n: int, max_tokens: int, temperature: float, seed: int
+    ) -> list[Sample]:
+        body = {
+            "model": self.options.served_model_name,
+            "prompt": list(prompt),
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "seed": int(seed),
+            "logprobs": 0,
+            "return_token_ids": True,
+        }
+        answer = self.server.post("/v1/completions", body, timeout_s=self.options.call_timeout_s)
+        return [
+            {
+                "token_ids": list(c["token_ids"]),
+                "logprobs": [float(x) for x in c["logprobs"]["token_logprobs"]],
+            }
+            for c in sorted(answer["choices"], key=lambda c: c["index"])
+        ]
+
+    def _server_logprobs(self, prompt: Sequence[int], completion: Sequence[int]) -> list[float]:
+        ids = list(prompt) + list(completion)
+        body = {
+            "model": self.options.served_model_name,
+            "prompt": ids,
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+        }
+        answer = self.server.post("/v1/completions", body, timeout_s=self.options.call_timeout_s)
+        lps = answer["choices"][0]["prompt_logprobs"]  # JSON keys are token ids as strings
+        return [float(lps[k][str(ids[k])]["logprob"]) for k in range(len(prompt), len(ids))]
+
+    # ----------------------------------------------------------------- refit
+
+    def weight_specs(self) -> list[Any]:
+        """``TensorSpec`` of every weight the engine expects, under Hugging Face names.
+
+        The names and shapes of the checkpoint's Hugging Face ``state_dict`` (tied
+        weights under every name), in the run's dtype. Built on the meta device from
+        ``config.json``: no weight is read, so it works refit-fed.
+        """
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from rlcore.refit.specs import spec_of
+
+        config = AutoConfig.from_pretrained(self.model_dir)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, self.dtype))
+        return [spec_of(name, t) for name, t in model.state_dict().items()]
+
+    def open_refit_channel(self, spec: Any, rank: int) -> None:
+        """Join refit channel ``spec`` as ``rank`` (vLLM's ``init_weight_transfer_engine``)."""
+        from rlcore_vllm.transfer import init_info
+
+        info = init_info(spec, rank)
+        if self.server is not None:
+            self.server.post(
+                "/init_weight_transfer_engine", {"init_info": info}, timeout_s=spec.timeout_s + 30
+            )
+        else:
+            self.llm.init_weight_transfer_engine({"init_info": info})
+
+    def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> float:
+        """Receive the buckets of ``step`` over ``spec`` and load them; returns seconds taken.
+
+        vLLM's start/update/finish weight update, then the prefix cache is reset
+        (cached KV blocks were computed with the old weights). In server mode,
+        generation is paused (running requests finish first) for the duration.
+        """
+        from rlcore_vllm.transfer import update_info
+
+        t0 = time.monotonic()
+        info = update_info(spec, step, buckets)
+        version = f"step-{step}"
+        self.stale = f"refit step {step} over {spec.transport} did not complete"
+        if self.server is not None:
+            s = self.server
+            s.post("/pause?mode=wait")
+            try:
+                s.post("/start_weight_update")
+                s.post("/update_weights", {"update_info": info}, timeout_s=spec.timeout_s + 30)
+                s.post("/finish_weight_update", {"weight_version": version})
+                if not (s.post("/reset_prefix_cache") or {}).get("success", False):
+                    log.warning(
+                        "vLLM worker %d: prefix cache not reset after refit step %d",
+                        self.rank,
+                        step,
+                    )
+            finally:
+                s.post("/resume")
+        else:
+            self.llm.start_weight_update()
+            self.llm.update_weights({"update_info": info})
+            self.llm.finish_weight_update(weight_version=version)
+            if not self.llm.reset_prefix_cache():
+                log.warning(
+                    "vLLM worker %d: prefix cache not reset after refit step %d", self.rank, step
+                )
+        self.stale = None
+        return time.monotonic() - t0
+
+    # ------------------------------------------------------------- lifecycle
+
+    def endpoint_info(self) -> dict[str, Any] | None:
+        """``{"base_url", "model", "pid", "pgid"}`` of this worker's server, or None in-process."""
+        if self.server is None:
+            return None
+        return {
+            "base_url": self.server.base + "/v1",
+            "model": self.options.served_model_name,
+            "pid": self.server.proc.pid,
+            "pgid": self.server.pgid,
+        }
+
+    def teardown(self) -> None:
+        """Stop the server's process group (server mode) and close refit channels. Idempotent."""
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        if self.llm is not None:
+            try:
+                self.llm.shutdown_weight_transfer_engine()
+            except Exception as err:  # teardown must not raise
+                log.debug("vLLM worker %d: closing refit channels failed: %s", self.rank, err)
+        # No DistributedWorker.teardown: the default process group here is vLLM's own.
+
+    shutdown = teardown

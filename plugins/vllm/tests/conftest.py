@@ -1,0 +1,40 @@
+"""Session fixtures of the vllm backend's tests: a tiny model, a Ray cluster, a fake policy."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rlcore.config import TinyModelConfig
+    from rlcore.tinymodel import write_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    write_tiny_model(path, TinyModelConfig())
+    return path
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    from rlcore.cluster import Cluster
+    from rlcore.config import ClusterConfig
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    cluster = Cluster(ClusterConfig(num_cpus=2)).start()
+    yield
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def policy(ray_cluster: None, tiny_model: Path) -> Iterator[object]:
+    """A fake policy (test-only RefitSender) holding the tiny model's weights."""
+    from vllm_helpers import FakePolicy
+
+    fake = FakePolicy(tiny_model)
+    yield fake
+    fake.shutdown()

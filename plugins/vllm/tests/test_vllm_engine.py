@@ -1,0 +1,182 @@
+"""Two in-process vLLM engines (data-parallel replicas), started refit-fed through the real
+init hook and shared by the tests of this module: refit over each transport (a collective
+channel of three ranks), spec mismatch, generation split over the engines, worker death."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from rlcore_vllm.plugin import rlcore_init_generation
+from vllm_helpers import PROMPTS, init_context, make_config, max_abs_diff
+
+from rlcore.errors import RefitError
+from rlcore.refit.channels import ChannelSpec
+from rlcore.refit.specs import TensorSpec, plan_buckets
+from rlcore.refit.sync import refit
+from rlcore.setup import refit_context
+from rlcore.waiting import CancelToken
+from rlcore.workers import WorkerError
+
+PROBE = [(p, [10, 11, 12, 13]) for p in PROMPTS]  # split 2 + 1 over the engines
+TOL = 1e-4
+_steps = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def setup(
+    ray_cluster: None, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("vllm-engine")
+    config = make_config(tiny_model, tmp / "cache", workers=2)
+    t0 = time.monotonic()
+    gen = rlcore_init_generation(init_context(config, tmp / "run"))
+    start_s = time.monotonic() - t0
+    yield {"gen": gen, "config": config, "start_s": start_s}
+    gen.shutdown()
+
+
+def do_refit(policy: Any, gen: Any, config: Any, transport: str) -> Any:
+    ctx = refit_context(config, step=next(_steps), transport=transport, cancel=CancelToken())
+    return refit(policy, gen, ctx)
+
+
+def test_refit_fed_engine_starts_without_checkpoint_weights(
+    setup: dict[str, Any], policy: Any
+) -> None:
+    gen = setup["gen"]
+    assert gen.refit_ranks == 2 and gen.endpoint is None
+    assert [s.name for s in gen.weight_specs()] == [s.name for s in policy.weight_specs()]
+    # Dummy weights: nothing like the checkpoint until the first refit.
+    assert max_abs_diff(gen.logprobs(PROBE), policy.logprobs(PROBE)) > 0.05
+
+
+@pytest.mark.parametrize("transport", ["collective", "disk", "shared_memory"])
+def test_refit_loads_the_policy_weights(setup: dict[str, Any], policy: Any, transport: str) -> None:
+    gen, config = setup["gen"], setup["config"]
+    policy.perturb(None)
+    report = do_refit(policy, gen, config, transport)
+    assert report.transport == transport and report.tensors == len(gen.weight_specs())
+    assert report.bytes == sum(s.nbytes for s in gen.weight_specs())
+    original = gen.logprobs(PROBE)
+    assert max_abs_diff(original, policy.logprobs(PROBE)) < TOL
+
+    # New weights must really land: the engine follows the policy to perturbed weights.
+    policy.perturb(seed=hash(transport) % 1000)
+    do_refit(policy, gen, config, transport)
+    perturbed = gen.logprobs(PROBE)
+    assert max_abs_diff(perturbed, policy.logprobs(PROBE)) < TOL
+    assert max_abs_diff(perturbed, original) > 1e-2
+
+
+@pytest.mark.parametrize(
+    "tweak",
+    [
+        pytest.param(
+            lambda s: [TensorSpec(x.name.replace("q_proj", "query"), x.shape, x.dtype) for x in s],
+            id="name",
+        ),
+        pytest.param(
+            lambda s: [TensorSpec(x.name, (x.shape[0] + 1, *x.shape[1:]), x.dtype) for x in s],
+            id="shape",
+        ),
+    ],
+)
+def test_mismatched_specs_are_refused_before_sending(
+    setup: dict[str, Any], policy: Any, tweak: Any
+) -> None:
+    gen, config = setup["gen"], setup["config"]
+    policy.perturb(None)
+    do_refit(policy, gen, config, "shared_memory")
+    before = gen.logprobs(PROBE)
+    policy.perturb(seed=99)
+    policy.spec_tweak, policy.calls = tweak, []
+    try:
+        with pytest.raises(RefitError, match="refused before writing anything"):
+            do_refit(policy, gen, config, "collective")
+    finally:
+        policy.spec_tweak = None
+    assert policy.calls == []  # no channel opened, nothing sent
+    assert gen.logprobs(PROBE) == before
+
+
+def test_generate_returns_samples_with_matching_logprobs(
+    setup: dict[str, Any], policy: Any
+) -> None:
+    gen, config = setup["gen"], setup["config"]
+    policy.perturb(None)
+    do_refit(policy, gen, config, "shared_memory")
+    t0 = time.monotonic()
+    groups = gen.generate(PROMPTS, n=4, max_tokens=8, temperature=1.0, seed=5)
+    gen_s = time.monotonic() - t0
+    assert len(groups) == len(PROMPTS) and all(len(g) == 4 for g in groups)
+    for g in groups:
+        for s in g:
+            assert 1 <= len(s["token_ids"]) <= 8 and len(s["logprobs"]) == len(s["token_ids"])
+            assert all(lp <= 0.0 for lp in s["logprobs"])
+    batch = [(p, s["token_ids"]) for p, g in zip(PROMPTS, groups, strict=True) for s in g]
+    sampled = [s["logprobs"] for g in groups for s in g]
+    assert max_abs_diff(sampled, gen.logprobs(batch)) < TOL
+    assert max_abs_diff(sampled, policy.logprobs(batch)) < TOL
+    # Seeded: the same call gives the same samples; another seed gives others.
+    assert gen.generate(PROMPTS, n=4, max_tokens=8, temperature=1.0, seed=5) == groups
+    assert gen.generate(PROMPTS, n=4, max_tokens=8, temperature=1.0, seed=6) != groups
+    assert len({tuple(s["token_ids"]) for s in groups[0]}) > 1
+    # Seeds follow the prompt's index, not the engine serving it: with two prompts,
+    # prompt 1 moves from engine 0 to engine 1 and still gets the same samples.
+    assert gen.generate(PROMPTS[:2], n=4, max_tokens=8, temperature=1.0, seed=5) == groups[:2]
+    print(
+        f"vllm in-process: start {setup['start_s']:.1f}s, generate 3x4x8 tokens {gen_s * 1e3:.0f} ms"
+    )
+
+
+def test_refit_invalidates_cached_prompts(setup: dict[str, Any], policy: Any) -> None:
+    """Prompt KV cached under the old weights must not be reused after a refit
+    (prefix caching keeps full blocks, 128 tokens on CPU: hence long prompts)."""
+    gen, config = setup["gen"], setup["config"]
+    long_prompts = [[2] + [(7 * i + k) % 36 + 4 for i in range(299)] for k in range(2)]
+    policy.perturb(None)
+    do_refit(policy, gen, config, "shared_memory")
+    gen.generate(long_prompts, n=2, max_tokens=4, temperature=1.0, seed=5)
+    policy.perturb(seed=11)
+    do_refit(policy, gen, config, "collective")
+    again = gen.generate(long_prompts, n=2, max_tokens=4, temperature=1.0, seed=5)
+    batch = [(p, s["token_ids"]) for p, g in zip(long_prompts, again, strict=True) for s in g]
+    assert max_abs_diff([s["logprobs"] for g in again for s in g], policy.logprobs(batch)) < TOL
+
+
+def test_failed_refit_blocks_generation_until_a_good_one(
+    setup: dict[str, Any], policy: Any, tmp_path: Path
+) -> None:
+    gen, config = setup["gen"], setup["config"]
+    # A file channel whose step never gets published: the receive times out inside
+    # vLLM's weight update, after the layers were prepared for reloading.
+    spec = ChannelSpec(
+        "shared_memory", "never-published", 1 + gen.refit_ranks, root=str(tmp_path), timeout_s=1.0
+    )
+    ray.get(gen.open_refit_channel(spec))
+    buckets = plan_buckets(gen.weight_specs(), 2**20)
+    with pytest.raises(ray.exceptions.RayTaskError, match="never-published"):
+        ray.get(gen.receive_weights(spec, 123, buckets))
+    with pytest.raises(WorkerError, match="refuses to generate"):
+        gen.logprobs(PROBE)
+    policy.perturb(None)
+    do_refit(policy, gen, config, "disk")
+    assert max_abs_diff(gen.logprobs(PROBE), policy.logprobs(PROBE)) < TOL
+
+
+def test_killed_worker_fails_the_next_call_fast(setup: dict[str, Any]) -> None:
+    """Runs last in this module: it kills the shared engine."""
+    gen = setup["gen"]
+    ray.kill(gen.group.actors[0], no_restart=True)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="vllm-generation"):
+        gen.generate(PROMPTS, n=1, max_tokens=2, temperature=1.0, seed=0)
+    assert time.monotonic() - t0 < 30
+    gen.shutdown()
+    gen.shutdown()  # idempotent
