@@ -211,9 +211,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    if args.command == "run":
-        args.config, args.overrides = _split_overrides(args.args)
+    # Overrides may come after options (`rlcore run --out D a=1`): argparse's
+    # subcommands can't intermix positionals, so collect the leftovers here.
+    args, extra = parser.parse_known_args(list(argv) if argv is not None else None)
+    if args.command in ("run", "plan"):
+        bad = [e for e in extra if e.startswith("-")]
+        if bad:
+            parser.error(f"unrecognized arguments: {' '.join(bad)}")
+        if args.command == "run":
+            args.config, args.overrides = _split_overrides(args.args + extra)
+        else:
+            args.overrides = list(args.overrides) + extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

@@ -85,6 +85,17 @@ class DistributedWorker:
             log.warning("rank %d: destroy_process_group failed: %s", self.rank, err)
 
 
+def _failure(ray: Any, ref: Any) -> tuple[bool, BaseException] | None:
+    """(is a worker death, error) for a finished ref that failed; None if it succeeded."""
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.RayActorError as err:
+        return True, err
+    except ray.exceptions.RayTaskError as err:
+        return False, err.cause if getattr(err, "cause", None) is not None else err
+    return None
+
+
 def ray_get(
     refs: Any,
     *,
@@ -92,8 +103,16 @@ def ray_get(
     cancel: CancelToken | None = None,
     deadline: Deadline | None = None,
     slice_s: float = 0.2,
+    labels: Sequence[str] | None = None,
+    settle_s: float = 2.0,
 ) -> Any:
-    """``ray.get`` that observes cancellation and a deadline, and names ``what`` on failure."""
+    """``ray.get`` that observes cancellation and a deadline, and names ``what`` on failure.
+
+    ``labels`` (one per ref, e.g. ``vllm-generation rank 0``) name the worker in
+    errors. When one ref fails, the others get ``settle_s`` to finish: a worker
+    that *died* is the root cause and is reported before the errors it caused in
+    its peers (a collective partner sees only a closed connection).
+    """
     single = not isinstance(refs, list | tuple)
     pending = [refs] if single else list(refs)
     if not pending:
@@ -102,6 +121,7 @@ def ray_get(
         return []
     import ray
 
+    names = list(labels) if labels is not None else [f"worker {i}" for i in range(len(pending))]
     deadline = deadline or Deadline.never(what)
     while True:
         if cancel is not None and cancel.cancelled:
@@ -112,14 +132,21 @@ def ray_get(
         timeout = slice_s if remaining is None else min(slice_s, remaining)
         ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=timeout)
         # Surface a failure as soon as any worker fails, not after the slowest finishes.
-        for r in ready:
-            try:
-                ray.get(r, timeout=0)
-            except ray.exceptions.RayActorError as err:
-                raise WorkerError(f"{what}: a worker died: {err}") from err
-            except ray.exceptions.RayTaskError as err:
-                cause = err.cause if getattr(err, "cause", None) is not None else err
-                raise WorkerError(f"{what}: {type(cause).__name__}: {cause}") from cause
+        if any(_failure(ray, r) for r in ready):
+            if not_ready:
+                ray.wait(not_ready, num_returns=len(not_ready), timeout=settle_s)
+            failures = []
+            for i, r in enumerate(pending):
+                done, _ = ray.wait([r], timeout=0)
+                found = _failure(ray, r) if done else None
+                if found:
+                    failures.append((not found[0], i, found))  # deaths sort first
+            _, i, (died, err) = min(failures, key=lambda f: (f[0], f[1]))
+            others = [f"{names[j]}: {type(e).__name__}" for _, j, (_, e) in failures if j != i]
+            also = f" (then: {'; '.join(others)})" if others else ""
+            if died:
+                raise WorkerError(f"{what}: {names[i]} died: {err}{also}") from err
+            raise WorkerError(f"{what}: {names[i]} failed: {type(err).__name__}: {err}{also}") from err
         if not not_ready:
             values = ray.get(pending)
             return values[0] if single else values
@@ -206,7 +233,13 @@ class WorkerGroup:
 
     def get(self, refs: Any, *, what: str, deadline: Deadline | None = None) -> Any:
         deadline = deadline or Deadline(self.timeout_s, f"{self.name}: {what}")
-        return ray_get(refs, what=f"{self.name}: {what}", cancel=self.cancel, deadline=deadline)
+        return ray_get(refs, what=f"{self.name}: {what}", cancel=self.cancel, deadline=deadline, labels=self.labels(refs))
+
+    def labels(self, refs: Any) -> list[str] | None:
+        """Names for refs of a whole-group call (``<group> rank <i>``)."""
+        if isinstance(refs, list | tuple) and len(refs) == self.world_size:
+            return [f"{self.name} rank {r}" for r in range(self.world_size)]
+        return None
 
     def call(self, method: str, *args: Any, what: str | None = None, deadline: Deadline | None = None, ranks: Sequence[int] | None = None, **kwargs: Any) -> list[Any]:
         """Call ``method`` on every rank (or ``ranks``) and wait for all results."""

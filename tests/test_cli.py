@@ -61,3 +61,15 @@ def test_plan_json_of_quickstart(capsys) -> None:
     assert not [e for e in plan["edges"] if e["to"].startswith("init:")]  # all inits overlap
     assert {e["from"] for e in plan["edges"] if e["to"] == "refit:initial"} == {"init:policy", "init:generation"}
     assert plan["refit_transport"] == "collective"
+
+
+def test_overrides_after_options(monkeypatch, tmp_path: Path) -> None:
+    seen = {}
+
+    def fake_run_job(config, overrides, *, out, console):
+        seen.update(config=config, overrides=overrides, out=out)
+        return tmp_path
+
+    monkeypatch.setattr("rlcore.run.run_job", fake_run_job)
+    assert main(["run", "c.yaml", "--out", "d", "a=1", "b=2"]) == 0
+    assert seen == {"config": "c.yaml", "overrides": ["a=1", "b=2"], "out": "d"}

@@ -69,13 +69,13 @@ def test_group_forms_a_process_group_and_tears_down(cluster) -> None:
 def test_errors_name_group_and_cause(cluster) -> None:
     group = WorkerGroup(EchoWorker, 1, name="echo-err", num_cpus=0.5, dist_backend=None)
     try:
-        with pytest.raises(WorkerError, match=r"echo-err: boom: ValueError: rank 0 exploded"):
+        with pytest.raises(WorkerError, match=r"echo-err: boom: echo-err rank 0 failed: ValueError: rank 0 exploded"):
             group.call("boom")
         with pytest.raises(DeadlineExceeded, match="echo-err"):
             group.call("sleep", 5, deadline=Deadline(0.5, "t"))
         ray.kill(group.actors[0], no_restart=True)
         t0 = time.monotonic()
-        with pytest.raises(WorkerError, match="echo-err: .*worker died"):
+        with pytest.raises(WorkerError, match="echo-err: .*echo-err rank 0 died"):
             group.call("where", deadline=Deadline(30, "t"))
         assert time.monotonic() - t0 < 20
     finally:

@@ -68,6 +68,12 @@ def forget_sessions(*handles: Any) -> None:
             del _sessions[key]
 
 
+def _labels(handle: Any, side: str, n: int) -> list[str]:
+    """``<group name> rank <i>`` for a handle's refs (the group name when it has one)."""
+    name = getattr(getattr(handle, "group", None), "name", None) or f"{side} {type(handle).__name__}"
+    return [f"{name} rank {i}" for i in range(n)]
+
+
 def refit(policy: Any, generation: Any, ctx: RefitContext) -> RefitReport:
     """Copy the policy's weights into the generation engine over ``ctx.transport``."""
     for handle, proto, side in ((policy, RefitSender, "policy"), (generation, RefitReceiver, "generation")):
@@ -81,11 +87,17 @@ def refit(policy: Any, generation: Any, ctx: RefitContext) -> RefitReport:
     check_specs(sent, generation.weight_specs(), sender=type(policy).__name__, receiver=type(generation).__name__)
     buckets = plan_buckets(sent, ctx.bucket_bytes)
     session = _open_session(policy, generation, ctx)
-    refs = list(policy.send_weights(session.spec, ctx.step, buckets)) + list(
-        generation.receive_weights(session.spec, ctx.step, buckets)
-    )
+    sends = list(policy.send_weights(session.spec, ctx.step, buckets))
+    receives = list(generation.receive_weights(session.spec, ctx.step, buckets))
+    labels = _labels(policy, "policy", len(sends)) + _labels(generation, "generation", len(receives))
     try:
-        ray_get(refs, what=f"refit step {ctx.step} over {ctx.transport}", cancel=ctx.cancel, deadline=ctx.deadline.sooner(ctx.timeout_s))
+        ray_get(
+            sends + receives,
+            what=f"refit step {ctx.step} over {ctx.transport}",
+            cancel=ctx.cancel,
+            deadline=ctx.deadline.sooner(ctx.timeout_s),
+            labels=labels,
+        )
     finally:
         remove_step(session.spec, ctx.step)
     init_time = 0.0 if session.reported_init else session.init_time_s

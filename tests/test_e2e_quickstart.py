@@ -1,0 +1,109 @@
+"""End to end: the README's main job on real backends (FSDP + vLLM + arithmetic env).
+
+One shared run (module fixture) is checked from several angles; a second run
+kills a generation worker mid-run and must end with an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("rlcore_fsdp")
+pytest.importorskip("rlcore_vllm")
+
+from rlcore.errors import RlcoreError  # noqa: E402
+from rlcore.hookspecs import hookimpl  # noqa: E402
+from rlcore.metrics import read_metrics  # noqa: E402
+from rlcore.run import run_job  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("quickstart")
+    cache = tmp_path_factory.mktemp("cache")
+    return run_job(QUICKSTART, [f"grpo.steps={STEPS}", f"setup.cache_dir={cache}"], out=str(out / "run"))
+
+
+def test_run_directory_files_exist_and_parse(quickstart_run: Path) -> None:
+    for name in ("metrics.jsonl", "trace.json", "setup_timeline.png", "reward.png", "config.yaml"):
+        assert (quickstart_run / name).is_file(), name
+    trace = json.loads((quickstart_run / "trace.json").read_text())
+    spans = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+    assert {"init:policy", "init:generation", "init:env", "refit:initial", "rollout", "train", "refit"} <= spans
+    for png in ("setup_timeline.png", "reward.png"):
+        assert (quickstart_run / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_setup_metrics_are_logged(quickstart_run: Path) -> None:
+    records = read_metrics(quickstart_run / "metrics.jsonl")
+    setup = records[0]
+    for key in (
+        "timing/setup/total_setup_time_s",
+        "timing/setup/critical_path_s",
+        "timing/setup/serial_sum_s",
+        "timing/setup/init:policy_time_s",
+        "timing/setup/init:generation_time_s",
+        "timing/setup/init:env_time_s",
+        "timing/setup/refit:initial_time_s",
+        "timing/setup/weight_sync_time_s",
+        "timing/setup/collective_init_time_s",
+    ):
+        assert isinstance(setup[key], float) and setup[key] >= 0, key
+    # Policy and generation overlapped: setup took less than running the inits one after another.
+    assert setup["timing/setup/total_setup_time_s"] < setup["timing/setup/serial_sum_s"]
+
+
+def test_every_step_logged_and_refit_exact(quickstart_run: Path) -> None:
+    steps = [r for r in read_metrics(quickstart_run / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    errors = [r["refit/token_mult_prob_error"] for r in read_metrics(quickstart_run / "metrics.jsonl") if "refit/token_mult_prob_error" in r]
+    assert len(errors) == STEPS + 1  # refit:initial and every step
+    assert all(1.0 <= e < 1.05 for e in errors), errors
+    for r in steps:
+        assert r["refit/weight_sync_time_s"] > 0 and r["refit/bytes"] > 0
+
+
+def test_reward_rises(quickstart_run: Path) -> None:
+    rewards = [r["reward/mean"] for r in read_metrics(quickstart_run / "metrics.jsonl") if "reward/mean" in r]
+    first, last = statistics.fmean(rewards[:3]), statistics.fmean(rewards[-3:])
+    assert last > first + 0.1, rewards
+
+
+class KillGenerationWorker:
+    """Test-only wrapper plugin: SIGKILLs the generation worker process before refit step 2."""
+
+    def __init__(self) -> None:
+        self.killed: int | None = None
+
+    @hookimpl(wrapper=True)
+    def rlcore_refit(self, generation, ctx):
+        if ctx.step == 2 and self.killed is None:
+            self.killed = generation.group.pids()[0]
+            os.kill(self.killed, signal.SIGKILL)
+        return (yield)
+
+
+def test_killed_generation_worker_fails_the_run_naming_it(tmp_path: Path) -> None:
+    killer = KillGenerationWorker()
+    t0 = time.monotonic()
+    with pytest.raises(RlcoreError) as info:
+        run_job(
+            QUICKSTART,
+            ["grpo.steps=4", f"setup.cache_dir={tmp_path / 'cache'}", "refit.timeout_s=60"],
+            out=str(tmp_path / "run"),
+            extra_plugins=[("kill-generation", killer)],
+        )
+    assert killer.killed is not None
+    assert "vllm-generation" in str(info.value)
+    assert time.monotonic() - t0 < 240
