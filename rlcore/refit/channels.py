@@ -210,3 +210,38 @@ def remove_step(spec: ChannelSpec, step: int) -> None:
 def shm_root() -> str:
     """Where the shared-memory transport puts its files (tmpfs)."""
     return "/dev/shm" if os.path.isdir("/dev/shm") else str(Path(os.environ.get("TMPDIR", "/tmp")))
+
+
+def ceiling(spec: ChannelSpec, rank: int, step: int, nbytes: int) -> float:
+    """Move ``nbytes`` of raw bytes over ``spec`` with no model in the way; seconds taken.
+
+    The raw ceiling of a transport between the very processes a refit uses:
+    one broadcast of a flat buffer (collective), or one file written, published
+    and read back (disk, shared memory). ``bench/refit.py`` compares refits with it.
+    """
+    import time
+
+    import torch
+
+    t0 = time.monotonic()
+    if spec.transport == "collective":
+        ch = _open.get(spec.key)
+        if ch is None:
+            raise RefitError(f"refit channel {spec.key} is not open on rank {rank}")
+        buf = (torch.ones if rank == 0 else torch.empty)(nbytes, dtype=torch.uint8, device=ch.device)
+        ch.broadcast(buf)
+        if ch.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.monotonic() - t0
+    from rlcore.publish import publish_dir, wait_for_artifact
+    from rlcore.waiting import Deadline
+
+    directory = _step_dir(spec, step)
+    if rank == 0:
+        publish_dir(directory, lambda d: (d / "raw.bin").write_bytes(b"\x01" * nbytes))
+    else:
+        wait_for_artifact(directory, deadline=Deadline(spec.timeout_s, "raw ceiling"))
+        with open(directory / "raw.bin", "rb") as f:
+            while f.read(1 << 24):
+                pass
+    return time.monotonic() - t0

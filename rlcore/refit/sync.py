@@ -60,6 +60,13 @@ def _open_session(policy: RefitSender, generation: RefitReceiver, ctx: RefitCont
     return session
 
 
+def session_spec(policy: Any, generation: Any, transport: str) -> ChannelSpec | None:
+    """The channel a refit over ``transport`` opened for this pair (None before the first)."""
+    with _lock:
+        session = _sessions.get((id(policy), id(generation), transport))
+    return None if session is None else session.spec
+
+
 def forget_sessions(*handles: Any) -> None:
     """Drop cached channels of these handles (called when they shut down)."""
     ids = {id(h) for h in handles}

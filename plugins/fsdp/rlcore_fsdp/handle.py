@@ -66,6 +66,11 @@ class FSDPPolicy:
         self._check_open()
         return self.group.call_async("open_refit_channel", spec)
 
+    def refit_ceiling(self, spec: Any, step: int, nbytes: int) -> list[Any]:
+        """Raw bytes over an open refit channel from rank 0 (for bench/refit.py); Ray refs."""
+        self._check_open()
+        return self.group.call_async("refit_ceiling", spec, step, nbytes, ranks=[0])
+
     def send_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
         import ray
 

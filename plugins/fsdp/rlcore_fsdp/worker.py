@@ -402,6 +402,12 @@ class FSDPWorker(DistributedWorker):
             channels.open_channel(spec, 0)
             self._open_channels.append(spec)
 
+    def refit_ceiling(self, spec: ChannelSpec, step: int, nbytes: int) -> float:
+        """Rank 0 sends ``nbytes`` raw over the channel (bench: the transport's ceiling)."""
+        from rlcore.refit import channels
+
+        return channels.ceiling(spec, 0, step, nbytes) if self.rank == 0 else 0.0
+
     def send_weights(self, spec: ChannelSpec, step: int, buckets: list[list[TensorSpec]]) -> int:
         """Stream the current weights over ``spec`` following the plan ``buckets``.
 

@@ -90,6 +90,10 @@ class VLLMGeneration:
         """Every engine joins channel ``spec`` (engine ``i`` as rank ``1 + i``); Ray refs."""
         return [a.open_refit_channel.remote(spec, 1 + i) for i, a in enumerate(self._actors())]
 
+    def refit_ceiling(self, spec: Any, step: int, nbytes: int) -> list[Any]:
+        """Every engine receives ``nbytes`` raw over the channel (for bench/refit.py); Ray refs."""
+        return [a.refit_ceiling.remote(spec, 1 + i, step, nbytes) for i, a in enumerate(self._actors())]
+
     def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
         """Every engine receives and loads the buckets; Ray refs that resolve when all have loaded."""
         return [a.receive_weights.remote(spec, step, buckets) for a in self._actors()]

@@ -299,6 +299,17 @@ class VLLMWorker(DistributedWorker):
         else:
             self.llm.init_weight_transfer_engine({"init_info": info})
 
+    def refit_ceiling(self, spec: Any, rank: int, step: int, nbytes: int) -> float:
+        """Receive ``nbytes`` raw over an open channel (bench: the transport's ceiling).
+
+        In-process engines only: the channel lives in this process.
+        """
+        from rlcore.refit import channels
+
+        if self.server is not None:
+            raise RuntimeError("refit_ceiling needs the in-process engine (serve_openai=false)")
+        return channels.ceiling(spec, rank, step, nbytes)
+
     def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> float:
         """Receive the buckets of ``step`` over ``spec`` and load them; returns seconds taken.
 
