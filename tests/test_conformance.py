@@ -12,7 +12,6 @@ import importlib
 import os
 import sys
 import textwrap
-import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,36 +151,6 @@ def failed(outcomes: dict[str, str]) -> set[str]:
     return {t for t, o in outcomes.items() if o == "failed"}
 
 
-def core_refit_runs_without_ray() -> bool:
-    """Whether the core's refit waits on an empty list of refs without touching Ray
-    (in-process handles return no refs). Probed with a stand-in ``ray`` module."""
-    import rlcore.workers
-
-    fake = types.ModuleType("ray")
-
-    def wait(*_args: object, **_kwargs: object) -> None:
-        raise RuntimeError("ray used")
-
-    fake.wait = wait  # type: ignore[attr-defined]
-    saved = sys.modules.get("ray")
-    sys.modules["ray"] = fake
-    try:
-        rlcore.workers.ray_get([], what="probe")
-        return True
-    except RuntimeError:
-        return False
-    finally:
-        if saved is None:
-            sys.modules.pop("ray", None)
-        else:
-            sys.modules["ray"] = saved
-
-
-needs_inprocess_refit = pytest.mark.skipif(
-    not core_refit_runs_without_ray(),
-    reason="rlcore.workers.ray_get([]) starts Ray: in-process refit handles need the core "
-    "to return at once when there are no refs to wait on",
-)
 
 
 @pytest.fixture(autouse=True)
@@ -238,7 +207,6 @@ def test_honest_minimal_backend_passes(tmp_path: Path) -> None:
     assert not failed(out), out
 
 
-@needs_inprocess_refit
 def test_generated_policy_generation_backend_passes_round_trip(tmp_path: Path) -> None:
     """The scaffold's two-role toy: refit over disk and shared memory moves real weights."""
     pkg = write_backend_package("pairtoy", tmp_path, roles="policy,generation")
@@ -583,7 +551,6 @@ def test_declared_role_without_hook(tmp_path: Path) -> None:
     }, out
 
 
-@needs_inprocess_refit
 def test_receiver_ignores_weights(tmp_path: Path) -> None:
     """A generation that takes the bytes but never loads them fails the round trips."""
     pkg = write_backend_package("liar", tmp_path, roles="policy,generation")
@@ -605,7 +572,6 @@ def test_single_role_backend_skips_round_trip(tmp_path: Path) -> None:
     assert out["test_refit_round_trip"] == out["test_refit_fed_round_trip"] == "skipped"
 
 
-@needs_inprocess_refit
 def test_peer_plugin_enables_round_trip(tmp_path: Path) -> None:
     """A policy-only backend with a generation peer gets the round trip."""
     pkgs = tuple(

@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -31,28 +30,6 @@ def _run(
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def core_refit_runs_without_ray() -> bool:
-    """Whether the core's refit waits on an empty list of refs without touching Ray."""
-    import rlcore.workers
-
-    fake = types.ModuleType("ray")
-
-    def wait(*_args: object, **_kwargs: object) -> None:
-        raise RuntimeError("ray used")
-
-    fake.wait = wait  # type: ignore[attr-defined]
-    saved = sys.modules.get("ray")
-    sys.modules["ray"] = fake
-    try:
-        rlcore.workers.ray_get([], what="probe")
-        return True
-    except RuntimeError:
-        return False
-    finally:
-        if saved is None:
-            sys.modules.pop("ray", None)
-        else:
-            sys.modules["ray"] = saved
 
 
 def test_generated_package_installs_registers_and_conforms(tmp_path: Path) -> None:
@@ -112,11 +89,6 @@ def test_generated_package_installs_registers_and_conforms(tmp_path: Path) -> No
     assert not [f for f in payload["failures"] if f["plugin"] == "scaffoldtoy"]
 
 
-@pytest.mark.skipif(
-    not core_refit_runs_without_ray(),
-    reason="rlcore.workers.ray_get([]) starts Ray; the toy's in-process refit needs the core "
-    "to return at once when there are no refs to wait on",
-)
 def test_generated_three_role_package_conforms(tmp_path: Path) -> None:
     """Policy, generation and env together: refit round trips and atomic publish run too."""
     pkg = write_backend_package("triple", tmp_path, roles="env,generation,policy")

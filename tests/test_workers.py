@@ -99,3 +99,15 @@ def test_cancel_is_observed(cluster) -> None:
 def test_group_larger_than_cluster_fails_fast(cluster) -> None:
     with pytest.raises(WorkerError, match="cluster.num_cpus"):
         WorkerGroup(EchoWorker, 3, name="too-big", num_cpus=1.0)
+
+
+def test_ray_get_of_nothing_never_touches_ray(monkeypatch) -> None:
+    """Handles that work in the driver return no refs; waiting on them must not start Ray."""
+    import types
+
+    from rlcore.workers import ray_get
+
+    fake = types.ModuleType("ray")
+    fake.wait = lambda *a, **k: (_ for _ in ()).throw(AssertionError("ray used"))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    assert ray_get([], what="nothing") == []
