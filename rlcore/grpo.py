@@ -69,6 +69,11 @@ def run_grpo(
 ) -> list[dict[str, Any]]:
     """Run ``cfg.steps`` GRPO steps; call ``on_step`` with each step's metrics.
 
+    The env either makes prompts and scores texts (``sample_prompts`` /
+    ``score``), or collects scored rollouts itself through the generation
+    endpoint (``collect_rollouts(prompts, samples, step)`` returning, per prompt,
+    samples ``{"prompt_ids", "token_ids", "logprobs", "reward"}``).
+
     ``refit(step)`` copies the policy's weights to the generation engine and
     returns a :class:`rlcore.handles.RefitReport`. ``trace(name, start, end,
     step)`` records phases for the Chrome trace.
@@ -88,25 +93,34 @@ def run_grpo(
                 trace(name, t0, t1, step)
 
         t0 = time.monotonic()
-        prompts = env.sample_prompts(cfg.prompts_per_step, step)
-        prompt_ids = [tokenizer(p.text).input_ids for p in prompts]
-        groups = generation.generate(
-            prompt_ids,
-            n=cfg.samples_per_prompt,
-            max_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            seed=cfg.seed * 1_000_003 + step,
-        )
-        phase("rollout", t0)
-
-        t0 = time.monotonic()
-        texts = [[tokenizer.decode(c["token_ids"], skip_special_tokens=True) for c in g] for g in groups]
-        rewards = env.score(prompts, texts)
+        if hasattr(env, "collect_rollouts"):
+            # The env drives the model itself (through the generation endpoint) and scores.
+            groups = env.collect_rollouts(cfg.prompts_per_step, cfg.samples_per_prompt, step)
+            phase("rollout", t0)
+            t0 = time.monotonic()
+            rewards = [[c["reward"] for c in g] for g in groups]
+        else:
+            prompts = env.sample_prompts(cfg.prompts_per_step, step)
+            prompt_ids = [tokenizer(p.text).input_ids for p in prompts]
+            groups = generation.generate(
+                prompt_ids,
+                n=cfg.samples_per_prompt,
+                max_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                seed=cfg.seed * 1_000_003 + step,
+            )
+            for pid, g in zip(prompt_ids, groups, strict=True):
+                for c in g:
+                    c["prompt_ids"] = pid
+            phase("rollout", t0)
+            t0 = time.monotonic()
+            texts = [[tokenizer.decode(c["token_ids"], skip_special_tokens=True) for c in g] for g in groups]
+            rewards = env.score(prompts, texts)
         advantages = group_advantages(rewards)
         phase("reward", t0)
 
         t0 = time.monotonic()
-        batch = [(pid, c["token_ids"]) for pid, g in zip(prompt_ids, groups, strict=True) for c in g]
+        batch = [(c["prompt_ids"], c["token_ids"]) for g in groups for c in g]
         flat_adv = [a for g in advantages for a in g]
         gen_lp = [c["logprobs"] for g in groups for c in g]
         old_lp = policy.logprobs(batch)

@@ -185,10 +185,11 @@ def _train(
 
     policy, generation = setup.handles["policy"], setup.handles["generation"]
     env = setup.handles.get("env")
-    if env is None or not hasattr(env, "sample_prompts"):
+    if env is None or not (hasattr(env, "sample_prompts") or hasattr(env, "collect_rollouts")):
         raise RlcoreError(
             "rlcore run's GRPO loop needs an env backend that makes prompts and scores them "
-            "(sample_prompts/score), e.g. env.backend=arithmetic"
+            "(sample_prompts/score, e.g. env.backend=arithmetic) or collects scored rollouts "
+            "(collect_rollouts, e.g. a NeMo Gym env)"
         )
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(config.model, cache_dir(config))))
     probe = _probe_batch(env, tokenizer, config.refit.probe_prompts)

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 _WRITE_LOCK = threading.Lock()
 
 #: Bump when the recipe below changes, so old cached models are not reused.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>"]
 ALPHABET = list("0123456789+-*=?() ,.:") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
 
@@ -62,6 +62,12 @@ def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
         unk_token="<unk>",
         model_max_length=512,
         clean_up_tokenization_spaces=False,
+        # Chat servers (vLLM's /v1/chat/completions, which NeMo Gym calls) need a template:
+        # the messages' text, lower-cased into the tiny vocabulary, one per line.
+        chat_template=(
+            "{% for m in messages %}{{ m['content'] | lower }}\n{% endfor %}"
+            "{% if add_generation_prompt %}={% endif %}"
+        ),
     )
 
 
