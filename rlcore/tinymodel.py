@@ -32,7 +32,7 @@ _WRITE_LOCK = threading.Lock()
 #: Bump when the recipe below changes, so old cached models are not reused.
 RECIPE_VERSION = 2
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>"]
-ALPHABET = list("0123456789+-*=?() ,.:") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+ALPHABET = list("0123456789+-*=?() ,.:\n") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
 
 
 def tiny_model_key(cfg: TinyModelConfig, dtype: str) -> str:
