@@ -1,7 +1,6 @@
+from rlcore.declarations import validate_declaration
 from rlcore_arithmetic.plugin import ArithmeticEnv, ArithmeticOptions, rlcore_declare_backend
 from rlcore_arithmetic.task import Prompt, make_prompts, parse_answer, reward
-
-from rlcore.declarations import validate_declaration
 
 
 def test_prompts_are_seeded_and_correct() -> None:

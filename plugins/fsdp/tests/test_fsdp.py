@@ -22,8 +22,6 @@ from typing import Any
 
 import pytest
 import torch
-from rlcore_fsdp.plugin import FSDPOptions, rlcore_declare_backend, rlcore_init_policy
-from rlcore_fsdp.worker import FSDPWorker, micro_batch_count, shard_range
 
 from rlcore.config import ClusterConfig, TinyModelConfig, cache_dir, load_config, resolve_options
 from rlcore.context import InitContext
@@ -33,6 +31,8 @@ from rlcore.refit.specs import plan_buckets, spec_of
 from rlcore.tinymodel import write_tiny_model
 from rlcore.waiting import CancelToken, Deadline
 from rlcore.workers import free_port
+from rlcore_fsdp.plugin import FSDPOptions, rlcore_declare_backend, rlcore_init_policy
+from rlcore_fsdp.worker import FSDPWorker, micro_batch_count, shard_range
 
 # Rows: (prompt ids, completion ids). Uneven lengths exercise right padding; an empty
 # completion and a one-token prompt are edge cases. Token ids < 51 (tiny vocabulary).

@@ -60,10 +60,9 @@ def _policy_rank(
     rank: int, port: int, model_dir: str, dtype: str, spec: Any, specs_q: Any, out: str
 ) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)  # one GPU per rank, like a Ray actor
+    from rlcore.refit.specs import plan_buckets
     from rlcore_fsdp.plugin import FSDPOptions
     from rlcore_fsdp.worker import FSDPWorker
-
-    from rlcore.refit.specs import plan_buckets
 
     w = FSDPWorker(rank, 2)
     w.init_process_group("127.0.0.1", port, BACKEND, 120.0)

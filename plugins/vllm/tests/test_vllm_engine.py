@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import ray
-from rlcore_vllm.plugin import rlcore_init_generation
 from vllm_helpers import PROMPTS, init_context, make_config, max_abs_diff
 
 from rlcore.errors import RefitError
@@ -22,6 +21,7 @@ from rlcore.refit.sync import refit
 from rlcore.setup import refit_context
 from rlcore.waiting import CancelToken
 from rlcore.workers import WorkerError
+from rlcore_vllm.plugin import rlcore_init_generation
 
 PROBE = [(p, [10, 11, 12, 13]) for p in PROMPTS]  # split 2 + 1 over the engines
 TOL = 1e-4

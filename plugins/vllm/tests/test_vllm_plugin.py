@@ -7,11 +7,11 @@ import subprocess
 import sys
 
 import pytest
-from rlcore_vllm.plugin import VLLMOptions, rlcore_declare_backend
 
 from rlcore.config import resolve_options
 from rlcore.declarations import Role, Transport, validate_declaration
 from rlcore.errors import ConfigError
+from rlcore_vllm.plugin import VLLMOptions, rlcore_declare_backend
 
 
 def test_declaration_validates() -> None:

@@ -16,13 +16,13 @@ from typing import Any
 import psutil
 import pytest
 import ray
-from rlcore_vllm.plugin import rlcore_init_generation
 from vllm_helpers import PROMPTS, init_context, make_config, max_abs_diff
 
 from rlcore.refit.sync import refit
 from rlcore.setup import refit_context
 from rlcore.waiting import CancelToken
 from rlcore.workers import WorkerError
+from rlcore_vllm.plugin import rlcore_init_generation
 
 TOL = 1e-4
 

@@ -1,0 +1,52 @@
+"""The ``megatron`` declaration: valid, light to import, options checked by the core."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rlcore.config import resolve_options
+from rlcore.declarations import Role, Transport, validate_declaration
+from rlcore.errors import ConfigError
+from rlcore_megatron.plugin import MegatronOptions, rlcore_declare_backend
+
+
+def test_declaration_is_valid_and_says_what_the_brief_says() -> None:
+    decl = validate_declaration(
+        rlcore_declare_backend(), plugin="megatron", distribution="rlcore-megatron"
+    )
+    assert decl.roles == {Role.POLICY, Role.GENERATION}
+    assert decl.overlap.non_colocated and not decl.overlap.colocated and decl.overlap.reason
+    assert [(a.name, a.atomic, a.role) for a in decl.produces] == [
+        ("megatron.checkpoint", True, Role.POLICY)
+    ]
+    assert decl.needed(Role.GENERATION, {"refit_fed": False})[0].name == "megatron.checkpoint"
+    assert decl.needed(Role.GENERATION, {"refit_fed": True}) == []
+    assert decl.needed(Role.POLICY, {"refit_fed": False}) == []
+    both = {Transport.COLLECTIVE, Transport.DISK, Transport.SHARED_MEMORY}
+    assert decl.send_transports == both and decl.receive_transports == both
+    assert decl.refit_fed and decl.openai_endpoint and decl.options is MegatronOptions
+
+
+def test_options_are_checked_against_the_dataclass() -> None:
+    opts = resolve_options(
+        {"tensor_model_parallel_size": 2}, MegatronOptions, section="policy", backend="megatron"
+    )
+    assert opts == MegatronOptions(tensor_model_parallel_size=2)
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size"):
+        resolve_options(
+            {"tensor_parallel_size": 2}, MegatronOptions, section="policy", backend="megatron"
+        )
+
+
+def test_plugin_and_checkpoint_key_import_no_heavy_module() -> None:
+    code = (
+        "import sys, rlcore_megatron.plugin, rlcore_megatron.checkpoint, rlcore_megatron.convert; "
+        "print(sorted(m for m in ('torch', 'megatron', 'ray', 'transformers', 'safetensors') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "[]"
