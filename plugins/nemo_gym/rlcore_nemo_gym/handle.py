@@ -1,0 +1,469 @@
+"""The ``nemo_gym`` env backend: start Gym's servers during setup, collect scored rollouts.
+
+:func:`start_env` is ``rlcore_init_env``. It reads top to bottom:
+
+1. find the Gym venv and start the launcher at once (Gym's servers start while
+   policy and generation are still starting: this is where the overlap is);
+2. meanwhile wait for the core event ``generation.endpoint`` (cancellable, with
+   the task's deadline); the moment it arrives, write the endpoint's URL into
+   the file Gym's model server reads on every request;
+3. when both are done: check the endpoint answers, load the rows, optionally
+   run one rollout end to end, and return the :class:`NemoGymEnv` handle.
+
+The handle's ``collect_rollouts`` POSTs rows to Gym's ``/run`` over HTTP (httpx,
+one asyncio loop per call): rlcore's venv never imports nemo_gym.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import json
+import logging
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rlcore.context import InitContext
+from rlcore.errors import Cancelled, ConfigError, DeadlineExceeded
+from rlcore.handles import Endpoint
+from rlcore.waiting import CancelToken, Deadline
+from rlcore.workers import free_port
+from rlcore_nemo_gym.servers import (
+    GymError,
+    GymServers,
+    LaunchSpec,
+    check_env_name,
+    find_gym_python,
+)
+
+log = logging.getLogger(__name__)
+
+ENDPOINT_EVENT = "generation.endpoint"
+_instances = itertools.count()
+
+
+def rows_for_step(n_rows: int, prompts: int, step: int) -> list[int]:
+    """Row indices of ``step``: rows are cycled in file order, ``prompts`` per step
+    (step 1 takes rows 0..prompts-1), wrapping around the file."""
+    if n_rows <= 0:
+        raise ValueError("no rows")
+    start = (step - 1) * prompts
+    return [(start + i) % n_rows for i in range(prompts)]
+
+
+def to_sample(result: dict[str, Any]) -> dict[str, Any]:
+    """One Gym ``/run`` result -> ``{"prompt_ids", "token_ids", "logprobs", "reward"}``.
+
+    The *last* model turn that carries token ids is the sample: for a single-turn
+    env that is the only one; in a multi-turn rollout its ``prompt_token_ids``
+    already hold the whole conversation so far (earlier turns and tool results),
+    so the completion is trained in the context it was generated in. Earlier
+    turns are not trained on (``model_turns`` says how many there were).
+    """
+    output = (result.get("response") or {}).get("output") or []
+    turns = [o for o in output if isinstance(o, dict) and o.get("generation_token_ids") is not None]
+    if not turns:
+        raise GymError(
+            "a Gym rollout came back without token ids (no output item with generation_token_ids): "
+            "the generation endpoint must return them for chat completions with "
+            "return_token_ids / return_tokens_as_token_ids (vLLM's OpenAI server does)"
+        )
+    last = turns[-1]
+    token_ids = [int(t) for t in last["generation_token_ids"]]
+    logprobs = [float(x) for x in last.get("generation_log_probs") or []]
+    if len(logprobs) != len(token_ids):
+        raise GymError(
+            f"a Gym rollout has {len(token_ids)} generated tokens but {len(logprobs)} logprobs"
+        )
+    reward = result.get("reward")
+    if not isinstance(reward, int | float):
+        raise GymError(f"a Gym rollout came back without a numeric reward (reward={reward!r})")
+    return {
+        "prompt_ids": [int(t) for t in last["prompt_token_ids"]],
+        "token_ids": token_ids,
+        "logprobs": logprobs,
+        "reward": float(reward),
+        "model_turns": len(turns),
+    }
+
+
+class NemoGymEnv:
+    """Handle of running Gym servers (``rlcore.handles.BackendHandle`` plus ``collect_rollouts``).
+
+    Attributes:
+        env_name: the Gym environment.
+        agent_name: the agent server that runs each row.
+        run_url: where rows are POSTed (the env's environment server, else its agent).
+        rows: the tasks, in file order.
+        endpoint: the generation endpoint Gym calls.
+        timings: seconds from the start of init to: ``servers_ready``, ``endpoint_event``,
+            ``endpoint_published``, ``ready`` (and ``verify`` for the check rollout).
+    """
+
+    def __init__(
+        self,
+        servers: GymServers,
+        *,
+        env_name: str,
+        info: dict[str, Any],
+        rows: list[dict[str, Any]],
+        endpoint: Endpoint,
+        cancel: CancelToken,
+        max_output_tokens: int,
+        temperature: float,
+        rollout_timeout_s: float,
+        max_concurrent: int,
+        shutdown_grace_s: float,
+        timings: dict[str, float],
+    ) -> None:
+        self.servers = servers
+        self.env_name = env_name
+        self.agent_name: str = info["agent_name"]
+        self.run_url: str = info["run_url"]
+        self.rows = rows
+        self.endpoint = endpoint
+        self.cancel = cancel
+        self.max_output_tokens = max_output_tokens
+        self.temperature = temperature
+        self.rollout_timeout_s = rollout_timeout_s
+        self.max_concurrent = max_concurrent
+        self.shutdown_grace_s = shutdown_grace_s
+        self.timings = timings
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------------ rollouts
+
+    def request(self, row: dict[str, Any], max_output_tokens: int | None = None) -> dict[str, Any]:
+        """The ``/run`` body of one rollout of ``row`` (the row itself is not changed)."""
+        body = copy.deepcopy(row)
+        params = body.setdefault("responses_create_params", {})
+        params["temperature"] = self.temperature
+        params["max_output_tokens"] = max_output_tokens or self.max_output_tokens
+        body["agent_ref"] = {"type": "responses_api_agents", "name": self.agent_name}
+        return body
+
+    def collect_rollouts(
+        self, prompts_per_step: int, samples_per_prompt: int, step: int
+    ) -> list[list[dict[str, Any]]]:
+        """Run ``samples_per_prompt`` rollouts of each of ``prompts_per_step`` rows.
+
+        Rows are cycled by step (:func:`rows_for_step`). Returns, per row, its samples
+        ``{"prompt_ids", "token_ids", "logprobs", "reward", "model_turns"}`` (see
+        :func:`to_sample`), in order whatever order Gym finishes them in. Bounded by
+        ``rollout_timeout_s``; observes the run's cancellation.
+        """
+        if self._closed:
+            raise GymError(f"nemo_gym env '{self.env_name}' is shut down")
+        picks = rows_for_step(len(self.rows), prompts_per_step, step)
+        bodies = [self.request(self.rows[r]) for r in picks for _ in range(samples_per_prompt)]
+        results = self._run(bodies, what=f"step {step} rollouts", timeout_s=self.rollout_timeout_s)
+        samples = [to_sample(r) for r in results]
+        return [
+            samples[i * samples_per_prompt : (i + 1) * samples_per_prompt]
+            for i in range(len(picks))
+        ]
+
+    def verify(self, timeout_s: float, deadline: Deadline | None = None) -> dict[str, Any]:
+        """One short rollout of the first row, end to end; returns its sample."""
+        result = self._run(
+            [self.request(self.rows[0], max_output_tokens=min(self.max_output_tokens, 16))],
+            what="the check rollout of init",
+            timeout_s=timeout_s,
+            deadline=deadline,
+        )[0]
+        return to_sample(result)
+
+    def _run(
+        self,
+        bodies: list[dict[str, Any]],
+        *,
+        what: str,
+        timeout_s: float,
+        deadline: Deadline | None = None,
+    ) -> list[dict[str, Any]]:
+        self.servers.check_alive()
+        limit = Deadline(timeout_s, f"nemo_gym {what}")
+        if deadline is not None:
+            limit = deadline.sooner(timeout_s, f"nemo_gym {what}")
+        return asyncio.run(self._post_all(bodies, what, limit))
+
+    async def _post_all(
+        self, bodies: list[dict[str, Any]], what: str, deadline: Deadline
+    ) -> list[dict[str, Any]]:
+        import httpx
+
+        sem = asyncio.Semaphore(max(1, self.max_concurrent))
+        results: list[dict[str, Any] | None] = [None] * len(bodies)
+        timeout = httpx.Timeout(deadline.remaining() or self.rollout_timeout_s, connect=10.0)
+        limits = httpx.Limits(max_connections=max(1, self.max_concurrent))
+
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+
+            async def one(i: int, body: dict[str, Any]) -> None:
+                async with sem:
+                    try:
+                        r = await client.post(self.run_url, json=body)
+                    except httpx.HTTPError as err:
+                        raise GymError(
+                            f"nemo_gym {what}: POST {self.run_url} failed: {type(err).__name__}: {err}"
+                        ) from None
+                if r.status_code != 200:
+                    raise GymError(
+                        f"nemo_gym {what}: POST {self.run_url} answered {r.status_code}: "
+                        f"{r.text[:1500]}\nend of {self.servers.log_path}:\n{self.servers.log_tail(15)}"
+                    )
+                results[i] = r.json()
+
+            tasks = [asyncio.create_task(one(i, b)) for i, b in enumerate(bodies)]
+            pending: set[asyncio.Task[None]] = set(tasks)
+            try:
+                while pending:
+                    if self.cancel.cancelled:
+                        raise Cancelled(f"nemo_gym {what} cancelled: {self.cancel.reason}")
+                    remaining = deadline.remaining()
+                    if remaining is not None and remaining <= 0:
+                        raise DeadlineExceeded(
+                            f"nemo_gym {what}: {len(pending)} of {len(bodies)} rollouts at "
+                            f"{self.run_url} did not finish within {deadline.seconds:g}s"
+                        )
+                    done, pending = await asyncio.wait(
+                        pending,
+                        timeout=0.2 if remaining is None else min(0.2, remaining),
+                        return_when=asyncio.FIRST_EXCEPTION,
+                    )
+                    for t in done:
+                        t.result()  # the first failure ends the batch
+                    if pending and not self.servers.alive():
+                        self.servers.check_alive()
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        return [r for r in results if r is not None]
+
+    # ------------------------------------------------------------------ shutdown
+
+    def pids(self) -> list[int]:
+        """Live processes of the Gym servers' process group (for leak checks)."""
+        return self.servers.pids()
+
+    def shutdown(self) -> None:
+        """Stop every Gym server (graceful, then the whole process group). Idempotent."""
+        with self._lock:
+            self._closed = True
+            self.servers.stop(self.shutdown_grace_s)
+
+
+# ---------------------------------------------------------------------- init
+
+
+def _check_generation_serves_endpoint(ctx: InitContext) -> None:
+    """Fail in a second, not after generation's start, when rlcore's vLLM backend
+    is configured without its endpoint (the only backend whose switch we know)."""
+    gen = ctx.config.generation
+    if gen.backend == "vllm" and not gen.options.get("serve_openai", False):
+        raise ConfigError(
+            "env backend 'nemo_gym' talks to the policy over the generation endpoint, but "
+            "generation backend 'vllm' runs without one: set generation.options.serve_openai: true",
+            key="generation.options.serve_openai",
+        )
+
+
+def _wait_endpoint_ready(endpoint: Endpoint, *, cancel: CancelToken, deadline: Deadline) -> float:
+    """Poll ``GET {base_url}/models`` until it answers 200 and lists the model."""
+    import httpx
+
+    url = endpoint.base_url.rstrip("/") + "/models"
+    headers = {"Authorization": f"Bearer {endpoint.api_key}"}
+    t0 = time.monotonic()
+    last = "no answer"
+    while True:
+        cancel.raise_if_cancelled(
+            f"nemo_gym: waiting for the generation endpoint {endpoint.base_url}"
+        )
+        try:
+            left = deadline.remaining()
+            timeout = 5.0 if left is None else max(0.05, min(5.0, left))
+            r = httpx.get(url, headers=headers, timeout=timeout, trust_env=False)
+            if r.status_code == 200:
+                names = [m.get("id") for m in (r.json().get("data") or [])]
+                if endpoint.model in names:
+                    return time.monotonic() - t0
+                last = f"it serves {names}, not model '{endpoint.model}'"
+            else:
+                last = f"status {r.status_code}"
+        except (httpx.HTTPError, ValueError) as err:
+            last = f"{type(err).__name__}: {err}"
+        if deadline.expired:
+            raise DeadlineExceeded(
+                f"nemo_gym: the generation endpoint {endpoint.base_url} did not answer GET /models "
+                f"with model '{endpoint.model}' within {deadline.seconds:g}s ({deadline.what}); "
+                f"last: {last}"
+            )
+        cancel.sleep(min(0.25, deadline.remaining() or 0.25))
+
+
+def load_rows(path: str) -> list[dict[str, Any]]:
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError as err:
+                    raise ConfigError(
+                        f"{path}:{n}: not JSON: {err}", key="env.options.data_path"
+                    ) from None
+    if not rows:
+        raise ConfigError(f"rows file {path} has no rows", key="env.options.data_path")
+    return rows
+
+
+def start_env(ctx: InitContext) -> NemoGymEnv:
+    """``rlcore_init_env`` of ``nemo_gym``: see the module docstring."""
+    o = ctx.options
+    _check_generation_serves_endpoint(ctx)
+    if o.max_concurrent_rollouts < 1:
+        raise ConfigError(
+            "env.options.max_concurrent_rollouts must be at least 1",
+            key="env.options.max_concurrent_rollouts",
+        )
+    if not 0 <= o.nice <= 19:
+        raise ConfigError(
+            f"env.options.nice is {o.nice}; use 0 (off) to 19", key="env.options.nice"
+        )
+    python = find_gym_python(o.gym_python)
+    if o.config_path is None:
+        check_env_name(python, o.env_name)
+    grpo = ctx.config.grpo
+    t0 = time.monotonic()
+    timings: dict[str, float] = {}
+    base = Path(ctx.run_dir) / "nemo_gym"
+    base.mkdir(parents=True, exist_ok=True)
+
+    def launch(model_name: str, api_key: str) -> GymServers:
+        workdir = Path(tempfile.mkdtemp(prefix=f"{o.env_name}-{next(_instances)}-", dir=base))
+        spec = LaunchSpec(
+            env_name=o.env_name,
+            config_path=o.config_path,
+            agent_name=o.agent_name,
+            data_path=o.data_path,
+            model_name=model_name,
+            api_key=api_key,
+            head_port=o.head_port or free_port(),
+            spinup_timeout_s=o.server_start_timeout_s,
+            workdir=workdir,
+            nice=o.nice,
+        )
+        s = GymServers(python, spec, name=f"nemo_gym env '{o.env_name}'")
+        s.start()
+        return s
+
+    servers = launch(o.model_name, o.api_key)
+    try:
+        start_deadline = ctx.deadline.sooner(o.server_start_timeout_s, "nemo_gym server start")
+        info: dict[str, Any] | None = None
+        endpoint: Endpoint | None = None
+        # Both at once: Gym's servers come up while generation (and the first refit)
+        # are still running; the event may come before or after they are ready.
+        while info is None or endpoint is None:
+            if info is None:
+                info = servers.poll_ready()
+                if info is not None:
+                    timings["servers_ready"] = time.monotonic() - t0
+                    ctx.log.info(
+                        "Gym servers ready after %.2fs (%s)",
+                        timings["servers_ready"],
+                        info["run_via"],
+                    )
+                elif start_deadline.expired:
+                    servers.wait_ready(
+                        cancel=ctx.cancel, deadline=start_deadline
+                    )  # raises, naming it
+            if endpoint is None and (ctx.events.posted(ENDPOINT_EVENT) or ctx.deadline.expired):
+                endpoint = ctx.wait_event(
+                    ENDPOINT_EVENT
+                )  # returns at once, or raises Deadline/Cancelled
+                if not isinstance(endpoint, Endpoint):
+                    raise GymError(
+                        f"event {ENDPOINT_EVENT} carried {endpoint!r}, not an rlcore.handles.Endpoint"
+                    )
+                timings["endpoint_event"] = time.monotonic() - t0
+                ctx.log.info(
+                    "generation endpoint %s announced after %.2fs",
+                    endpoint.base_url,
+                    timings["endpoint_event"],
+                )
+                if (endpoint.model, endpoint.api_key) == (
+                    servers.spec.model_name,
+                    servers.spec.api_key,
+                ):
+                    servers.publish_endpoint(endpoint.base_url)
+                    timings["endpoint_published"] = time.monotonic() - t0
+            if info is None or endpoint is None:
+                ctx.cancel.raise_if_cancelled(f"init:env ({ctx.backend})")
+                ctx.cancel.sleep(0.05)
+
+        if "endpoint_published" not in timings:
+            # Gym puts the model name into every request: restart with the endpoint's.
+            log.warning(
+                "nemo_gym: the endpoint serves model '%s' but Gym was started for '%s' "
+                "(env.options.model_name / api_key); restarting Gym's servers with it",
+                endpoint.model,
+                servers.spec.model_name,
+            )
+            servers.stop(o.shutdown_grace_s)
+            servers = launch(endpoint.model, endpoint.api_key)
+            info = servers.wait_ready(
+                cancel=ctx.cancel, deadline=ctx.deadline.sooner(o.server_start_timeout_s)
+            )
+            servers.publish_endpoint(endpoint.base_url)
+            timings["endpoint_published"] = timings["servers_ready"] = time.monotonic() - t0
+
+        _wait_endpoint_ready(
+            endpoint,
+            cancel=ctx.cancel,
+            deadline=ctx.deadline.sooner(o.endpoint_timeout_s, "nemo_gym endpoint check"),
+        )
+        env = NemoGymEnv(
+            servers,
+            env_name=o.env_name,
+            info=info,
+            rows=load_rows(info["data_path"]),
+            endpoint=endpoint,
+            cancel=ctx.cancel,
+            max_output_tokens=o.max_output_tokens or grpo.max_new_tokens,
+            temperature=grpo.temperature if o.temperature is None else o.temperature,
+            rollout_timeout_s=o.rollout_timeout_s,
+            max_concurrent=o.max_concurrent_rollouts,
+            shutdown_grace_s=o.shutdown_grace_s,
+            timings=timings,
+        )
+        if o.verify_on_init:
+            t = time.monotonic()
+            env.verify(o.rollout_timeout_s, deadline=ctx.deadline)
+            timings["verify"] = time.monotonic() - t
+        timings["ready"] = time.monotonic() - t0
+        ctx.log.info(
+            "nemo_gym env '%s' ready: %s", o.env_name, {k: round(v, 3) for k, v in timings.items()}
+        )
+        _write_timings(servers.workdir, timings)
+        return env
+    except BaseException:
+        servers.stop(o.shutdown_grace_s)
+        raise
+
+
+def _write_timings(workdir: Path, timings: dict[str, float]) -> None:
+    try:
+        (workdir / "timings.json").write_text(json.dumps(timings, indent=1))
+    except OSError:
+        pass
+
+
+__all__ = ["NemoGymEnv", "load_rows", "rows_for_step", "start_env", "to_sample"]

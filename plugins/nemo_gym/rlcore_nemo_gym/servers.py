@@ -1,0 +1,324 @@
+"""The Gym launcher as a child process of rlcore: start, watch, stop (rlcore's venv side).
+
+:class:`GymServers` runs ``<gym python> -I launcher.py spec.json`` in a process
+group of its own (``start_new_session``): Gym's head server lives in the
+launcher, every Gym server is a descendant in the same group, so stopping ends
+all of them. The launcher's stdin is a pipe from this process: if this process
+dies without stopping it, the pipe closes and the launcher stops its servers.
+Nothing here imports nemo_gym, and the launcher imports nothing of rlcore.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlcore.errors import ConfigError, DeadlineExceeded, RlcoreError
+from rlcore.waiting import CancelToken, Deadline
+
+log = logging.getLogger(__name__)
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+LAUNCHER = PACKAGE_DIR / "launcher.py"
+SITE_DIR = PACKAGE_DIR / "_gym_site"
+INSTALL_HINT = "bash install.sh (it makes .venv-gym), or see plugins/nemo_gym/README.md"
+
+
+class GymError(RlcoreError):
+    """NeMo Gym's servers failed to start, died, or answered a rollout with an error."""
+
+
+def find_gym_python(option: str | None) -> Path:
+    """The Gym venv's python: the option, else ``$RLCORE_GYM_PYTHON``, else ``.venv-gym``
+    beside the running venv or in a parent directory of this package (a source checkout).
+
+    Raises :class:`ConfigError` naming ``env.options.gym_python`` and the install command.
+    """
+    if option:
+        candidates, where = [Path(option).expanduser()], "env.options.gym_python"
+    elif os.environ.get("RLCORE_GYM_PYTHON"):
+        candidates, where = (
+            [Path(os.environ["RLCORE_GYM_PYTHON"]).expanduser()],
+            "$RLCORE_GYM_PYTHON",
+        )
+    else:
+        where = "the default"
+        roots = [Path(sys.prefix).parent, *PACKAGE_DIR.parents]
+        candidates = [r / ".venv-gym" / "bin" / "python" for r in dict.fromkeys(roots)]
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return c
+    raise ConfigError(
+        f"backend 'nemo_gym' needs the NeMo Gym venv, but {where} has no python there "
+        f"(looked at {', '.join(str(c) for c in candidates[:3])}). Install it with {INSTALL_HINT}, "
+        "or point env.options.gym_python (or $RLCORE_GYM_PYTHON) at the Gym venv's python",
+        key="env.options.gym_python",
+    )
+
+
+def check_env_name(python: Path, env_name: str) -> None:
+    """Fail at once, before anything starts, on an env Gym does not have.
+
+    Looks for Gym's built-in environments in the Gym venv's site-packages (without
+    importing Gym); if it cannot find them there (an editable or unusual install),
+    the launcher checks again with Gym's own path rules.
+    """
+    import difflib
+
+    venv = python.parent.parent
+    roots = sorted(venv.glob("lib/python3*/site-packages/resources_servers"))
+    if not roots or (roots[0] / env_name / "configs").is_dir():
+        return
+    known = sorted(p.name for p in roots[0].iterdir() if (p / "configs").is_dir())
+    close = difflib.get_close_matches(env_name, known, n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    raise ConfigError(
+        f"env.options.env_name: NeMo Gym has no environment '{env_name}' (no "
+        f"resources_servers/{env_name}/configs/ in {roots[0].parent}).{hint} "
+        f"{len(known)} environments are installed, e.g. {', '.join(known[:6])}",
+        key="env.options.env_name",
+    )
+
+
+@dataclass
+class LaunchSpec:
+    """What the launcher needs (written as JSON into the work directory)."""
+
+    env_name: str
+    config_path: str | None
+    agent_name: str | None
+    data_path: str | None
+    model_name: str
+    api_key: str
+    head_port: int
+    spinup_timeout_s: float
+    workdir: Path
+    nice: int = 0
+
+    @property
+    def endpoint_file(self) -> Path:
+        return self.workdir / "endpoint"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "env_name": self.env_name,
+            "config_path": self.config_path,
+            "agent_name": self.agent_name,
+            "data_path": self.data_path,
+            "model_name": self.model_name,
+            "api_key": self.api_key,
+            "head_port": self.head_port,
+            "spinup_timeout_s": self.spinup_timeout_s,
+            "nice": self.nice,
+            "farm_dir": str(self.workdir / "venvs"),
+            "endpoint_file": str(self.endpoint_file),
+            "status_file": str(self.workdir / "status.json"),
+        }
+
+
+class GymServers:
+    """One launcher process and the Gym servers under it.
+
+    Args:
+        python: the Gym venv's python.
+        spec: what to start.
+        name: a label for errors and logs (``nemo_gym env bunsenbench_chemistry_mcq``).
+    """
+
+    def __init__(self, python: Path, spec: LaunchSpec, *, name: str) -> None:
+        self.python = python
+        self.spec = spec
+        self.name = name
+        self.workdir = spec.workdir
+        self.status_path = spec.workdir / "status.json"
+        self.log_path = spec.workdir / "gym.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pgid: int | None = None
+        self.info: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.status_path.unlink(missing_ok=True)
+        spec_path = self.workdir / "spec.json"
+        spec_path.write_text(json.dumps(self.spec.to_json(), indent=1))
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
+        }
+        # Only the sitecustomize that keeps Gym's servers off Ray; nothing of rlcore's venv.
+        env.update(PYTHONPATH=str(SITE_DIR), RLCORE_GYM_NO_RAY="1", PYTHONUNBUFFERED="1")
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                [str(self.python), "-I", str(LAUNCHER), str(spec_path)],
+                cwd=self.workdir,  # Gym resolves relative paths against cwd first: keep it private
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: stop() ends every Gym server
+            )
+        self.pgid = self.proc.pid
+        log.info("%s: launcher pid %d (log %s)", self.name, self.proc.pid, self.log_path)
+
+    def status(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.status_path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def poll_ready(self) -> dict[str, Any] | None:
+        """The launcher's ready record, ``None`` while starting; raises if the start failed."""
+        if self.info is not None:
+            return self.info
+        assert self.proc is not None, "start() first"
+        st = self.status()
+        state = st.get("state") if st else None
+        if state == "ready":
+            self.info = st
+            return st
+        if state == "failed":
+            if st.get("kind") == "config":
+                raise ConfigError(f"{self.name}: {st.get('error')}", key=st.get("key"))
+            raise GymError(
+                f"{self.name}: NeMo Gym's servers failed to start: {st.get('error')}\n"
+                f"end of {self.log_path}:\n{self.log_tail()}"
+            )
+        if self.proc.poll() is not None:
+            raise GymError(
+                f"{self.name}: the Gym launcher exited with code {self.proc.returncode} before its "
+                f"servers were ready (state {state!r}); end of {self.log_path}:\n{self.log_tail()}"
+            )
+        return None
+
+    def wait_ready(self, *, cancel: CancelToken, deadline: Deadline) -> dict[str, Any]:
+        """Block until the servers are ready (cancellable, bounded)."""
+        while True:
+            info = self.poll_ready()
+            if info is not None:
+                return info
+            cancel.raise_if_cancelled(f"{self.name}: waiting for Gym's servers")
+            if deadline.expired:
+                raise DeadlineExceeded(
+                    f"{self.name}: Gym's servers were not ready within {deadline.seconds:g}s "
+                    f"({deadline.what}); end of {self.log_path}:\n{self.log_tail()}"
+                )
+            cancel.sleep(min(0.1, deadline.remaining() or 0.1))
+
+    def alive(self) -> bool:
+        """Launcher running and not reporting a dead server."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        st = self.status()
+        return not (st and st.get("state") == "failed")
+
+    def check_alive(self) -> None:
+        if not self.alive():
+            st = self.status() or {}
+            raise GymError(
+                f"{self.name}: NeMo Gym's servers are gone ({st.get('error') or 'launcher exited'}); "
+                f"end of {self.log_path}:\n{self.log_tail()}"
+            )
+
+    # ------------------------------------------------------------------ endpoint
+
+    def publish_endpoint(self, base_url: str) -> None:
+        """Tell Gym's model server where the policy is (it re-reads the file per request)."""
+        path = self.spec.endpoint_file
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(base_url + "\n")
+        os.replace(tmp, path)
+
+    # ------------------------------------------------------------------ stop
+
+    def pids(self) -> list[int]:
+        """Every live process of the launcher's group (itself and all Gym servers)."""
+        if self.pgid is None:
+            return []
+        import psutil
+
+        out = []
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(p.pid) == self.pgid and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p.pid)
+            except (ProcessLookupError, PermissionError, psutil.Error):
+                pass
+        return out
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Ask the launcher to stop its servers; after ``grace_s`` kill the whole group. Idempotent."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None and proc.stdin is not None:
+            try:
+                proc.stdin.write(b"stop\n")
+                proc.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                pass
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning(
+                "%s: launcher did not stop within %gs; killing its process group",
+                self.name,
+                grace_s,
+            )
+        if proc.stdin is not None:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        # Whatever is left of the group (a server that ignored SIGINT, a grandchild).
+        if not self._group_gone(0.0):
+            _signal_group(self.pgid, signal.SIGTERM)
+            if not self._group_gone(3.0):
+                _signal_group(self.pgid, signal.SIGKILL)
+                if not self._group_gone(3.0):
+                    log.warning("%s: process group %s survived SIGKILL", self.name, self.pgid)
+        proc.poll()
+
+    def _group_gone(self, timeout_s: float) -> bool:
+        assert self.pgid is not None
+        end = time.monotonic() + timeout_s
+        while True:
+            if self.proc is not None:
+                self.proc.poll()  # reap the launcher: a zombie still counts as a group member
+            try:
+                os.killpg(self.pgid, 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                pass
+            if not self.pids():  # only zombies left (their parents reap them)
+                return True
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.05)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+
+def _signal_group(pgid: int | None, sig: int) -> None:
+    if pgid is None:
+        return
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

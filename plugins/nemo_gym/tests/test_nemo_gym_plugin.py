@@ -1,0 +1,173 @@
+"""The nemo_gym backend without Gym's servers: declaration, light import, options,
+row cycling, result parsing; and rlcore's conformance suite (its init tests start
+real Gym servers against a stub endpoint, and skip if the Gym venv is missing)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from gym_helpers import StubEndpoint, gym_python, make_ctx
+
+from rlcore.declarations import Role, validate_declaration
+from rlcore.errors import ConfigError, RlcoreError
+from rlcore.testing import BackendConformance
+from rlcore_nemo_gym.handle import rows_for_step, start_env, to_sample
+from rlcore_nemo_gym.plugin import NemoGymOptions, rlcore_declare_backend
+from rlcore_nemo_gym.servers import find_gym_python
+
+HEAVY = ("torch", "ray", "vllm", "transformers", "nemo_gym", "httpx", "omegaconf", "psutil")
+
+
+def test_declaration_valid_and_waits_for_the_endpoint() -> None:
+    d = validate_declaration(
+        rlcore_declare_backend(), plugin="nemo_gym", distribution="rlcore-nemo-gym"
+    )
+    assert d.name == "nemo_gym" and d.roles == frozenset({Role.ENV})
+    assert d.overlap.non_colocated and d.overlap.colocated
+    assert [(n.name, n.kind) for n in d.needs] == [("generation.endpoint", "event")]
+    assert "Gym servers call the policy model" in d.needs[0].reason
+    assert d.options is NemoGymOptions and "env_name" in d.option_names()
+
+
+def test_plugin_module_imports_nothing_heavy() -> None:
+    script = (
+        "import json, sys\n"
+        "import rlcore_nemo_gym.plugin as p\n"
+        "p.rlcore_declare_backend()\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    loaded = [m for m in json.loads(out.stdout) if m.split(".")[0] in HEAVY]
+    assert loaded == [], f"rlcore_nemo_gym.plugin imports {loaded}"
+
+
+def test_unknown_option_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        make_ctx(tmp_path, {"env_nam": "x"})
+    assert info.value.key == "env.options.env_nam" and "env.options.env_name" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        make_ctx(tmp_path, {"rollout_timeout_s": "soon"})
+    assert "rollout_timeout_s" in str(info.value)
+
+
+def test_missing_gym_venv_names_the_option_and_the_install(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        find_gym_python(str(tmp_path / "nope" / "python"))
+    assert info.value.key == "env.options.gym_python"
+    assert "install.sh" in str(info.value)
+    ctx = make_ctx(tmp_path, {"gym_python": str(tmp_path / "nope" / "python")})
+    with pytest.raises(ConfigError, match="gym_python"):
+        start_env(ctx)
+    assert not (tmp_path / "run" / "nemo_gym").exists()  # nothing was started
+
+
+def test_vllm_without_its_endpoint_fails_at_once(tmp_path: Path) -> None:
+    ctx = make_ctx(tmp_path)
+    ctx.config.generation.backend = "vllm"
+    ctx.config.generation.options = {"serve_openai": False}
+    with pytest.raises(ConfigError) as info:
+        start_env(ctx)
+    assert info.value.key == "generation.options.serve_openai"
+
+
+def test_rows_cycle_by_step() -> None:
+    assert rows_for_step(5, 3, 1) == [0, 1, 2]
+    assert rows_for_step(5, 3, 2) == [3, 4, 0]
+    assert rows_for_step(5, 3, 3) == [1, 2, 3]
+    assert rows_for_step(2, 3, 1) == [0, 1, 0]
+    assert rows_for_step(5, 3, 7) == rows_for_step(5, 3, 7)
+
+
+def _turn(prompt: list[int], gen: list[int]) -> dict[str, object]:
+    return {
+        "type": "message",
+        "prompt_token_ids": prompt,
+        "generation_token_ids": gen,
+        "generation_log_probs": [-0.1 * (i + 1) for i in range(len(gen))],
+    }
+
+
+def test_to_sample_takes_the_last_model_turn() -> None:
+    result = {
+        "reward": 1,
+        "response": {
+            "output": [
+                _turn([1, 2], [3, 4]),
+                {"type": "function_call_output", "output": "sunny"},
+                _turn([1, 2, 3, 4, 9, 9], [5]),
+            ]
+        },
+    }
+    s = to_sample(result)
+    assert s == {
+        "prompt_ids": [1, 2, 3, 4, 9, 9],
+        "token_ids": [5],
+        "logprobs": [-0.1],
+        "reward": 1.0,
+        "model_turns": 2,
+    }
+
+
+def test_to_sample_rejects_results_without_token_ids_or_reward() -> None:
+    with pytest.raises(RlcoreError, match="token ids"):
+        to_sample({"reward": 1.0, "response": {"output": [{"type": "message", "content": "hi"}]}})
+    with pytest.raises(RlcoreError, match="reward"):
+        to_sample({"response": {"output": [_turn([1], [2])]}})
+    bad = _turn([1], [2, 3])
+    bad["generation_log_probs"] = [-1.0]
+    with pytest.raises(RlcoreError, match="logprobs"):
+        to_sample({"reward": 0.0, "response": {"output": [bad]}})
+
+
+# ----------------------------------------------------------------------- conformance
+
+
+@pytest.fixture(scope="module")
+def conformance_stub() -> Iterator[StubEndpoint]:
+    stub = StubEndpoint().start()
+    yield stub
+    stub.stop()
+
+
+class TestNemoGymConformance(BackendConformance):
+    plugin = "rlcore_nemo_gym.plugin"
+    init_timeout_s = 150.0
+    settle_s = 10.0
+    heavy_modules = (*BackendConformance.heavy_modules, "nemo_gym", "httpx")
+    _stub: StubEndpoint | None = None
+
+    @pytest.fixture(autouse=True)
+    def _endpoint(self, conformance_stub: StubEndpoint) -> None:
+        type(self)._stub = conformance_stub
+
+    def conformance_events(self) -> dict[str, object]:
+        if gym_python() is None:
+            pytest.skip("the NeMo Gym venv (.venv-gym) is not installed: run install.sh")
+        assert self._stub is not None
+        return {"generation.endpoint": self._stub.endpoint}
+
+
+def test_example_plan_starts_gym_at_once_and_waits_for_the_endpoint_inside() -> None:
+    pytest.importorskip("rlcore_fsdp")
+    pytest.importorskip("rlcore_vllm")
+    from rlcore.config import load_config
+    from rlcore.registry import load_registry, plan_for
+
+    repo = Path(__file__).resolve().parents[3]
+    config = load_config(repo / "examples" / "nemo_gym.yaml")
+    plan = plan_for(load_registry(), config)
+    assert plan.predecessors("init:env") == []  # no edge into init:env (rule 5)
+    [wait] = [w for w in plan.waits if w.task == "init:env"]
+    assert (wait.target, wait.kind, wait.producer) == (
+        "generation.endpoint",
+        "event",
+        "refit:initial",
+    )
+    assert plan.posts["refit:initial"] == ("generation.endpoint",)
