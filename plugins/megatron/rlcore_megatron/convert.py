@@ -303,7 +303,7 @@ def build_gpt_model(
     config = megatron_config_from_hf(
         spec, tp, dtype=dtype, perform_initialization=init_weights, **config_overrides
     )
-    return GPTModel(
+    model = GPTModel(
         config,
         get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=spec.padded_vocab_size(tp, make_vocab_size_divisible_by),
@@ -316,6 +316,40 @@ def build_gpt_model(
         rope_scaling=spec.rope_scaling_factor is not None,
         rope_scaling_factor=spec.rope_scaling_factor or 8.0,
     )
+    mark_tensor_parallel(model)
+    return model
+
+
+def mark_tensor_parallel(model: Any) -> None:
+    """Set megatron-core's tensor-parallel attributes on every parameter.
+
+    megatron-core sets ``tensor_model_parallel`` / ``partition_dim`` on the weights of
+    its parallel layers only while initialising them: with
+    ``perform_initialization=False`` (weights to be loaded) they are missing, and
+    code that tells sharded from replicated parameters by them (gradient norms,
+    ``param_is_not_tensor_parallel_duplicate``) would take every shard for a
+    duplicate. Set them as initialisation would (column-parallel and vocab-parallel
+    weights split on dim 0, row-parallel on dim 1), and the defaults
+    (replicated) elsewhere, as Megatron-LM's ``get_model`` does.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_defaults_if_not_set_tensor_model_parallel_attributes,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        if isinstance(module, ColumnParallelLinear | VocabParallelEmbedding):
+            set_tensor_model_parallel_attributes(weight, True, 0, 1)
+        elif isinstance(module, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, True, 1, 1)
+    for param in model.parameters():
+        set_defaults_if_not_set_tensor_model_parallel_attributes(param)
 
 
 # ---------------------------------------------------------------------------
@@ -702,3 +736,124 @@ def export_hf_weights(model: Any, spec: ModelSpec) -> Iterator[tuple[str, torch.
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group() if tp_size > 1 else None
     return megatron_to_hf(lambda name: params[name].detach(), spec, tp_size=tp_size, group=group)
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face state_dict view (what refit moves between backends)
+# ---------------------------------------------------------------------------
+
+#: The alias a Hugging Face ``state_dict`` carries for tied input/output embeddings.
+TIED_ALIAS = "lm_head.weight"
+
+
+def state_dict_names(spec: ModelSpec) -> list[str]:
+    """Names of the Hugging Face ``state_dict`` in refit stream order.
+
+    :func:`hf_names` (what ``save_pretrained`` writes), plus ``lm_head.weight`` at
+    the end for tied embeddings: ``state_dict()`` lists a tied weight under both
+    names, and so do the other backends' refit specs (vLLM, FSDP), so the Megatron
+    backend sends and accepts the alias too.
+    """
+    names = hf_names(spec)
+    if spec.tie_word_embeddings:
+        names.append(TIED_ALIAS)
+    return names
+
+
+def tensor_specs(spec: ModelSpec, dtype: str) -> list[Any]:
+    """``rlcore.refit.specs.TensorSpec`` of every refit tensor, in stream order.
+
+    From :func:`hf_shapes` alone: no weight is read or built, so a refit-fed
+    generation and the driver can both answer it.
+    """
+    from rlcore.refit.specs import TensorSpec
+
+    shapes = hf_shapes(spec)
+    shapes.setdefault(TIED_ALIAS, (spec.vocab_size, spec.hidden_size))
+    dtype = _DTYPES.get(dtype, dtype)
+    return [TensorSpec(name, tuple(shapes[name]), dtype) for name in state_dict_names(spec)]
+
+
+def export_hf_state_dict(model: Any, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`export_hf_weights` plus the tied alias: exactly :func:`state_dict_names`.
+
+    Collective over the tensor-parallel group, like :func:`megatron_to_hf`: every
+    rank of the group iterates it to the end. The alias is gathered again from the
+    embedding (one more all-gather) rather than kept alive since the first tensor.
+    """
+    from megatron.core import parallel_state
+
+    yield from export_hf_weights(model, spec)
+    if spec.tie_word_embeddings:
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        group = parallel_state.get_tensor_model_parallel_group() if tp_size > 1 else None
+        embed = dict(model.named_parameters())["embedding.word_embeddings.weight"].detach()
+        yield TIED_ALIAS, _all_gather(embed, 0, group, tp_size)[: spec.vocab_size]
+
+
+def vocab_divisor(padded_vocab_size: int, tp: int) -> int:
+    """The ``make_vocab_size_divisible_by`` that pads to exactly ``padded_vocab_size`` at ``tp``.
+
+    A checkpoint written at the policy's tensor-parallel size has that size's
+    padded vocabulary; a generation at another size builds its model with this
+    divisor so the global embedding shapes agree.
+    """
+    if padded_vocab_size % tp:
+        raise ConversionError(
+            f"padded vocabulary {padded_vocab_size} is not divisible by tensor_model_parallel_size {tp}"
+        )
+    return padded_vocab_size // tp
+
+
+def load_hf_stream(
+    model: Any,
+    stream: Iterator[tuple[str, torch.Tensor]],
+    spec: ModelSpec,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    make_vocab_size_divisible_by: int = 128,
+) -> int:
+    """Load a ``(hf_name, full tensor)`` stream, in any order, into a local-spec ``GPTModel``.
+
+    The stream is what a refit receives (:func:`rlcore.refit.channels.receive_weights`):
+    every name of :func:`hf_names`, optionally the tied alias (ignored: the embedding
+    carries it). Tensors that arrive before :func:`hf_to_megatron` asks for them are
+    buffered (at most about one layer when the sender's order follows the layers).
+    Every parameter is written exactly once (:func:`load_hf_weights`); a name the
+    model does not know, a missing one or a leftover raises :class:`ConversionError`.
+    Returns the number of tensors consumed.
+    """
+    pending: dict[str, Any] = {}
+    count = 0
+    it = iter(stream)
+
+    def get(name: str) -> torch.Tensor:
+        nonlocal count
+        while name not in pending:
+            try:
+                got, tensor = next(it)
+            except StopIteration:
+                raise ConversionError(f"refit stream ended before {name!r}") from None
+            if got in pending:
+                raise ConversionError(f"refit stream sent {got!r} twice")
+            pending[got] = tensor
+            count += 1
+        return pending.pop(name)
+
+    load_hf_weights(
+        model,
+        get,
+        spec,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+    )
+    for name, tensor in it:
+        pending[name] = tensor
+        count += 1
+    if spec.tie_word_embeddings:
+        pending.pop(TIED_ALIAS, None)
+    if pending:
+        raise ConversionError(f"refit stream sent tensors the model does not have: {sorted(pending)}")
+    return count

@@ -95,3 +95,29 @@ def causal_logits(model: Any, input_ids: torch.Tensor, *, gather: bool = True) -
         parts, logits.contiguous(), group=parallel_state.get_tensor_model_parallel_group()
     )
     return torch.cat(parts, dim=-1)
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``log p(target)`` from this rank's vocab-parallel logits, padded vocabulary masked.
+
+    ``logits`` ``[..., Vp / tp]`` is this tensor-parallel rank's slice of the padded
+    vocabulary (``parallel_output=True``), ``target`` ``[...]`` holds token ids.
+    Entries at ids ``>= vocab_size`` (Megatron's vocabulary padding) are set to
+    ``-inf`` first, so the normaliser covers exactly the Hugging Face vocabulary.
+    The logits are never gathered: megatron-core's ``vocab_parallel_cross_entropy``
+    all-reduces the max, the sum of exponentials and the target logit over the
+    tensor-parallel group (every rank must call). Differentiable; float32 result.
+    """
+    import torch
+    from megatron.core import parallel_state, tensor_parallel
+
+    part = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * part
+    x = logits.float()
+    if start + part > vocab_size:
+        ids = torch.arange(start, start + part, device=logits.device)
+        x = x.masked_fill(ids >= vocab_size, float("-inf"))
+    else:
+        # vocab_parallel_cross_entropy works in place on its input: never on the caller's.
+        x = x.clone()
+    return -tensor_parallel.vocab_parallel_cross_entropy(x.contiguous(), target)

@@ -1,14 +1,24 @@
-"""The rlcore plugin: declaration and options of the ``megatron`` backend.
+"""The rlcore plugin: declaration, options and init hooks of the ``megatron`` backend.
 
 This module is the entry point (``rlcore.backends: megatron``); ``rlcore
-plugins`` and every Ray worker import it, so it imports neither torch nor
-megatron-core. Init hooks are not implemented yet: the backend is declared
-(and listed, planned, checked) but cannot be started.
+plugins`` and every Ray worker import it, so it imports neither torch, ray nor
+megatron-core. The init hooks hand over to :mod:`rlcore_megatron.handle`, which
+starts :mod:`rlcore_megatron.worker` classes in Ray worker groups.
+
+About ``megatron.checkpoint``: the policy produces it only when the run's
+generation needs it (generation backend ``megatron`` and not refit-fed). A
+declaration condition cannot say so: conditions are evaluated on the
+*producer's* view of the config (``refit_fed``, ``colocated``, ``workers``,
+``options.*`` of the policy section), and the policy section has no
+``refit_fed``. So the artifact is declared unconditionally -- harmless for the
+plan, where an artifact nobody needs draws no edge and no wait -- and the policy
+init checks ``config.generation`` and skips the conversion when no one needs it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rlcore.declarations import (
     Artifact,
@@ -20,6 +30,10 @@ from rlcore.declarations import (
     Transport,
 )
 from rlcore.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from rlcore.context import InitContext
+    from rlcore_megatron.handle import MegatronGeneration, MegatronPolicy
 
 #: Name of the converted checkpoint artifact (``<cache>/megatron.checkpoint/<key>``).
 CHECKPOINT_ARTIFACT = "megatron.checkpoint"
@@ -40,8 +54,22 @@ class MegatronOptions:
     #: Seed of megatron-core's RNG states (tensor-parallel and data-parallel).
     seed: int = 0
     #: Timeout in seconds of every collective of the backend's process groups
-    #: (conversion ranks included).
+    #: (conversion ranks included) and of each driver call to the workers after init.
     timeout_s: float = 300.0
+    #: ``auto`` (CUDA when the Ray cluster has GPUs), ``cpu`` or ``cuda``.
+    device: str = "auto"
+    #: Torch CPU threads per rank; 0: ``<role>.devices_per_worker`` on CPU, 1 on CUDA.
+    threads_per_worker: int = 0
+    #: Rows per forward (and backward) pass on each rank; larger shards are split.
+    micro_batch_size: int = 32
+    #: (policy) Clip the global gradient norm to this value; ``<= 0``: measure only.
+    max_grad_norm: float = 1.0
+    #: (policy) AdamW weight decay; the learning rate comes with every train step.
+    weight_decay: float = 0.0
+    #: (generation) Requests the static engine runs in one batch (its KV cache size).
+    max_batch_size: int = 64
+    #: (generation) Longest prompt + completion, in tokens (KV cache length).
+    max_sequence_length: int = 512
 
 
 @hookimpl
@@ -80,10 +108,28 @@ def rlcore_declare_backend() -> BackendDeclaration:
         refit_fed=True,
         send_transports={Transport.COLLECTIVE, Transport.DISK, Transport.SHARED_MEMORY},
         receive_transports={Transport.COLLECTIVE, Transport.DISK, Transport.SHARED_MEMORY},
-        openai_endpoint=True,
+        # megatron-core's OpenAI-compatible server needs its dynamic engine (CUDA);
+        # the static engine used here has none, so none is declared.
+        openai_endpoint=False,
         options=MegatronOptions,
         description=(
             "megatron-core GPTModel (local layer spec, tensor parallel over gloo/NCCL) as "
             "policy and static-batch generation; Llama-family and Qwen2 checkpoints"
         ),
     )
+
+
+@hookimpl
+def rlcore_init_policy(ctx: InitContext) -> MegatronPolicy:
+    """Start ``policy.workers`` ranks (see :func:`rlcore_megatron.handle.start_policy`)."""
+    from rlcore_megatron.handle import start_policy
+
+    return start_policy(ctx)
+
+
+@hookimpl
+def rlcore_init_generation(ctx: InitContext) -> MegatronGeneration:
+    """Start ``generation.workers`` ranks (see :func:`rlcore_megatron.handle.start_generation`)."""
+    from rlcore_megatron.handle import start_generation
+
+    return start_generation(ctx)
