@@ -111,3 +111,15 @@ def test_sender_stream_out_of_plan_is_an_error(tmp_path) -> None:
     with pytest.raises(RefitError, match="out of plan"):
         send_weights(spec, 1, iter(shuffled), plan_buckets(specs, 1 << 20))
     assert not (tmp_path / "oop" / "step-000001").exists()  # nothing published
+
+
+def test_sender_tensor_of_another_dtype_is_an_error(tmp_path) -> None:
+    """Receivers size buffers from the plan: a bf16 tensor where the plan says fp32 must stop the send."""
+    weights = _weights()
+    specs = [spec_of(n, t) for n, t in weights.items()]
+    wrong = dict(weights)
+    wrong["model.norm.weight"] = wrong["model.norm.weight"].to(torch.bfloat16)
+    spec = ChannelSpec("disk", "dtype", 2, root=str(tmp_path))
+    with pytest.raises(RefitError, match="model.norm.weight.*plan says"):
+        send_weights(spec, 1, iter(wrong.items()), plan_buckets(specs, 1 << 20))
+    assert not (tmp_path / "dtype" / "step-000001").exists()

@@ -123,7 +123,12 @@ def _step_dir(spec: ChannelSpec, step: int) -> Path:
 def _buckets_in_order(
     named: Iterable[tuple[str, Any]], buckets: Sequence[Sequence[TensorSpec]]
 ) -> Iterator[tuple[int, list[Any]]]:
-    """Regroup a (name, tensor) stream into the planned buckets, checking names on the way."""
+    """Regroup a (name, tensor) stream into the planned buckets, checking each tensor on the way.
+
+    Names, shapes and dtypes must be the plan's: receivers size their buffers from the
+    plan alone, so a tensor of another dtype would shift every byte after it (NCCL does
+    not notice; gloo aborts the receiving process).
+    """
     it = iter(named)
     for i, bucket in enumerate(buckets):
         tensors = []
@@ -134,6 +139,11 @@ def _buckets_in_order(
                 raise RefitError(f"sender stream ended before '{s.name}' (bucket {i})") from None
             if name != s.name:
                 raise RefitError(f"sender stream out of plan: got '{name}', expected '{s.name}' (bucket {i})")
+            got = (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+            if got != (tuple(s.shape), s.dtype):
+                raise RefitError(
+                    f"sender stream: '{name}' is {got[0]} {got[1]}, the plan says {tuple(s.shape)} {s.dtype} (bucket {i})"
+                )
             tensors.append(t)
         yield i, tensors
 

@@ -855,5 +855,7 @@ def load_hf_stream(
     if spec.tie_word_embeddings:
         pending.pop(TIED_ALIAS, None)
     if pending:
-        raise ConversionError(f"refit stream sent tensors the model does not have: {sorted(pending)}")
+        raise ConversionError(
+            f"refit stream sent tensors the model does not have: {sorted(pending)}"
+        )
     return count

@@ -309,6 +309,16 @@ def _install_text_generation() -> None:
     _cpu_event_for(Controller.generate_all_output_tokens_static_batch)
 
 
+def _install_gather_last_dim() -> None:
+    # megatron.core.tensor_parallel.mappings._gather_along_last_dim allocates the
+    # all-gather output on torch.cuda.current_device(). Inference gathers the
+    # vocab-parallel logits with it (GPTModel's output layer, runtime_gather_output=True)
+    # whenever tensor parallelism is > 1: the static engine at TP=2.
+    from megatron.core.tensor_parallel import mappings
+
+    _cpu_device_for(mappings._gather_along_last_dim)
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "rng_tracker",
@@ -357,6 +367,13 @@ PATCHES: tuple[Patch, ...] = (
         "sampling generator, prompt tokens and bookkeeping on torch.cuda.current_device(), "
         "a .cuda() call and torch.cuda.Event timing",
         _install_text_generation,
+    ),
+    Patch(
+        "gather_last_dim",
+        "megatron.core.tensor_parallel.mappings: _gather_along_last_dim "
+        "(logits gathered over TP ranks for inference, TP > 1)",
+        "allocates the all-gather output on torch.cuda.current_device()",
+        _install_gather_last_dim,
     ),
 )
 

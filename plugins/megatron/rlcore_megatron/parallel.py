@@ -97,7 +97,9 @@ def causal_logits(model: Any, input_ids: torch.Tensor, *, gather: bool = True) -
     return torch.cat(parts, dim=-1)
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def vocab_parallel_logprobs(
+    logits: torch.Tensor, target: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
     """``log p(target)`` from this rank's vocab-parallel logits, padded vocabulary masked.
 
     ``logits`` ``[..., Vp / tp]`` is this tensor-parallel rank's slice of the padded

@@ -220,10 +220,14 @@ def reference_logprobs(model: Any, batch: list) -> list[list[float]]:
 def perturbed_old(logprobs: list[list[float]]) -> list[list[float]]:
     """Old logprobs off by -0.3, +0.05 or +0.3: some ratios leave the clip range, some not."""
     shifts = (-0.3, 0.05, 0.3)
-    return [[lp + shifts[(i + j) % 3] for j, lp in enumerate(row)] for i, row in enumerate(logprobs)]
+    return [
+        [lp + shifts[(i + j) % 3] for j, lp in enumerate(row)] for i, row in enumerate(logprobs)
+    ]
 
 
-def reference_step(model: Any, batch: list, adv: list, old: list, *, max_grad_norm: float = 1.0) -> dict:
+def reference_step(
+    model: Any, batch: list, adv: list, old: list, *, max_grad_norm: float = 1.0
+) -> dict:
     """The GRPO step written independently: per-row forward, global token mean, AdamW."""
     import torch
 
@@ -249,3 +253,45 @@ def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
         (abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)),
         default=0.0,
     )
+
+
+def tp_generate_worker(
+    rank: int, world: int, init_method: str, model_dir: str, out_file: str
+) -> None:
+    """One rank of a tensor-parallel MegatronGenerationWorker fed the checkpoint's weights.
+
+    Generates with a fixed seed; each rank writes ``out_file.<rank>`` (JSON): the
+    samples, or the error it hit (errors are reported, not raised).
+    """
+    from rlcore_megatron import convert
+    from rlcore_megatron.parallel import init_process_group
+    from rlcore_megatron.plugin import MegatronOptions
+    from rlcore_megatron.worker import MegatronGenerationWorker
+
+    report: dict[str, Any] = {}
+    init_process_group(rank, world, init_method, timeout_s=60)
+    g = MegatronGenerationWorker(rank, world)
+    try:
+        g.start(
+            model_dir,
+            "float32",
+            MegatronOptions(tensor_model_parallel_size=world, max_batch_size=8),
+        )
+        with convert.HFCheckpoint(model_dir) as ckpt:
+            stream = ((n, ckpt.get(n)) for n in convert.hf_names(g.spec))
+            convert.load_hf_stream(
+                g.model,
+                stream,
+                g.spec,
+                tp_rank=g.tp_rank,
+                tp_size=world,
+                make_vocab_size_divisible_by=g.divisible,
+            )
+        g.serving = True
+        report["prompts"] = [[2, 5, 6], [2, 11, 14, 9]]
+        report["samples"] = g.generate(report["prompts"], 3, 4, 1.0, 5)
+    except Exception:
+        report["error"] = traceback.format_exc()
+    finally:
+        g.teardown()
+    Path(f"{out_file}.{rank}").write_text(json.dumps(report))

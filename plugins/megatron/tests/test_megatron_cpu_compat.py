@@ -30,11 +30,13 @@ FAILS_AT = {
     "kv_cache_device": "generate",
     "static_generation": "generate",
 }
+#: Patches of code paths that only tensor parallelism > 1 takes (tested with 2 ranks below).
+TP_ONLY = ("gather_last_dim",)
 CUDA_ERRORS = ("Torch not compiled with CUDA enabled", "dummy base class Event")
 
 
 def test_every_patch_is_tested() -> None:
-    assert sorted(FAILS_AT) == sorted(cpu_compat.names())
+    assert sorted([*FAILS_AT, *TP_ONLY]) == sorted(cpu_compat.names())
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def runs(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
             str(llama_dir),
             str(root / "runs"),
             "all",
-            *cpu_compat.names(),
+            *sorted(FAILS_AT),
         ],
         capture_output=True,
         text=True,
@@ -100,3 +102,45 @@ def test_causal_mask_masks_the_future() -> None:
     m = cpu_compat.causal_mask(3)
     assert m.shape == (1, 1, 3, 3)
     assert m[0, 0].tolist() == [[False, True, True], [False, False, True], [False, False, False]]
+
+
+def _tp2_generation(model_dir: Path, work: Path, disable: str | None) -> list[dict[str, Any]]:
+    from _megatron_helpers import spawn_ranks, tp_generate_worker
+
+    saved = os.environ.get(cpu_compat.DISABLE_ENV)
+    if disable:
+        os.environ[cpu_compat.DISABLE_ENV] = disable  # the spawned ranks inherit it
+    try:
+        work.mkdir()
+        spawn_ranks(
+            tp_generate_worker,
+            2,
+            ((work / "rendezvous").as_uri(), str(model_dir), str(work / "out")),
+            timeout_s=240,
+        )
+    finally:
+        if saved is None:
+            os.environ.pop(cpu_compat.DISABLE_ENV, None)
+        else:
+            os.environ[cpu_compat.DISABLE_ENV] = saved
+    return [json.loads((work / f"out.{r}").read_text()) for r in range(2)]
+
+
+def test_tp2_static_generation_needs_gather_last_dim(llama_dir: Path, tmp_path: Path) -> None:
+    """The static engine at TP=2 gathers vocab-parallel logits (megatron-core allocates the
+    gather on CUDA): with the patch it generates, the same samples on both ranks, with
+    transformers' logprobs; without it, the CUDA error."""
+    from _megatron_helpers import hf_model, max_diff, reference_logprobs
+
+    ok = _tp2_generation(llama_dir, tmp_path / "patched", None)
+    assert all("error" not in r for r in ok), ok
+    assert ok[0]["samples"] == ok[1]["samples"]
+    rows = [
+        (p, s["token_ids"])
+        for p, g in zip(ok[0]["prompts"], ok[0]["samples"], strict=True)
+        for s in g
+    ]
+    got = [s["logprobs"] for g in ok[0]["samples"] for s in g]
+    assert max_diff(got, reference_logprobs(hf_model(llama_dir), rows)) < 1e-4
+    broken = _tp2_generation(llama_dir, tmp_path / "unpatched", "gather_last_dim")
+    assert all(any(e in r.get("error", "") for e in CUDA_ERRORS) for r in broken), broken

@@ -27,7 +27,10 @@ def test_declaration_is_valid_and_says_what_the_brief_says() -> None:
     assert decl.needed(Role.POLICY, {"refit_fed": False}) == []
     both = {Transport.COLLECTIVE, Transport.DISK, Transport.SHARED_MEMORY}
     assert decl.send_transports == both and decl.receive_transports == both
-    assert decl.refit_fed and decl.openai_endpoint and decl.options is MegatronOptions
+    assert decl.refit_fed and decl.options is MegatronOptions
+    # The static engine serves no OpenAI-compatible endpoint (megatron-core's server needs
+    # the dynamic engine, i.e. CUDA): the declaration does not claim one.
+    assert not decl.openai_endpoint
 
 
 def test_options_are_checked_against_the_dataclass() -> None:
@@ -35,6 +38,9 @@ def test_options_are_checked_against_the_dataclass() -> None:
         {"tensor_model_parallel_size": 2}, MegatronOptions, section="policy", backend="megatron"
     )
     assert opts == MegatronOptions(tensor_model_parallel_size=2)
+    assert {"micro_batch_size", "max_grad_norm", "max_batch_size", "device"} <= set(
+        MegatronOptions.__dataclass_fields__
+    )
     with pytest.raises(ConfigError, match="tensor_model_parallel_size"):
         resolve_options(
             {"tensor_parallel_size": 2}, MegatronOptions, section="policy", backend="megatron"
@@ -43,7 +49,8 @@ def test_options_are_checked_against_the_dataclass() -> None:
 
 def test_plugin_and_checkpoint_key_import_no_heavy_module() -> None:
     code = (
-        "import sys, rlcore_megatron.plugin, rlcore_megatron.checkpoint, rlcore_megatron.convert; "
+        "import sys, rlcore_megatron.plugin, rlcore_megatron.checkpoint, rlcore_megatron.convert, "
+        "rlcore_megatron.handle; "
         "print(sorted(m for m in ('torch', 'megatron', 'ray', 'transformers', 'safetensors') if m in sys.modules))"
     )
     out = subprocess.run(

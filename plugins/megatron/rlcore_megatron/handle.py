@@ -1,0 +1,659 @@
+"""Driver-side handles of the Megatron backend, and the bodies of its init hooks.
+
+:func:`start_policy` and :func:`start_generation` are what ``rlcore_init_policy``
+and ``rlcore_init_generation`` run (in the driver, inside the setup tasks
+``init:policy`` and ``init:generation``). They start Ray worker groups of
+:mod:`rlcore_megatron.worker` classes and return :class:`MegatronPolicy` /
+:class:`MegatronGeneration`, which implement :class:`rlcore.handles.RefitSender`
+and :class:`rlcore.handles.RefitReceiver` and the calls of the training loop.
+
+Setup overlap, as declared:
+
+* The policy **publishes** the converted checkpoint (``megatron.checkpoint``,
+  keyed by :func:`rlcore_megatron.checkpoint.checkpoint_key` of the model and the
+  policy's options) through the core's ``rlcore_publish`` hook, but only when the
+  run's generation needs it (generation backend ``megatron``, not refit-fed). The
+  conversion runs in its own processes, at the same time as the policy's workers
+  start and load the Hugging Face checkpoint directly.
+* A generation that loads the checkpoint starts at once: it starts its workers
+  and builds model and engine, then waits inside its init
+  (``ctx.wait_artifact``, cancellable, with the task's deadline) and loads it.
+* A refit-fed generation builds the model from the Hugging Face config alone and
+  serves after ``refit:initial``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rlcore.context import InitContext
+from rlcore.errors import ConfigError, RlcoreError
+from rlcore.refit.specs import TensorSpec
+from rlcore.waiting import CancelToken
+from rlcore.workers import WorkerGroup
+from rlcore_megatron.plugin import CHECKPOINT_ARTIFACT, MegatronOptions
+
+log = logging.getLogger(__name__)
+
+POLICY_GROUP = "megatron-policy"
+GENERATION_GROUP = "megatron-generation"
+BACKEND = "megatron"
+
+
+def checkpoint_needed(config: Any) -> bool:
+    """Whether the run's generation loads the converted checkpoint the policy publishes."""
+    gen = config.generation
+    return gen.backend == BACKEND and not bool(gen.refit_fed)
+
+
+def _options(raw: Any, section: str = "policy") -> MegatronOptions:
+    if isinstance(raw, MegatronOptions):
+        return raw
+    from rlcore.config import resolve_options
+
+    return resolve_options(dict(raw or {}), MegatronOptions, section=section, backend=BACKEND)
+
+
+def _resolve_device(requested: str, section: str) -> str:
+    import ray
+
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ConfigError(
+            f"{section}.options.device of backend 'megatron' is {requested!r}; use auto, cpu or cuda",
+            key=f"{section}.options.device",
+        )
+    if requested != "auto":
+        return requested
+    return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+
+
+def _group_kwargs(
+    section: Any, options: MegatronOptions, device: str, ctx: InitContext
+) -> dict[str, Any]:
+    """Resources, environment and process-group backend of a worker group."""
+    if device == "cuda":
+        threads = options.threads_per_worker or 1
+        resources = {"num_cpus": 1.0, "num_gpus": 1.0}
+        backend = "nccl"
+    else:
+        threads = options.threads_per_worker or max(1, int(section.devices_per_worker))
+        resources = {"num_cpus": float(section.devices_per_worker), "num_gpus": 0.0}
+        backend = "gloo"
+    return {
+        **resources,
+        "env": {
+            "OMP_NUM_THREADS": str(threads),
+            "TOKENIZERS_PARALLELISM": "false",
+            # megatron-core's static engine draws a tqdm bar per batch; its import
+            # warns about missing Transformer Engine / Apex in every process.
+            "TQDM_DISABLE": "1",
+            "PYTHONWARNINGS": "ignore",
+        },
+        "dist_backend": backend,
+        "timeout_s": options.timeout_s,
+        "cancel": ctx.cancel,
+        "deadline": ctx.deadline,
+    }
+
+
+def _check_tp(spec: Any, workers: int, options: MegatronOptions, section: str) -> None:
+    tp = int(options.tensor_model_parallel_size)
+    if tp < 1 or workers % tp:
+        raise ConfigError(
+            f"{section}.workers = {workers} is not a multiple of "
+            f"{section}.options.tensor_model_parallel_size = {tp}",
+            key=f"{section}.workers",
+        )
+    from rlcore_megatron.convert import ConversionError
+
+    try:
+        spec.check_tp(tp)
+    except ConversionError as err:
+        raise ConfigError(
+            f"{section}.options.tensor_model_parallel_size: {err}",
+            key=f"{section}.options.tensor_model_parallel_size",
+        ) from err
+
+
+def _check_go(ctx: InitContext) -> None:
+    """Raise before starting workers when setup was cancelled or the deadline passed."""
+    ctx.cancel.raise_if_cancelled(ctx.task)
+    ctx.deadline.raise_if_expired(ctx.task)
+
+
+class _Handle:
+    """What both handles share: the group, its layout, shutdown."""
+
+    kind = "megatron"
+
+    def __init__(
+        self, group: WorkerGroup, layout: Sequence[dict[str, Any]], info: dict[str, Any]
+    ) -> None:
+        self.group = group
+        self.layout = [dict(x) for x in layout]
+        self.info = dict(info)
+        self._closed = False
+        self._lock = threading.Lock()
+        # The rank that answers for each data-parallel replica: its tensor-parallel rank 0.
+        leads = sorted((x["dp_rank"], x["rank"]) for x in self.layout if x["tp_rank"] == 0)
+        self._leads = [rank for _, rank in leads]
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RlcoreError(f"{self.group.name}: the megatron {self.kind} handle was shut down")
+
+    def _replicas(self, parts: Sequence[Sequence[Any]]) -> list[Any]:
+        """Concatenate per-rank shard results, one per data-parallel replica, in order."""
+        return [row for rank in self._leads for row in parts[rank]]
+
+    def pids(self) -> list[int]:
+        """Process ids of the ranks (for leak checks)."""
+        self._check_open()
+        return self.group.pids()
+
+    def shutdown(self) -> None:
+        """Release every actor (graceful teardown, then kill); forget refit channels. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        from rlcore.refit.sync import forget_sessions
+
+        forget_sessions(self)
+        self.group.shutdown()
+
+
+class MegatronPolicy(_Handle):
+    """A started Megatron policy: ``workers`` :class:`~rlcore_megatron.worker.MegatronPolicyWorker`
+    ranks (tensor parallel ``options.tensor_model_parallel_size``, the rest data parallel).
+
+    Implements :class:`rlcore.handles.RefitSender` (rank 0 sends; the ranks of
+    replica 0 gather in lockstep) and the policy side of :func:`rlcore.grpo.run_grpo`.
+    Every call waits through :meth:`rlcore.workers.WorkerGroup.call` (cancellation,
+    a deadline of ``options.timeout_s``, the failing rank named).
+
+    Attributes:
+        device_type: ``cpu`` or ``cuda`` (gloo or NCCL for collective refit).
+        info: init timings (seconds): ``init_s``, ``group_start_s``, ``build_s``,
+            ``load_s``, ``convert_s`` (0 when no checkpoint was published); the
+            published ``checkpoint`` and ``checkpoint_published_at`` (``time.monotonic()``).
+    """
+
+    kind = "policy"
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        *,
+        device_type: str,
+        specs: Sequence[TensorSpec],
+        layout: Sequence[dict[str, Any]],
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(group, layout, info or {})
+        self.device_type = device_type
+        self._specs = list(specs)
+
+    # ------------------------------------------------------------ refit sender
+
+    def weight_specs(self) -> list[TensorSpec]:
+        """Every weight under its Hugging Face name, full shape, dtype, in exact send order.
+
+        Computed from the model's config (:func:`rlcore_megatron.convert.tensor_specs`):
+        no weight is touched.
+        """
+        self._check_open()
+        return list(self._specs)
+
+    def refit_address(self) -> tuple[str, int]:
+        self._check_open()
+        host, port = self.group.call("refit_address", ranks=[0], what="refit address")[0]
+        return str(host), int(port)
+
+    def open_refit_channel(self, spec: Any) -> list[Any]:
+        self._check_open()
+        return self.group.call_async("open_refit_channel", spec)
+
+    def refit_ceiling(self, spec: Any, step: int, nbytes: int) -> list[Any]:
+        """Raw bytes over an open refit channel from rank 0 (bench); Ray refs."""
+        self._check_open()
+        return self.group.call_async("refit_ceiling", spec, step, nbytes, ranks=[0])
+
+    def send_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
+        import ray
+
+        self._check_open()
+        plan = ray.put(buckets)
+        return self.group.call_async("send_weights", spec, step, plan)
+
+    # ------------------------------------------------------------ training loop
+
+    def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        """Per-token logprobs of each row's completion; rows split over the replicas."""
+        import ray
+
+        self._check_open()
+        rows = ray.put([(list(p), list(c)) for p, c in batch])
+        return self._replicas(self.group.call("logprobs", rows, what="logprobs"))
+
+    def train_step(
+        self,
+        batch: Sequence[tuple[Sequence[int], Sequence[int]]],
+        advantages: Sequence[float],
+        old_logprobs: Sequence[Sequence[float]] | None = None,
+        *,
+        clip_eps: float = 0.2,
+        lr: float = 1e-5,
+    ) -> dict[str, float]:
+        """One GRPO step on every rank; returns rank 0's metrics (``loss``, ``grad_norm``,
+        ``clip_fraction``, ``tokens``, ``lr``)."""
+        import ray
+
+        self._check_open()
+        rows = ray.put([(list(p), list(c)) for p, c in batch])
+        adv = ray.put([float(a) for a in advantages])
+        old = ray.put(None if old_logprobs is None else [list(map(float, r)) for r in old_logprobs])
+        results = self.group.call(
+            "train_step", rows, adv, old, float(clip_eps), float(lr), what="train step"
+        )
+        return dict(results[0])
+
+
+class MegatronGeneration(_Handle):
+    """A started Megatron generation engine: ``workers`` :class:`~rlcore_megatron.worker.MegatronGenerationWorker`
+    ranks running megatron-core's static inference engine (tensor parallel
+    ``options.tensor_model_parallel_size``, the rest independent replicas).
+
+    Implements :class:`rlcore.handles.RefitReceiver` (every rank is a receiver:
+    rank ``i`` is refit channel rank ``1 + i`` and loads its own slices) and the
+    generation side of :func:`rlcore.grpo.run_grpo`. It serves no OpenAI-compatible
+    endpoint (``endpoint`` is None).
+
+    ``info``: ``init_s``, ``group_start_s``, ``start_s`` (model and engine),
+    ``refit_fed``; loading the checkpoint: ``checkpoint``, ``checkpoint_wait_s``
+    (inside the init, after the engine was built), ``checkpoint_load_s``, and
+    ``started_at`` / ``checkpoint_at`` (``time.monotonic()`` of the init's start and
+    of the checkpoint's arrival).
+    """
+
+    kind = "generation"
+    endpoint = None
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        *,
+        device_type: str,
+        specs: Sequence[TensorSpec],
+        layout: Sequence[dict[str, Any]],
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(group, layout, info or {})
+        self.device_type = device_type
+        self.refit_ranks = group.world_size
+        self._specs = list(specs)
+
+    def _actors(self) -> list[Any]:
+        self._check_open()
+        return self.group.actors
+
+    # ------------------------------------------------------------ refit receiver
+
+    def weight_specs(self) -> list[TensorSpec]:
+        """Every weight the engine expects (Hugging Face names), from the config alone."""
+        self._check_open()
+        return list(self._specs)
+
+    def open_refit_channel(self, spec: Any) -> list[Any]:
+        return [a.open_refit_channel.remote(spec, 1 + i) for i, a in enumerate(self._actors())]
+
+    def refit_ceiling(self, spec: Any, step: int, nbytes: int) -> list[Any]:
+        """Every rank receives ``nbytes`` raw over the channel (bench); Ray refs."""
+        return [a.refit_ceiling.remote(spec, step, nbytes) for a in self._actors()]
+
+    def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
+        import ray
+
+        plan = ray.put(buckets)
+        return [a.receive_weights.remote(spec, step, plan) for a in self._actors()]
+
+    # ------------------------------------------------------------ training loop
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+    ) -> list[list[dict[str, list]]]:
+        """``n`` samples per prompt, each ``{"token_ids": [...], "logprobs": [...]}``.
+
+        Prompts are split over the replicas in contiguous slices; each replica
+        seeds its sampler from ``(seed, replica)``.
+        """
+        import ray
+
+        self._check_open()
+        prompts = ray.put([list(map(int, p)) for p in prompt_ids])
+        parts = self.group.call(
+            "generate",
+            prompts,
+            int(n),
+            int(max_tokens),
+            float(temperature),
+            int(seed),
+            what="generate",
+        )
+        return self._replicas(parts)
+
+    def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        """Per-token logprobs of each ``(prompt_ids, completion_ids)`` pair's completion."""
+        import ray
+
+        self._check_open()
+        rows = ray.put([(list(p), list(c)) for p, c in batch])
+        return self._replicas(self.group.call("logprobs", rows, what="logprobs"))
+
+
+# ---------------------------------------------------------------------------
+# Init
+# ---------------------------------------------------------------------------
+
+
+class _LinkedCancel(CancelToken):
+    """A token that is also cancelled when ``parent`` is: lets the policy stop its own
+    conversion (its workers failed) without cancelling the whole setup."""
+
+    def __init__(self, parent: CancelToken) -> None:
+        super().__init__()
+        self.parent = parent
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set() or self.parent.cancelled
+
+    @property
+    def reason(self) -> str | None:
+        return self._reason or self.parent.reason
+
+    def raise_if_cancelled(self, what: str = "wait") -> None:
+        if self.parent.cancelled:
+            self.parent.raise_if_cancelled(what)
+        super().raise_if_cancelled(what)
+
+    def sleep(self, seconds: float) -> bool:
+        end = time.monotonic() + max(0.0, seconds)
+        while not self.cancelled:
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            self._event.wait(min(left, 0.05))
+        return True
+
+
+class _Converter:
+    """The checkpoint conversion of a policy init, in a thread, published through the hook."""
+
+    def __init__(self, ctx: InitContext, model_dir: Path, options: MegatronOptions) -> None:
+        from rlcore_megatron.checkpoint import checkpoint_key
+
+        self.ctx = ctx
+        self.model_dir = model_dir
+        self.options = options
+        self.key = checkpoint_key(model_dir, options, dtype=ctx.config.model.dtype)
+        self.cancel = _LinkedCancel(ctx.cancel)
+        self.path: Path | None = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        #: time.monotonic() when the checkpoint was published (or found published).
+        self.published_at: float | None = None
+        self._thread = threading.Thread(target=self._run, name="megatron-convert", daemon=True)
+
+    def _publish(self, destination: Path, write: Any) -> Path:
+        hook = self.ctx.publish_hook
+        if hook is None:  # called outside the core (tests): rlcore's own publish
+            from rlcore.publish import publish_dir
+
+            return publish_dir(destination, write, cancel=self.cancel, deadline=self.ctx.deadline)
+        return Path(
+            hook(
+                destination=destination, write=write, cancel=self.cancel, deadline=self.ctx.deadline
+            )
+        )
+
+    def _run(self) -> None:
+        from rlcore_megatron.checkpoint import convert_and_publish
+
+        t0 = time.monotonic()
+        try:
+            self.path = convert_and_publish(
+                self.model_dir,
+                self.ctx.cache_dir,
+                self.options,
+                dtype=self.ctx.config.model.dtype,
+                cancel=self.cancel,
+                deadline=self.ctx.deadline,
+                publish=self._publish,
+            )
+            self.published_at = time.monotonic()
+        except BaseException as err:  # re-raised by join() in the init thread
+            self.error = err
+        finally:
+            self.seconds = time.monotonic() - t0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self) -> Path:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.path is not None
+        return self.path
+
+    def abort(self, reason: str) -> None:
+        """Stop the conversion (its processes are killed) and wait for the thread."""
+        self.cancel.cancel(reason)
+        self._thread.join()
+
+
+def start_policy(ctx: InitContext) -> MegatronPolicy:
+    """Start the policy as configured by ``ctx`` (the body of ``rlcore_init_policy``)."""
+    import ray
+
+    if not ray.is_initialized():
+        raise RuntimeError(
+            "the megatron policy backend needs a running Ray cluster: start one with "
+            "rlcore.cluster.Cluster(config.cluster).start() before calling rlcore_init_policy "
+            "(`rlcore run` does this)"
+        )
+    from rlcore.tinymodel import ensure_model
+    from rlcore_megatron import convert
+    from rlcore_megatron.worker import MegatronPolicyWorker
+
+    options = _options(ctx.options, "policy")
+    section = ctx.config.policy
+    dtype = ctx.config.model.dtype
+    t0 = time.monotonic()
+    model_dir = ensure_model(
+        ctx.config.model, ctx.cache_dir, cancel=ctx.cancel, deadline=ctx.deadline
+    )
+    spec = convert.ModelSpec.from_hf(model_dir)
+    _check_tp(spec, section.workers, options, "policy")
+    device = _resolve_device(options.device, "policy")
+    _check_go(ctx)
+    converter = _Converter(ctx, model_dir, options) if checkpoint_needed(ctx.config) else None
+    if converter is not None:
+        converter.start()
+    group: WorkerGroup | None = None
+    try:
+        group = WorkerGroup(
+            MegatronPolicyWorker,
+            section.workers,
+            name=POLICY_GROUP,
+            **_group_kwargs(section, options, device, ctx),
+        )
+        layout = group.call(
+            "load",
+            str(model_dir),
+            dtype,
+            options,
+            device,
+            what="loading the model into megatron-core",
+            deadline=ctx.deadline,
+        )
+        checkpoint = converter.join() if converter is not None else None
+    except BaseException:
+        if converter is not None:
+            converter.abort("the megatron policy init failed")
+        if group is not None:
+            group.shutdown()
+        raise
+    info = {
+        "init_s": time.monotonic() - t0,
+        "group_start_s": group.start_time_s,
+        "build_s": max(x["build_s"] for x in layout),
+        "load_s": max(x["load_s"] for x in layout),
+        "convert_s": converter.seconds if converter is not None else 0.0,
+        "checkpoint": str(checkpoint) if checkpoint is not None else None,
+        "checkpoint_published_at": converter.published_at if converter is not None else None,
+        "params": sum(x["local_numel"] for x in layout if x["dp_rank"] == 0),
+    }
+    ctx.log.info(
+        "megatron policy: %d rank(s) (tp=%d) on %s, %.1f M params, init %.2fs "
+        "(workers %.2fs, build %.2fs, load %.2fs%s)",
+        section.workers,
+        options.tensor_model_parallel_size,
+        device,
+        info["params"] / 1e6,
+        info["init_s"],
+        info["group_start_s"],
+        info["build_s"],
+        info["load_s"],
+        f", checkpoint published in {info['convert_s']:.2f}s" if converter is not None else "",
+    )
+    return MegatronPolicy(
+        group,
+        device_type=device,
+        specs=convert.tensor_specs(spec, dtype),
+        layout=layout,
+        info=info,
+    )
+
+
+def start_generation(ctx: InitContext) -> MegatronGeneration:
+    """Start the generation engine as configured by ``ctx`` (the body of ``rlcore_init_generation``)."""
+    import ray
+
+    if not ray.is_initialized():
+        raise RuntimeError(
+            "the megatron generation backend needs a running Ray cluster: start one with "
+            "rlcore.cluster.Cluster(config.cluster).start() first (`rlcore run` does this)"
+        )
+    from rlcore.tinymodel import ensure_model
+    from rlcore_megatron import convert
+    from rlcore_megatron.checkpoint import checkpoint_key
+    from rlcore_megatron.worker import MegatronGenerationWorker
+
+    options = _options(ctx.options, "generation")
+    section = ctx.config.generation
+    dtype = ctx.config.model.dtype
+    t0 = time.monotonic()
+    model_dir = ensure_model(
+        ctx.config.model, ctx.cache_dir, cancel=ctx.cancel, deadline=ctx.deadline
+    )
+    spec = convert.ModelSpec.from_hf(model_dir)
+    _check_tp(spec, section.workers, options, "generation")
+    device = _resolve_device(options.device, "generation")
+    _check_go(ctx)
+    refit_fed = bool(section.refit_fed)
+    key, padded = None, None
+    if not refit_fed:
+        if ctx.config.policy.backend != BACKEND:
+            raise ConfigError(
+                "generation backend 'megatron' without generation.refit_fed loads the checkpoint "
+                f"the megatron policy publishes, but policy.backend is '{ctx.config.policy.backend}'; "
+                "set generation.refit_fed=true",
+                key="generation.refit_fed",
+            )
+        # The checkpoint is written with the *policy's* options: same key, same padding.
+        policy_options = _options(ctx.config.policy.options, "policy")
+        key = checkpoint_key(model_dir, policy_options, dtype=dtype)
+        padded = spec.padded_vocab_size(
+            policy_options.tensor_model_parallel_size, policy_options.make_vocab_size_divisible_by
+        )
+    group = WorkerGroup(
+        MegatronGenerationWorker,
+        section.workers,
+        name=GENERATION_GROUP,
+        **_group_kwargs(section, options, device, ctx),
+    )
+    wait_s = load_s = 0.0
+    checkpoint, checkpoint_at = None, None
+    try:
+        layout = group.call(
+            "start",
+            str(model_dir),
+            dtype,
+            options,
+            device,
+            padded_vocab_size=padded,
+            what="building the megatron inference engine",
+            deadline=ctx.deadline,
+        )
+        if key is not None:
+            t1 = time.monotonic()
+            checkpoint = ctx.wait_artifact(CHECKPOINT_ARTIFACT, key)
+            checkpoint_at = time.monotonic()
+            wait_s = checkpoint_at - t1
+            t1 = time.monotonic()
+            group.call(
+                "load_checkpoint",
+                str(checkpoint),
+                what="loading the Megatron checkpoint",
+                deadline=ctx.deadline,
+            )
+            load_s = time.monotonic() - t1
+    except BaseException:
+        group.shutdown()
+        raise
+    info = {
+        "init_s": time.monotonic() - t0,
+        "group_start_s": group.start_time_s,
+        "start_s": max(x["start_s"] for x in layout),
+        "started_at": t0,
+        "checkpoint_wait_s": wait_s,
+        "checkpoint_at": checkpoint_at,
+        "checkpoint_load_s": load_s,
+        "checkpoint": str(checkpoint) if checkpoint is not None else None,
+        "refit_fed": refit_fed,
+    }
+    ctx.log.info(
+        "megatron generation: %d rank(s) (tp=%d) on %s, %s, init %.2fs (workers %.2fs, engine %.2fs%s)",
+        section.workers,
+        options.tensor_model_parallel_size,
+        device,
+        "refit-fed" if refit_fed else "from the published checkpoint",
+        info["init_s"],
+        info["group_start_s"],
+        info["start_s"],
+        f", waited {wait_s:.2f}s for the checkpoint, loaded in {load_s:.2f}s" if key else "",
+    )
+    return MegatronGeneration(
+        group,
+        device_type=device,
+        specs=convert.tensor_specs(spec, dtype),
+        layout=layout,
+        info=info,
+    )

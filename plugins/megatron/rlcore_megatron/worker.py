@@ -1,0 +1,763 @@
+"""Megatron workers: plain classes that rlcore runs as Ray actors (or directly, without Ray).
+
+* :class:`MegatronPolicyWorker` -- one rank of the policy: a local-spec ``GPTModel``
+  split over tensor-parallel ranks (the rest of the group is data parallelism). It
+  computes per-token logprobs, takes GRPO steps (AdamW) and streams its weights
+  under Hugging Face names for refit.
+* :class:`MegatronGenerationWorker` -- one rank of the generation engine
+  ("MInf"): the same model served by megatron-core's static inference engine
+  (:mod:`rlcore_megatron.inference`), loaded from the published checkpoint or fed
+  by refit.
+
+Both are :class:`rlcore.workers.DistributedWorker` subclasses: a
+:class:`rlcore.workers.WorkerGroup` gives them a torch.distributed default group
+(gloo on CPU, NCCL on CUDA), over which they initialise megatron-core's parallel
+state; ``bench/megatron_gpu.py`` drives the same classes from
+``torch.multiprocessing`` processes, and tests drive one rank in-process.
+
+Collective methods (``load``/``start``, ``logprobs``, ``train_step``,
+``generate``, ``send_weights``, ``receive_weights``, ``export_*``) are called on
+every rank with the same arguments. Ranks are laid out as megatron-core does
+(tensor-parallel ranks adjacent): rank ``r`` is tensor-parallel rank ``r % tp`` of
+data-parallel replica ``r // tp``. Batches are split over the data-parallel
+replicas (contiguous shards); every rank of a replica returns its shard's
+result, so the driver keeps tensor-parallel rank 0's of each replica.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from rlcore.workers import DistributedWorker, free_port, node_ip
+
+if TYPE_CHECKING:
+    from rlcore.refit.channels import ChannelSpec
+    from rlcore.refit.specs import TensorSpec
+    from rlcore_megatron.plugin import MegatronOptions
+
+log = logging.getLogger(__name__)
+
+#: A batch row: (prompt token ids, completion token ids).
+Row = tuple[Sequence[int], Sequence[int]]
+#: One generated sample: {"token_ids": [...], "logprobs": [...]}.
+Sample = dict[str, list]
+
+
+def shard_range(n: int, parts: int, index: int) -> tuple[int, int]:
+    """Rows ``[start, end)`` of part ``index`` when ``n`` rows are split into ``parts``
+    contiguous, near-equal parts (the first ``n % parts`` get one more)."""
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+def check_rows(batch: Sequence[Row]) -> list[tuple[list[int], list[int]]]:
+    """``batch`` as lists of ints; refuses rows that are not pairs or have an empty prompt."""
+    rows = []
+    for i, row in enumerate(batch):
+        try:
+            prompt, completion = row
+        except (TypeError, ValueError):
+            raise ValueError(f"batch row {i} is not a (prompt_ids, completion_ids) pair") from None
+        prompt, completion = [int(t) for t in prompt], [int(t) for t in completion]
+        if not prompt:
+            raise ValueError(
+                f"batch row {i} has an empty prompt: the first completion token needs context"
+            )
+        rows.append((prompt, completion))
+    return rows
+
+
+def sample_seed(seed: int, replica: int) -> int:
+    """The sampling seed of data-parallel replica ``replica`` for a call made with ``seed``."""
+    digest = hashlib.blake2b(f"{seed}:{replica}".encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "big")
+
+
+def resolve_device(device: str) -> torch.device:
+    """``cpu``, ``cuda`` (the current CUDA device) or ``cuda:N``."""
+    if device.startswith("cuda"):
+        if device != "cuda":
+            torch.cuda.set_device(torch.device(device))
+        return torch.device("cuda", torch.cuda.current_device())
+    if device != "cpu":
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    return torch.device("cpu")
+
+
+def _hf_config(model_dir: str) -> dict[str, Any]:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def _token_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list | tuple) else [value])]
+
+
+class MegatronWorker(DistributedWorker):
+    """What policy and generation ranks share: parallel state, the model, logprobs, channels."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size)
+        self.model: Any = None
+        self.spec: Any = None
+        self.options: MegatronOptions | None = None
+        self.dtype = "float32"
+        self.device = torch.device("cpu")
+        self.tp_rank, self.tp_size, self.dp_rank, self.dp_size = 0, 1, 0, 1
+        self.divisible = 128
+        self.pad_id = 0
+        self._open_channels: list[ChannelSpec] = []
+
+    # ------------------------------------------------------------------ build
+
+    def _build(
+        self,
+        model_dir: str,
+        dtype: str,
+        options: MegatronOptions,
+        device: str,
+        *,
+        padded_vocab_size: int | None = None,
+        init_weights: bool = False,
+    ) -> None:
+        """Parallel state (CPU patches first), then the model, unloaded unless ``init_weights``."""
+        from megatron.core import parallel_state
+
+        from rlcore_megatron import convert, parallel
+
+        self.options, self.dtype = options, dtype
+        if options.threads_per_worker > 0:
+            torch.set_num_threads(options.threads_per_worker)
+        torch.manual_seed(options.seed)
+        self.device = resolve_device(device)
+        tp = int(options.tensor_model_parallel_size)
+        if tp < 1 or self.world_size % tp:
+            raise ValueError(
+                f"{self.world_size} ranks cannot be split into tensor-parallel groups of {tp} "
+                "(workers must be a multiple of tensor_model_parallel_size)"
+            )
+        if not dist.is_initialized():
+            raise RuntimeError("init_process_group must be called before building the model")
+        if parallel_state.model_parallel_is_initialized():
+            # A test driving two workers in one process: they share the parallel state.
+            if parallel_state.get_tensor_model_parallel_world_size() != tp:
+                raise RuntimeError("megatron-core parallel state exists with another TP size")
+        else:
+            parallel.init_model_parallel(tp, seed=options.seed)
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        cfg = _hf_config(model_dir)
+        self.spec = convert.ModelSpec.from_hf(cfg)
+        self.pad_id = int(cfg.get("pad_token_id") or 0)
+        self.divisible = (
+            int(options.make_vocab_size_divisible_by)
+            if padded_vocab_size is None
+            else convert.vocab_divisor(int(padded_vocab_size), tp)
+        )
+        self.model = convert.build_gpt_model(
+            self.spec,
+            tp,
+            dtype=dtype,
+            make_vocab_size_divisible_by=self.divisible,
+            init_weights=init_weights,
+        ).to(self.device)
+        self.model.eval()  # no dropout anywhere (dropout is 0 in the config as well)
+
+    def _require_model(self) -> None:
+        if self.model is None:
+            raise RuntimeError(f"{type(self).__name__}: the model is not built yet")
+
+    def layout(self) -> dict[str, int]:
+        """This rank's place: ``rank``, ``tp_rank``, ``tp_size``, ``dp_rank``, ``dp_size``."""
+        return {
+            "rank": self.rank,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+        }
+
+    def weight_specs(self) -> list[TensorSpec]:
+        """Every refit tensor (Hugging Face name, full shape, dtype) in stream order.
+
+        From the model's shapes alone (:func:`rlcore_megatron.convert.tensor_specs`).
+        """
+        from rlcore_megatron import convert
+
+        self._require_model()
+        return convert.tensor_specs(self.spec, self.dtype)
+
+    # --------------------------------------------------------------- compute
+
+    def _forward_logprobs(
+        self, rows: Sequence[tuple[list[int], list[int]]]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+        """Right-padded forward pass over ``rows`` with a causal mask.
+
+        Right padding needs no attention mask beyond the causal one: padding comes
+        after every real token. Returns ``token_lp`` [rows, columns] (float32, the
+        logprob of each next token under the Hugging Face vocabulary), ``mask`` (the
+        columns that are completion tokens) and each row's completion span. Columns
+        start at the shortest prompt's last position.
+        """
+        from rlcore_megatron.cpu_compat import causal_mask
+        from rlcore_megatron.parallel import vocab_parallel_logprobs
+
+        lengths = [len(p) + len(c) for p, c in rows]
+        width = max(lengths)
+        first = min(len(p) for p, _ in rows) - 1
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width - 1 - first), dtype=torch.bool)
+        spans = []
+        for i, (p, c) in enumerate(rows):
+            ids[i, : lengths[i]] = torch.tensor(p + c, dtype=torch.long)
+            spans.append((len(p) - 1 - first, len(p) - 1 - first + len(c)))
+            mask[i, spans[-1][0] : spans[-1][1]] = True
+        ids = ids.to(self.device)
+        positions = torch.arange(width, device=self.device).unsqueeze(0).expand(len(rows), -1)
+        logits = self.model(ids, positions, causal_mask(width, device=self.device))
+        token_lp = vocab_parallel_logprobs(
+            logits[:, first:-1], ids[:, first + 1 :], self.spec.vocab_size
+        )
+        return token_lp, mask.to(self.device), spans
+
+    def _micro_batches(self, rows: list[Any]) -> Iterator[list[Any]]:
+        assert self.options is not None
+        size = max(1, int(self.options.micro_batch_size))
+        for i in range(0, len(rows), size):
+            yield rows[i : i + size]
+
+    def logprobs(self, batch: Sequence[Row]) -> list[list[float]]:
+        """Per-token logprobs of each completion, for this rank's data-parallel shard.
+
+        Collective over the tensor-parallel group. Concatenating the shards of
+        tensor-parallel rank 0 of each replica, in replica order, gives the batch.
+        """
+        self._require_model()
+        rows = check_rows(batch)
+        start, end = shard_range(len(rows), self.dp_size, self.dp_rank)
+        out: list[list[float]] = []
+        with torch.no_grad():
+            for chunk in self._micro_batches(rows[start:end]):
+                token_lp, _, spans = self._forward_logprobs(chunk)
+                token_lp = token_lp.cpu()
+                out.extend(token_lp[i, a:b].tolist() for i, (a, b) in enumerate(spans))
+        return out
+
+    # ------------------------------------------------------------- channels
+
+    def refit_address(self) -> tuple[str, int]:
+        """Host and free port on this rank's node for a collective refit channel."""
+        return node_ip(), free_port()
+
+    def _close_channels(self) -> None:
+        from rlcore.refit import channels
+
+        for spec in self._open_channels:
+            try:
+                channels.close_channel(spec)
+            except Exception as err:  # teardown must not raise
+                log.warning(
+                    "rank %d: closing refit channel %s failed: %s", self.rank, spec.key, err
+                )
+        self._open_channels = []
+
+    def teardown(self) -> None:
+        """Close refit channels, drop the model, destroy megatron-core's and torch's groups."""
+        self._close_channels()
+        self.model = None
+        try:
+            from megatron.core import parallel_state
+
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+        except Exception as err:  # teardown must not raise
+            log.warning("rank %d: destroying megatron parallel state failed: %s", self.rank, err)
+        super().teardown()
+
+
+class MegatronPolicyWorker(MegatronWorker):
+    """One rank of the Megatron policy (see the module docstring)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size)
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def load(
+        self,
+        model_dir: str,
+        dtype: str,
+        options: MegatronOptions,
+        device: str = "cpu",
+        *,
+        random_init: bool = False,
+    ) -> dict[str, Any]:
+        """Build this rank's shard of the model and load it from the Hugging Face checkpoint.
+
+        Every rank reads only its own slices (memory-mapped safetensors, one layer
+        of Hugging Face tensors at a time). ``random_init`` (benchmarks) skips the
+        checkpoint: megatron-core initialises the weights from ``options.seed``.
+        Returns timings (seconds) and sizes.
+        """
+        from rlcore_megatron import convert
+
+        t0 = time.monotonic()
+        self._build(model_dir, dtype, options, device, init_weights=random_init)
+        build_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        if not random_init:
+            with convert.HFCheckpoint(model_dir) as ckpt:
+                convert.load_hf_weights(
+                    self.model,
+                    ckpt.get,
+                    self.spec,
+                    tp_rank=self.tp_rank,
+                    tp_size=self.tp_size,
+                    make_vocab_size_divisible_by=self.divisible,
+                )
+        load_s = time.monotonic() - t0
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=0.0, weight_decay=options.weight_decay
+        )
+        local = sum(p.numel() for p in self.model.parameters())
+        return {
+            **self.layout(),
+            "device": self.device.type,
+            "build_s": build_s,
+            "load_s": load_s,
+            "local_numel": local,
+        }
+
+    def train_step(
+        self,
+        batch: Sequence[Row],
+        advantages: Sequence[float],
+        old_logprobs: Sequence[Sequence[float]] | None,
+        clip_eps: float,
+        lr: float,
+    ) -> dict[str, float]:
+        """One GRPO step (clipped policy gradient, AdamW). Collective.
+
+        ``loss = -mean over all completion tokens of the batch of
+        min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)`` with
+        ``ratio = exp(logprob - old_logprob)`` and ``A`` the row's advantage;
+        ``old_logprobs=None`` means on-policy (ratio 1). The same semantics as the
+        fsdp backend's ``train_step``.
+
+        Rows are split over the data-parallel replicas; every rank scales its token
+        sum by ``1 / total_tokens`` and gradients are summed over the data-parallel
+        group, which gives exactly the gradient of the global token mean.
+        Tensor-parallel ranks of a replica see the same rows and hold different
+        shards of the weights; replicated weights (norms) get identical gradients.
+        The gradient norm is global (shards summed over the tensor-parallel group,
+        replicated weights counted once), clipped to ``options.max_grad_norm``.
+
+        Returns ``loss``, ``grad_norm`` (before clipping), ``clip_fraction``,
+        ``tokens`` and ``lr``; identical on every rank.
+        """
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        self._require_model()
+        assert self.optimizer is not None and self.options is not None
+        rows = check_rows(batch)
+        if len(advantages) != len(rows):
+            raise ValueError(f"{len(advantages)} advantages for a batch of {len(rows)} rows")
+        if old_logprobs is not None:
+            if len(old_logprobs) != len(rows):
+                raise ValueError(
+                    f"{len(old_logprobs)} old_logprobs rows for a batch of {len(rows)} rows"
+                )
+            for i, ((_, c), old) in enumerate(zip(rows, old_logprobs, strict=True)):
+                if len(old) != len(c):
+                    raise ValueError(
+                        f"batch row {i}: {len(old)} old logprobs for {len(c)} completion tokens"
+                    )
+        n_tokens = sum(len(c) for _, c in rows)
+        start, end = shard_range(len(rows), self.dp_size, self.dp_rank)
+        local = [
+            (rows[i], float(advantages[i]), None if old_logprobs is None else old_logprobs[i])
+            for i in range(start, end)
+        ]
+        scale = 1.0 / max(n_tokens, 1)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = torch.zeros(2, dtype=torch.float64)  # loss sum, clipped tokens
+        for chunk in self._micro_batches(local):
+            token_lp, mask, spans = self._forward_logprobs([r for r, _, _ in chunk])
+            adv = torch.tensor([[a] for _, a, _ in chunk], dtype=token_lp.dtype, device=self.device)
+            old = token_lp.detach().clone()
+            for i, (_, _, old_row) in enumerate(chunk):
+                if old_row is not None:
+                    a, b = spans[i]
+                    old[i, a:b] = torch.tensor(old_row, dtype=old.dtype, device=old.device)
+            log_ratio = torch.where(mask, token_lp - old, torch.zeros_like(token_lp))
+            ratio = torch.exp(log_ratio)
+            objective = torch.minimum(
+                ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
+            )
+            token_loss = -objective * mask
+            (token_loss.sum() * scale).backward()
+            stats[0] += token_loss.detach().sum().double().cpu()
+            stats[1] += (((ratio.detach() - 1).abs() > clip_eps) & mask).sum().double().cpu()
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if self.dp_size > 1:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p, g in zip(params, grads, strict=True):
+            if param_is_not_tensor_parallel_duplicate(p):
+                sq += g.detach().float().pow(2).sum()
+        if self.tp_size > 1:
+            dist.all_reduce(sq, group=parallel_state.get_tensor_model_parallel_group())
+        grad_norm = float(sq.sqrt())
+        max_norm = self.options.max_grad_norm
+        coef = max_norm / (grad_norm + 1e-6) if max_norm > 0 else 1.0
+        for p, g in zip(params, grads, strict=True):
+            if coef < 1.0:
+                g.mul_(coef)
+            p.grad = g
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.dp_size > 1:
+            stats = stats.to(self.device)
+            dist.all_reduce(stats, group=parallel_state.get_data_parallel_group())
+            stats = stats.cpu()
+        return {
+            "loss": float(stats[0]) / max(n_tokens, 1),
+            "grad_norm": grad_norm,
+            "clip_fraction": float(stats[1]) / max(n_tokens, 1),
+            "tokens": float(n_tokens),
+            "lr": float(lr),
+        }
+
+    # ---------------------------------------------------------------- export
+
+    def export_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream ``(hf_name, full tensor)`` in :meth:`weight_specs` order. Collective.
+
+        The ranks of data-parallel replica 0 gather each tensor over their
+        tensor-parallel group (:func:`rlcore_megatron.convert.export_hf_state_dict`)
+        and must all iterate to the end; only rank 0 yields. Other replicas hold
+        the same weights and take no part. Tensors are gathered copies or views of
+        the live parameters (consume them before the next optimizer step), in the
+        run's dtype as the specs say (megatron-core's float32 norm weights are cast).
+        """
+        from rlcore_megatron import convert
+
+        self._require_model()
+        if self.dp_rank != 0:
+            return
+        # megatron-core keeps norm weights in float32 whatever params_dtype is; the
+        # Hugging Face state_dict (and the refit specs) hold every tensor in the run's dtype.
+        want = getattr(torch, self.dtype)
+        with torch.no_grad():
+            for name, tensor in convert.export_hf_state_dict(self.model, self.spec):
+                if self.rank == 0:
+                    yield name, tensor if tensor.dtype == want else tensor.to(want)
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole stream as a dict of CPU copies on rank 0 (``{}`` elsewhere). Tests only."""
+        return {name: t.detach().cpu().clone() for name, t in self.export_stream()}
+
+    def open_refit_channel(self, spec: ChannelSpec) -> None:
+        """Join refit channel ``spec`` as its rank 0 (the sender); other ranks do nothing."""
+        from rlcore.refit import channels
+
+        if self.rank == 0:
+            channels.open_channel(spec, 0)
+            self._open_channels.append(spec)
+
+    def refit_ceiling(self, spec: ChannelSpec, step: int, nbytes: int) -> float:
+        """Rank 0 sends ``nbytes`` raw over the channel (the transport's ceiling)."""
+        from rlcore.refit import channels
+
+        return channels.ceiling(spec, 0, step, nbytes) if self.rank == 0 else 0.0
+
+    def send_weights(self, spec: ChannelSpec, step: int, buckets: list[list[TensorSpec]]) -> int:
+        """Stream the current weights over ``spec`` following the plan ``buckets``.
+
+        Every rank of replica 0 runs the export (tensor-parallel all-gathers in
+        lockstep); rank 0 sends. If sending fails, rank 0 still finishes the export
+        so its peers are not left in a gather. Returns bytes sent (0 off rank 0).
+        """
+        from rlcore.refit import channels
+
+        stream = self.export_stream()
+        try:
+            if self.rank == 0:
+                return channels.send_weights(spec, step, _as_planned(stream, buckets), buckets)
+            return 0
+        finally:
+            for _ in stream:
+                pass
+
+    def teardown(self) -> None:
+        self.optimizer = None
+        super().teardown()
+
+
+def _as_planned(
+    stream: Iterator[tuple[str, torch.Tensor]], buckets: list[list[TensorSpec]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream, each tensor checked against its spec before it is packed.
+
+    The receivers size their buffers from the specs alone: a tensor of another
+    dtype or shape would shift every byte after it (NCCL does not notice), so a
+    mismatch stops the refit here, loudly.
+    """
+    from rlcore.errors import RefitError
+
+    planned = {s.name: s for bucket in buckets for s in bucket}
+    for name, tensor in stream:
+        spec = planned.get(name)
+        if spec is not None:
+            got = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+            if got != (tuple(spec.shape), spec.dtype):
+                raise RefitError(
+                    f"megatron export of {name!r} is {got[0]} {got[1]}, but the refit plan says "
+                    f"{tuple(spec.shape)} {spec.dtype}"
+                )
+        yield name, tensor
+
+
+class MegatronGenerationWorker(MegatronWorker):
+    """One rank of the Megatron generation engine (megatron-core static inference)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size)
+        self.engine: Any = None
+        self.eos_ids: set[int] = set()
+        #: False until weights are loaded (refit-fed: until the first refit).
+        self.serving = False
+        #: Why the weights cannot be trusted (a refit failed half-way), or None.
+        self.stale: str | None = None
+        self._channel_ranks: dict[str, int] = {}
+
+    def start(
+        self,
+        model_dir: str,
+        dtype: str,
+        options: MegatronOptions,
+        device: str = "cpu",
+        *,
+        padded_vocab_size: int | None = None,
+    ) -> dict[str, Any]:
+        """Build the model without weights and the static inference engine around it.
+
+        ``padded_vocab_size``: the padded vocabulary of the checkpoint this engine
+        will load (written at the policy's tensor-parallel size); None pads with this
+        engine's own options (refit-fed: refit moves unpadded Hugging Face tensors).
+        """
+        from rlcore_megatron.inference import TokenIdAdapter, build_static_engine
+
+        t0 = time.monotonic()
+        self._build(model_dir, dtype, options, device, padded_vocab_size=padded_vocab_size)
+        self.model.requires_grad_(False)
+        cfg = _hf_config(model_dir)
+        eos = _token_ids(cfg.get("eos_token_id"))
+        gen_cfg = Path(model_dir) / "generation_config.json"
+        if gen_cfg.is_file():
+            eos += _token_ids(json.loads(gen_cfg.read_text()).get("eos_token_id"))
+        self.eos_ids = set(eos)
+        bos = _token_ids(cfg.get("bos_token_id"))
+        adapter = TokenIdAdapter(
+            eod=eos[0] if eos else -1, bos=bos[0] if bos else None, vocab_size=self.spec.vocab_size
+        )
+        self.engine = build_static_engine(
+            self.model,
+            adapter,
+            self.spec,
+            tp=self.tp_size,
+            make_vocab_size_divisible_by=self.divisible,
+            max_batch_size=options.max_batch_size,
+            max_sequence_length=options.max_sequence_length,
+            seed=options.seed + 1,
+        )
+        return {**self.layout(), "device": self.device.type, "start_s": time.monotonic() - t0}
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Load a published Megatron checkpoint (any tensor-parallel size) and serve it."""
+        from rlcore_megatron.checkpoint import load_checkpoint, read_info
+        from rlcore_megatron.convert import ConversionError, ModelSpec
+
+        self._require_model()
+        t0 = time.monotonic()
+        info = read_info(path)
+        if ModelSpec.from_hf(info["hf_config"]) != self.spec:
+            raise ConversionError(f"{path} was converted from another model than this engine's")
+        load_checkpoint(self.model, path)
+        self.serving, self.stale = True, None
+        return {"checkpoint_load_s": time.monotonic() - t0, "written_at_tp": info["tp"]}
+
+    def _check_serving(self) -> None:
+        self._require_model()
+        if self.stale is not None:
+            raise RuntimeError(
+                f"megatron generation rank {self.rank}: {self.stale}; its weights may mix two "
+                "versions, so it refuses to serve until a refit succeeds"
+            )
+        if not self.serving:
+            raise RuntimeError(
+                f"megatron generation rank {self.rank} has no weights yet (refit-fed: it "
+                "serves after the first refit)"
+            )
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+    ) -> list[list[Sample]]:
+        """``n`` samples per prompt of this rank's data-parallel shard. Collective.
+
+        megatron-core's static engine samples over the padded vocabulary: the
+        inference wrapper sets the padded entries' logits to ``-inf`` first
+        (:class:`rlcore_megatron.inference.MaskedGPTInferenceWrapper`), so they are
+        never drawn and the returned logprobs are normalised over the Hugging Face
+        vocabulary. ``logprobs`` are the sampled tokens' logprobs under the model
+        (before temperature, as vLLM reports them). Every sample runs
+        ``max_tokens`` steps (no early termination in the engine) and is cut after
+        its first end-of-sequence token, which is kept, as vLLM does.
+        ``temperature <= 0`` is greedy. The replica's sampling generator is seeded
+        from ``(seed, replica)`` at every call.
+        """
+        from megatron.core.inference.sampling_params import SamplingParams
+
+        self._check_serving()
+        if n < 1 or max_tokens < 1:
+            raise ValueError(f"n and max_tokens must be >= 1, got n={n}, max_tokens={max_tokens}")
+        start, end = shard_range(len(prompt_ids), self.dp_size, self.dp_rank)
+        local = [[int(t) for t in p] for p in prompt_ids[start:end]]
+        if not local:
+            return []
+        if any(not p for p in local):
+            raise ValueError("empty prompt")
+        greedy = temperature <= 0
+        params = SamplingParams(
+            temperature=1.0 if greedy else float(temperature),
+            top_k=1 if greedy else 0,
+            top_p=0.0,
+            return_log_probs=True,
+            num_tokens_to_generate=int(max_tokens),
+        )
+        params.add_attributes({"no_early_termination": True})
+        controller = self.engine.controller
+        controller.sampling_rng.manual_seed(sample_seed(seed, self.dp_rank))
+        scheduler = self.engine.scheduler
+        ids = [
+            [
+                scheduler.add_request(prompt="", prompt_tokens=list(p), sampling_params=params)
+                for _ in range(n)
+            ]
+            for p in local
+        ]
+        try:
+            self.engine.run_engine()
+            done = scheduler.completed_request_pool
+            results = []
+            for group in ids:
+                samples = []
+                for rid in group:
+                    req = done[rid]
+                    tokens = [int(t) for t in req.generated_tokens.tolist()]
+                    lps = [float(x) for x in req.generated_log_probs]
+                    cut = next(
+                        (i + 1 for i, t in enumerate(tokens) if t in self.eos_ids), len(tokens)
+                    )
+                    samples.append({"token_ids": tokens[:cut], "logprobs": lps[:cut]})
+                results.append(samples)
+            return results
+        finally:
+            for group in ids:
+                for rid in group:
+                    scheduler.completed_request_pool.pop(rid, None)
+
+    def logprobs(self, batch: Sequence[Row]) -> list[list[float]]:
+        """Per-token logprobs of each completion (a forward pass over prompt + completion)."""
+        self._check_serving()
+        return super().logprobs(batch)
+
+    # ----------------------------------------------------------------- refit
+
+    def open_refit_channel(self, spec: ChannelSpec, rank: int) -> None:
+        """Join refit channel ``spec`` as ``rank`` (1 + this worker's rank)."""
+        from rlcore.refit import channels
+
+        channels.open_channel(spec, rank)
+        self._channel_ranks[spec.key] = rank
+        self._open_channels.append(spec)
+
+    def refit_ceiling(self, spec: ChannelSpec, step: int, nbytes: int) -> float:
+        """Receive ``nbytes`` raw over the channel (the transport's ceiling)."""
+        from rlcore.refit import channels
+
+        return channels.ceiling(
+            spec, self._channel_ranks.get(spec.key, 1 + self.rank), step, nbytes
+        )
+
+    def receive_weights(
+        self, spec: ChannelSpec, step: int, buckets: list[list[TensorSpec]]
+    ) -> float:
+        """Receive the buckets of ``step`` over ``spec`` into the live model; seconds taken.
+
+        Every rank receives the full Hugging Face tensors (a broadcast) and copies
+        its own tensor-parallel slices into the model as they arrive
+        (:func:`rlcore_megatron.convert.load_hf_stream`), so no full second copy of
+        the model is ever held. If loading fails half-way, the rest of a collective
+        stream is drained (the sender is not left blocked) and the engine refuses
+        to serve until a later refit succeeds.
+        """
+        from rlcore.refit import channels
+        from rlcore_megatron import convert
+
+        self._require_model()
+        t0 = time.monotonic()
+        rank = self._channel_ranks.get(spec.key, 1 + self.rank)
+        stream = channels.receive_weights(spec, rank, step, buckets, device=self.device)
+        self.stale = f"refit step {step} over {spec.transport} did not complete"
+        try:
+            with torch.no_grad():
+                convert.load_hf_stream(
+                    self.model,
+                    stream,
+                    self.spec,
+                    tp_rank=self.tp_rank,
+                    tp_size=self.tp_size,
+                    make_vocab_size_divisible_by=self.divisible,
+                )
+        except BaseException:
+            try:
+                for _ in stream:
+                    pass
+            except Exception as err:  # the channel itself is broken: nothing left to drain
+                log.debug("rank %d: draining refit step %d failed: %s", self.rank, step, err)
+            raise
+        self.stale, self.serving = None, True
+        return time.monotonic() - t0
+
+    def teardown(self) -> None:
+        self.engine = None
+        super().teardown()

@@ -1,0 +1,373 @@
+"""The Megatron backend through its init hooks, in Ray worker groups.
+
+1. A tensor-parallel (TP=2) policy and a refit-fed generation, started by the
+   real hooks: sharded logprobs and training against single-process
+   transformers, refit over every transport through the core's refit, generation.
+2. A data-parallel policy (2 replicas of TP=1): the same training step.
+3. A generation that loads the published checkpoint starts at once and waits
+   inside its init until the checkpoint appears (written at TP=2, loaded at TP=1).
+4. Failures: a broken checkpoint, and a wait past its deadline, leave no actor.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _megatron_helpers import (
+    ADVANTAGES,
+    BATCH,
+    CLIP_EPS,
+    LR,
+    hf_model,
+    max_diff,
+    perturbed_old,
+    reference_logprobs,
+    reference_step,
+)
+
+from rlcore.config import ClusterConfig, cache_dir, load_config, resolve_options
+from rlcore.context import InitContext
+from rlcore.declarations import Role
+from rlcore.errors import DeadlineExceeded, RlcoreError
+from rlcore.events import EventBoard
+from rlcore.handles import RefitReceiver, RefitSender
+from rlcore.waiting import CancelToken, Deadline
+from rlcore_megatron.plugin import MegatronOptions, rlcore_init_generation, rlcore_init_policy
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+#: Weights after one AdamW step vs the single-process reference. Adam's first update is
+#: about lr * sign(grad): where a gradient is near Adam's eps, the other summation order of
+#: sharded matmuls moves it by a few percent of lr (seen: 1.3e-5 on one of 32768 entries);
+#: a wrong gradient moves entries by the whole lr (1e-3).
+WEIGHT_ATOL = 0.05 * LR
+
+
+def actor_pids(name: str) -> set[int]:
+    """Live actor processes of worker class ``name`` started from this process."""
+    import psutil
+
+    pids = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if name in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                pids.add(p.pid)
+        except psutil.Error:
+            pass
+    return pids
+
+
+def wait_for(condition: Callable[[], object], timeout_s: float = 20.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+class RecordingContext(InitContext):
+    """An InitContext that tells the test when the init starts waiting for an artifact."""
+
+    waiting: threading.Event
+
+    def wait_artifact(self, name: str, key: str) -> Path:
+        self.waiting.set()
+        return super().wait_artifact(name, key)
+
+
+def context(role: Role, tmp: Path, *overrides: str, deadline_s: float = 180.0) -> RecordingContext:
+    cfg = load_config(
+        None,
+        [
+            "policy.backend=megatron",
+            "generation.backend=megatron",
+            "generation.refit_fed=true",
+            f"setup.cache_dir={tmp}",
+            *overrides,
+        ],
+    )
+    cancel = CancelToken()
+    section = getattr(cfg, role.value)
+    ctx = RecordingContext(
+        role=role,
+        backend="megatron",
+        config=cfg,
+        options=resolve_options(
+            section.options, MegatronOptions, section=role.value, backend="megatron"
+        ),
+        cancel=cancel,
+        deadline=Deadline(deadline_s, f"init:{role.value}"),
+        run_dir=tmp / "run",
+        cache_dir=cache_dir(cfg),
+        events=EventBoard(cancel),
+    )
+    ctx.waiting = threading.Event()
+    return ctx
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    from rlcore.cluster import Cluster
+
+    cluster = Cluster(ClusterConfig(num_cpus=2)).start()
+    try:
+        yield
+    finally:
+        cluster.shutdown()
+
+
+TP2 = [
+    "policy.workers=2",
+    "policy.devices_per_worker=0.5",
+    "policy.options.tensor_model_parallel_size=2",
+    "policy.options.micro_batch_size=2",
+]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("megatron-ray")
+
+
+@pytest.fixture(scope="module")
+def pair(ray_cluster: None, work: Path, llama_dir: Path) -> Iterator[tuple[Any, Any]]:
+    """TP=2 policy and refit-fed TP=1 generation, started at the same time as in a setup."""
+    args = (f"model.path={llama_dir}", *TP2)
+    out: dict[str, Any] = {}
+
+    def start(role: Role, hook: Callable[..., Any]) -> None:
+        try:
+            out[role.value] = hook(context(role, work, *args))
+        except BaseException as err:  # reported below
+            out[role.value] = err
+
+    threads = [
+        threading.Thread(target=start, args=(Role.POLICY, rlcore_init_policy)),
+        threading.Thread(target=start, args=(Role.GENERATION, rlcore_init_generation)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    try:
+        for value in out.values():
+            if isinstance(value, BaseException):
+                raise value
+        yield out["policy"], out["generation"]
+    finally:
+        for value in out.values():
+            if not isinstance(value, BaseException):
+                value.shutdown()
+
+
+def core_refit(policy: Any, generation: Any, transport: str, step: int) -> Any:
+    from rlcore.refit.sync import refit
+    from rlcore.setup import refit_context
+
+    cfg = load_config(
+        None, ["policy.backend=megatron", "generation.backend=megatron", "refit.bucket_mb=0.05"]
+    )
+    return refit(
+        policy, generation, refit_context(cfg, step=step, transport=transport, cancel=CancelToken())
+    )
+
+
+# ----------------------------------------------------------------- 1. TP=2 + generation
+
+
+def test_handles(pair: tuple[Any, Any], work: Path) -> None:
+    policy, generation = pair
+    assert isinstance(policy, RefitSender) and isinstance(generation, RefitReceiver)
+    assert policy.device_type == generation.device_type == "cpu"
+    assert [(x["tp_rank"], x["dp_rank"]) for x in policy.layout] == [(0, 0), (1, 0)]
+    assert policy.weight_specs() == generation.weight_specs()
+    assert generation.refit_ranks == 1 and generation.endpoint is None
+    assert len(set(policy.pids()) | set(generation.pids())) == 3
+    # Generation is refit-fed: the policy published no checkpoint.
+    assert policy.info["checkpoint"] is None and policy.info["convert_s"] == 0.0
+    assert not (work / "megatron.checkpoint").exists()
+
+
+def test_tp2_logprobs_match_transformers(pair: tuple[Any, Any], llama_dir: Path) -> None:
+    policy, _ = pair
+    ref = hf_model(llama_dir)
+    assert max_diff(policy.logprobs(BATCH), reference_logprobs(ref, BATCH)) < 1e-5
+    assert max_diff(policy.logprobs(BATCH[:1]), reference_logprobs(ref, BATCH[:1])) < 1e-5
+
+
+def test_tp2_train_step_matches_reference(pair: tuple[Any, Any], llama_dir: Path) -> None:
+    policy, _ = pair
+    old = perturbed_old(policy.logprobs(BATCH))
+    got = policy.train_step(BATCH, ADVANTAGES, old, clip_eps=CLIP_EPS, lr=LR)
+    ref = reference_step(hf_model(llama_dir), BATCH, ADVANTAGES, old)
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    exported, empty = policy.group.call("export_state_dict")
+    assert empty == {}  # only rank 0 yields; rank 1 gathers with it
+    for name, t in ref["state"].items():
+        torch.testing.assert_close(exported[name], t, rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+@pytest.mark.parametrize("transport", ["collective", "disk", "shared_memory"])
+def test_refit_then_generation_equals_policy(pair: tuple[Any, Any], transport: str) -> None:
+    policy, generation = pair
+    for step in (1, 2):  # the second refit reuses the channel
+        policy.train_step(BATCH, ADVANTAGES, None, clip_eps=CLIP_EPS, lr=0.05)
+        report = core_refit(policy, generation, transport, step)
+        assert report.transport == transport and report.tensors == len(policy.weight_specs())
+        assert report.bytes == sum(s.nbytes for s in policy.weight_specs())
+        if step == 2:
+            assert report.channel_init_time_s == 0.0
+        assert max_diff(generation.logprobs(BATCH), policy.logprobs(BATCH)) < 1e-5
+
+
+def test_generate_through_the_handle(pair: tuple[Any, Any]) -> None:
+    policy, generation = pair
+    core_refit(policy, generation, "collective", 3)
+    prompts = [[2, 5, 6], [2, 11], [2, 30, 31]]
+    out = generation.generate(prompts, n=3, max_tokens=4, temperature=1.0, seed=11)
+    assert [len(g) for g in out] == [3, 3, 3]
+    rows = [(p, s["token_ids"]) for p, g in zip(prompts, out, strict=True) for s in g]
+    assert max_diff([s["logprobs"] for g in out for s in g], policy.logprobs(rows)) < 1e-4
+    assert generation.generate(prompts, n=3, max_tokens=4, temperature=1.0, seed=11) == out
+
+
+def test_shutdown_leaves_nothing(pair: tuple[Any, Any]) -> None:
+    policy, generation = pair
+    pids = set(policy.pids()) | set(generation.pids())
+    policy.shutdown()
+    generation.shutdown()
+    generation.shutdown()  # idempotent
+    assert wait_for(
+        lambda: (
+            not (
+                pids & (actor_pids("MegatronPolicyWorker") | actor_pids("MegatronGenerationWorker"))
+            )
+        )
+    )
+    with pytest.raises(RlcoreError, match="shut down"):
+        policy.logprobs(BATCH)
+
+
+# ----------------------------------------------------------------- 2. data parallel
+
+
+def test_data_parallel_policy_matches_reference(
+    ray_cluster: None, work: Path, llama_dir: Path
+) -> None:
+    policy = rlcore_init_policy(
+        context(
+            Role.POLICY,
+            work,
+            f"model.path={llama_dir}",
+            "policy.workers=2",
+            "policy.devices_per_worker=0.5",
+        )
+    )
+    try:
+        assert [(x["tp_rank"], x["dp_rank"]) for x in policy.layout] == [(0, 0), (0, 1)]
+        ref_model = hf_model(llama_dir)
+        assert max_diff(policy.logprobs(BATCH), reference_logprobs(ref_model, BATCH)) < 1e-5
+        old = perturbed_old(policy.logprobs(BATCH))
+        got = policy.train_step(BATCH, ADVANTAGES, old, clip_eps=CLIP_EPS, lr=LR)
+        ref = reference_step(ref_model, BATCH, ADVANTAGES, old)
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        exported = policy.group.call("export_state_dict")[0]
+        for name, t in ref["state"].items():
+            torch.testing.assert_close(exported[name], t, rtol=0, atol=WEIGHT_ATOL, msg=name)
+    finally:
+        policy.shutdown()
+
+
+# ----------------------------------------------------------------- 3. waits for the checkpoint
+
+
+def test_generation_waits_inside_init_for_the_published_checkpoint(
+    ray_cluster: None, tmp_path: Path, qwen2_dir: Path, publish_runs: dict[str, Any]
+) -> None:
+    """The Qwen2 checkpoint written at TP=2 (vocabulary padded to 256) appears while a
+    TP=1 generation waits for it; the generation then serves transformers' logprobs."""
+    published = Path(publish_runs["killed"]["rerun_path"])
+    ctx = context(
+        Role.GENERATION,
+        tmp_path,
+        f"model.path={qwen2_dir}",
+        "generation.refit_fed=false",
+        "policy.options.tensor_model_parallel_size=2",
+    )
+    out: dict[str, Any] = {}
+
+    def init() -> None:
+        try:
+            out["handle"] = rlcore_init_generation(ctx)
+        except BaseException as err:  # reported below
+            out["error"] = err
+
+    thread = threading.Thread(target=init)
+    thread.start()
+    try:
+        assert ctx.waiting.wait(120), out.get("error")
+        time.sleep(1.0)
+        assert thread.is_alive()  # its workers are up; it waits for the checkpoint
+        # Publish it the way atomic publish does: complete directory, renamed into place.
+        destination = tmp_path / "megatron.checkpoint" / published.name
+        destination.parent.mkdir(parents=True)
+        shutil.copytree(published, destination.parent / ".incoming")
+        os.rename(destination.parent / ".incoming", destination)
+        thread.join(120)
+        assert "error" not in out, out.get("error")
+        generation = out["handle"]
+        try:
+            assert generation.info["checkpoint"] == str(destination)
+            assert generation.info["checkpoint_wait_s"] >= 1.0
+            got = generation.logprobs(BATCH)
+            assert max_diff(got, reference_logprobs(hf_model(qwen2_dir), BATCH)) < 1e-4
+        finally:
+            generation.shutdown()
+    finally:
+        ctx.cancel.cancel("test over")
+        thread.join(60)
+
+
+# ----------------------------------------------------------------- 4. failures
+
+
+def test_broken_checkpoint_fails_policy_init_without_leaks(
+    ray_cluster: None, tmp_path: Path, llama_dir: Path
+) -> None:
+    from rlcore.workers import WorkerError
+
+    broken = tmp_path / "broken-model"
+    shutil.copytree(llama_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    before = actor_pids("MegatronPolicyWorker")
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="loading the model"):
+        rlcore_init_policy(context(Role.POLICY, tmp_path, f"model.path={broken}", *TP2))
+    assert time.monotonic() - t0 < 90
+    assert wait_for(lambda: not (actor_pids("MegatronPolicyWorker") - before))
+
+
+def test_checkpoint_wait_has_a_deadline(ray_cluster: None, tmp_path: Path, llama_dir: Path) -> None:
+    before = actor_pids("MegatronGenerationWorker")
+    ctx = context(
+        Role.GENERATION,
+        tmp_path,
+        f"model.path={llama_dir}",
+        "generation.refit_fed=false",
+        deadline_s=15.0,
+    )
+    with pytest.raises(DeadlineExceeded, match="megatron.checkpoint"):
+        rlcore_init_generation(ctx)
+    assert ctx.waiting.is_set()
+    assert wait_for(lambda: not (actor_pids("MegatronGenerationWorker") - before))
