@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlcore.batches import Row, check_rows, check_train_inputs, shard_range
 from rlcore.refit.specs import TensorSpec, plan_buckets
 from rlcore.workers import DistributedWorker, free_port, node_ip
 
@@ -47,8 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: A batch row: (prompt token ids, completion token ids).
-Row = tuple[Sequence[int], Sequence[int]]
 
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 #: Bucket size of the rank-0 -> all broadcast at load time.
@@ -60,14 +59,6 @@ def hf_name(name: str) -> str:
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
-
-
-def shard_range(n: int, world_size: int, rank: int) -> tuple[int, int]:
-    """Rows ``[start, end)`` of rank ``rank`` when ``n`` rows are split into contiguous,
-    near-equal parts (the first ``n % world_size`` ranks get one more)."""
-    base, extra = divmod(n, world_size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
 
 
 def micro_batch_count(n: int, world_size: int, micro_batch_size: int) -> int:
@@ -85,22 +76,6 @@ class _Entry:
     param_name: str
     shape: tuple[int, ...]
     dtype: str
-
-
-def _check_rows(batch: Sequence[Row]) -> list[tuple[list[int], list[int]]]:
-    rows = []
-    for i, row in enumerate(batch):
-        try:
-            prompt, completion = row
-        except (TypeError, ValueError):
-            raise ValueError(f"batch row {i} is not a (prompt_ids, completion_ids) pair") from None
-        prompt, completion = [int(t) for t in prompt], [int(t) for t in completion]
-        if not prompt:
-            raise ValueError(
-                f"batch row {i} has an empty prompt: the first completion token needs context"
-            )
-        rows.append((prompt, completion))
-    return rows
 
 
 class FSDPWorker(DistributedWorker):
@@ -477,7 +452,7 @@ class FSDPWorker(DistributedWorker):
         rows runs padding passes so that FSDP's gathers stay in lockstep.
         """
         self._require_loaded()
-        rows = _check_rows(batch)
+        rows = check_rows(batch)
         start, end = shard_range(len(rows), self.world_size, self.rank)
         out: list[list[float]] = []
         with torch.no_grad():
@@ -518,19 +493,7 @@ class FSDPWorker(DistributedWorker):
         """
         self._require_loaded()
         assert self.optimizer is not None and self.options is not None
-        rows = _check_rows(batch)
-        if len(advantages) != len(rows):
-            raise ValueError(f"{len(advantages)} advantages for a batch of {len(rows)} rows")
-        if old_logprobs is not None:
-            if len(old_logprobs) != len(rows):
-                raise ValueError(
-                    f"{len(old_logprobs)} old_logprobs rows for a batch of {len(rows)} rows"
-                )
-            for i, ((_, c), old) in enumerate(zip(rows, old_logprobs, strict=True)):
-                if len(old) != len(c):
-                    raise ValueError(
-                        f"batch row {i}: {len(old)} old logprobs for {len(c)} completion tokens"
-                    )
+        rows = check_train_inputs(batch, advantages, old_logprobs)
         n_tokens = sum(len(c) for _, c in rows)
         start, end = shard_range(len(rows), self.world_size, self.rank)
         local = [

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from rlcore.batches import Row, check_rows, check_train_inputs, shard_range
 from rlcore.workers import DistributedWorker, free_port, node_ip
 
 if TYPE_CHECKING:
@@ -46,35 +47,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: A batch row: (prompt token ids, completion token ids).
-Row = tuple[Sequence[int], Sequence[int]]
 #: One generated sample: {"token_ids": [...], "logprobs": [...]}.
 Sample = dict[str, list]
-
-
-def shard_range(n: int, parts: int, index: int) -> tuple[int, int]:
-    """Rows ``[start, end)`` of part ``index`` when ``n`` rows are split into ``parts``
-    contiguous, near-equal parts (the first ``n % parts`` get one more)."""
-    base, extra = divmod(n, parts)
-    start = index * base + min(index, extra)
-    return start, start + base + (1 if index < extra else 0)
-
-
-def check_rows(batch: Sequence[Row]) -> list[tuple[list[int], list[int]]]:
-    """``batch`` as lists of ints; refuses rows that are not pairs or have an empty prompt."""
-    rows = []
-    for i, row in enumerate(batch):
-        try:
-            prompt, completion = row
-        except (TypeError, ValueError):
-            raise ValueError(f"batch row {i} is not a (prompt_ids, completion_ids) pair") from None
-        prompt, completion = [int(t) for t in prompt], [int(t) for t in completion]
-        if not prompt:
-            raise ValueError(
-                f"batch row {i} has an empty prompt: the first completion token needs context"
-            )
-        rows.append((prompt, completion))
-    return rows
 
 
 def sample_seed(seed: int, replica: int) -> int:
@@ -373,19 +347,7 @@ class MegatronPolicyWorker(MegatronWorker):
 
         self._require_model()
         assert self.optimizer is not None and self.options is not None
-        rows = check_rows(batch)
-        if len(advantages) != len(rows):
-            raise ValueError(f"{len(advantages)} advantages for a batch of {len(rows)} rows")
-        if old_logprobs is not None:
-            if len(old_logprobs) != len(rows):
-                raise ValueError(
-                    f"{len(old_logprobs)} old_logprobs rows for a batch of {len(rows)} rows"
-                )
-            for i, ((_, c), old) in enumerate(zip(rows, old_logprobs, strict=True)):
-                if len(old) != len(c):
-                    raise ValueError(
-                        f"batch row {i}: {len(old)} old logprobs for {len(c)} completion tokens"
-                    )
+        rows = check_train_inputs(batch, advantages, old_logprobs)
         n_tokens = sum(len(c) for _, c in rows)
         start, end = shard_range(len(rows), self.dp_size, self.dp_rank)
         local = [
