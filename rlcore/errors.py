@@ -96,3 +96,8 @@ class SetupError(RlcoreError):
         ]
         lines += [f"  shutdown error: {e}" for e in self.shutdown_errors]
         super().__init__("\n".join(lines))
+
+
+class NotServingError(RlcoreError):
+    """A generation engine cannot serve: no weights yet (refit-fed, before the first
+    refit) or weights left half-updated by a failed refit. Endpoints answer 503."""

@@ -104,7 +104,17 @@ def write_tiny_model(directory: Path, cfg: TinyModelConfig, dtype: str = "float3
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    model.to(getattr(torch, dtype)).save_pretrained(str(directory), safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+
+    # A progress bar for one tiny shard is noise, and tqdm leaves its monitor thread
+    # running in this (driver) process afterwards.
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.to(getattr(torch, dtype)).save_pretrained(str(directory), safe_serialization=True)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def ensure_model(
