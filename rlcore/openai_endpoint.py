@@ -395,16 +395,7 @@ class OpenAIEndpoint:
 
     async def chat_completion(self, body: dict[str, Any]) -> dict[str, Any]:
         """The response to one ``/v1/chat/completions`` body (a dict, as JSON decodes it)."""
-        self._check_model(body)
-        if body.get("stream"):
-            raise EndpointRequestError("streaming is not supported", param="stream")
-        top = body.get("top_logprobs")
-        if top not in (None, 0):
-            raise EndpointRequestError(
-                f"top_logprobs={top} is not supported: this endpoint returns the sampled "
-                "token's logprob only (top_logprobs 0)",
-                param="top_logprobs",
-            )
+        self._check_request(body, top_field="top_logprobs")
         prompt = self.chat_prompt_ids(body)
         n = int(body.get("n") or 1)
         served = await self._complete(prompt, body, n)
@@ -440,16 +431,8 @@ class OpenAIEndpoint:
 
     async def completion(self, body: dict[str, Any]) -> dict[str, Any]:
         """The response to one ``/v1/completions`` body."""
-        self._check_model(body)
-        if body.get("stream"):
-            raise EndpointRequestError("streaming is not supported", param="stream")
+        self._check_request(body, top_field="logprobs")
         logprobs = body.get("logprobs")
-        if logprobs not in (None, 0):
-            raise EndpointRequestError(
-                f"logprobs={logprobs} is not supported: this endpoint returns the sampled "
-                "token's logprob only (logprobs 0)",
-                param="logprobs",
-            )
         body = {**body, "max_tokens": body.get("max_tokens", 16)}
         prompt = self._completion_prompt_ids(body.get("prompt"))
         served = await self._complete(prompt, body, int(body.get("n") or 1))
@@ -504,13 +487,23 @@ class OpenAIEndpoint:
             ],
         }
 
-    def _check_model(self, body: dict[str, Any]) -> None:
+    def _check_request(self, body: dict[str, Any], *, top_field: str) -> None:
+        """The model's name, no streaming, and no top-N logprobs (``top_field``)."""
         model = body.get("model")
         if model not in (None, self.model_name):
             raise EndpointRequestError(
                 f"The model `{model}` does not exist; this endpoint serves `{self.model_name}`",
                 param="model",
                 status=404,
+            )
+        if body.get("stream"):
+            raise EndpointRequestError("streaming is not supported", param="stream")
+        top = body.get(top_field)
+        if top not in (None, 0):
+            raise EndpointRequestError(
+                f"{top_field}={top} is not supported: this endpoint returns the sampled "
+                f"token's logprob only ({top_field} 0)",
+                param=top_field,
             )
 
     def _envelope(
