@@ -6,8 +6,8 @@ worker classes directly, as its Ray actors would:
 * processes 0 and 1: :class:`rlcore_megatron.worker.MegatronPolicyWorker`, tensor
   parallel 2 over NCCL, on GPU 0 and GPU 1;
 * process 2: :class:`rlcore_megatron.worker.MegatronGenerationWorker` (TP=1,
-  megatron-core's static inference engine) on GPU 1, started refit-fed (model
-  built from ``config.json``, no weights read).
+  megatron-core's dynamic inference engine on CUDA, its static engine on CPU) on
+  GPU 1, started refit-fed (model built from ``config.json``, no weights read).
 
 Refit is the core's collective transport (:mod:`rlcore.refit.channels`): a
 private NCCL group of policy rank 0 (GPU 0) and the generation (GPU 1). The
@@ -20,11 +20,20 @@ number of bytes between the same two processes over the same group.
 Two phases:
 
 1. ``check``: a small float32 model. Policy TP=2 logprobs vs the generation's
-   (TP=1) after refit: the refit is exact and TP=2 computes what TP=1 does.
+   (TP=1) after refit: the refit is exact and TP=2 computes what TP=1 does. The
+   engines: greedy tokens of the generation's engine vs megatron-core's static
+   engine over the same weights, and the policy's logprobs of sampled completions
+   vs the engine's (token_mult_prob_error), after the first refit and after a
+   train step + refit.
 2. ``perf``: a Llama-shaped model (default about 1.1 B parameters, bfloat16, random
    weights from megatron-core's initialisation): TP=2 train-step and logprob
-   throughput, refit time and throughput per bucket size vs the ceiling, export
-   alone (TP gathers, no send), static-engine generation.
+   throughput, refit time and throughput per bucket size vs the ceiling (also
+   with the channels' previous, unpipelined implementation, kept here for the
+   comparison), export alone (TP gathers, no send), generation throughput of the
+   dynamic and the static engine. ``--refit-profile`` adds the refit's pieces
+   per bucket size (export + pack, transfer alone, receive + load without the
+   export, load alone) and torch.profiler traces of one refit per implementation
+   (``--trace-dir``).
 
     python bench/megatron_gpu.py                     # 2 GPUs (NCCL)
     python bench/megatron_gpu.py --device cpu --small  # dry run over gloo
@@ -108,6 +117,64 @@ def rows(
 
 
 # ---------------------------------------------------------------------------
+# The refit channel's previous collective path (before pipelining), for comparison
+# ---------------------------------------------------------------------------
+
+
+def legacy_send_weights(spec: Any, step: int, named: Any, buckets: Any) -> int:
+    """``rlcore.refit.channels.send_weights`` (collective) as it was: a fresh buffer per
+    bucket (``torch.cat``) and a stream wait on each broadcast before the next export."""
+    import torch
+
+    from rlcore.refit import channels
+
+    ch = channels._open[spec.key]
+    sent = 0
+    for _, tensors in channels._buckets_in_order(named, buckets):
+        flat = [
+            t.to(ch.device).detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors
+        ]
+        buf = torch.cat(flat)
+        ch.broadcast(buf).wait()
+        sent += buf.numel()
+    return sent
+
+
+def legacy_receive_weights(spec: Any, rank: int, step: int, buckets: Any, *, device: Any = None):
+    """``rlcore.refit.channels.receive_weights`` (collective) as it was: no bucket in flight
+    while the previous one is unpacked and copied."""
+    import torch
+
+    from rlcore.refit import channels
+
+    ch = channels._open[spec.key]
+    for bucket in buckets:
+        buf = torch.empty(sum(s.nbytes for s in bucket), dtype=torch.uint8, device=ch.device)
+        ch.broadcast(buf).wait()
+        yield from zip((s.name for s in bucket), channels._unpack(buf, bucket), strict=True)
+
+
+class use_channels:
+    """``with use_channels("legacy"):`` swaps the collective path for the old one."""
+
+    def __init__(self, impl: str) -> None:
+        self.impl = impl
+
+    def __enter__(self) -> None:
+        from rlcore.refit import channels
+
+        self.saved = channels.send_weights, channels.receive_weights
+        if self.impl == "legacy":
+            channels.send_weights = legacy_send_weights
+            channels.receive_weights = legacy_receive_weights
+
+    def __exit__(self, *exc: object) -> None:
+        from rlcore.refit import channels
+
+        channels.send_weights, channels.receive_weights = self.saved
+
+
+# ---------------------------------------------------------------------------
 # One process
 # ---------------------------------------------------------------------------
 
@@ -183,10 +250,11 @@ class Proc:
             if not self.groups_ready:
                 w.init_process_group("127.0.0.1", self.ports["generation"], self.backend, 600.0)
             options = MegatronOptions(
-                max_batch_size=a.gen_prompts * a.gen_n,
+                max_batch_size=max(a.gen_prompts) * a.gen_n,
                 max_sequence_length=2048,
                 seed=1234,
                 timeout_s=600,
+                engine=a.engine,
             )
             info = w.start(model_dir, dtype, options, self.device)
         if self.worker is not None:  # the refit channel stays open across phases
@@ -194,7 +262,71 @@ class Proc:
             w._channel_ranks = getattr(self.worker, "_channel_ranks", {})
         self.groups_ready = True
         self.worker = w
+        self.static_engine = None
         self.put("start", model=Path(model_dir).name, info=info)
+
+    def static_twin(self) -> Any:
+        """megatron-core's static engine over the generation's model (same weights)."""
+        if self.static_engine is None:
+            from rlcore_megatron.inference import build_static_engine
+
+            g = self.worker
+            self.static_engine = build_static_engine(
+                g.model,
+                g.engine.controller.tokenizer,
+                g.spec,
+                tp=g.tp_size,
+                make_vocab_size_divisible_by=g.divisible,
+                max_batch_size=g.options.max_batch_size,
+                max_sequence_length=g.options.max_sequence_length,
+                seed=g.options.seed + 1,
+            )
+        return self.static_engine
+
+    def generate_with(self, kind: str, *args: Any) -> Any:
+        """``generate`` with the worker's engine (``kind`` = its kind) or the static twin."""
+        g = self.worker
+        if kind == g.engine_kind:
+            return g.generate(*args)
+        saved = g.engine, g.engine_kind
+        g.engine, g.engine_kind = self.static_twin(), "static"
+        try:
+            return g.generate(*args)
+        finally:
+            g.engine, g.engine_kind = saved
+
+    def engine_check(self, tag: str, vocab: int) -> None:
+        """Sampled completions from the generation's engine, scored by the policy; greedy
+        tokens of the engine vs the static engine over the same weights."""
+        path = Path(self.args.work) / f"samples-{tag}.json"
+        prompts = [p for p, _ in rows(8, 12, 0, vocab, seed=11)]
+        if self.index == GENERATION:
+            g = self.worker
+            sampled = g.generate(prompts, 2, 16, 1.0, 5)
+            out = {
+                "engine": g.engine_kind,
+                "rows": [
+                    (p, s["token_ids"])
+                    for p, grp in zip(prompts, sampled, strict=True)
+                    for s in grp
+                ],
+                "gen_lp": [s["logprobs"] for grp in sampled for s in grp],
+            }
+            for kind in dict.fromkeys((g.engine_kind, "static")):
+                greedy = self.generate_with(kind, prompts, 1, 16, 0.0, 0)
+                out[f"greedy_{kind}"] = [grp[0]["token_ids"] for grp in greedy]
+                out[f"greedy_lp_{kind}"] = [grp[0]["logprobs"] for grp in greedy]
+            path.write_text(json.dumps(out))
+            self.put("engine_check_gen", tag=tag, **out)
+        self.wait()
+        if self.index in POLICY:
+            data = json.loads(path.read_text())
+            lp = self.worker.logprobs([(list(p), list(c)) for p, c in data["rows"]])
+            greedy = [(p, c) for p, c in zip(prompts, data["greedy_static"], strict=True) if c]
+            lp_greedy = self.worker.logprobs(greedy)
+            if self.index == 0:
+                self.put("engine_check_policy", tag=tag, logprobs=lp, greedy_logprobs=lp_greedy)
+        self.wait()
 
     def open_channel(self) -> None:
         from rlcore.refit.channels import ChannelSpec
@@ -207,6 +339,7 @@ class Proc:
             port=self.ports["channel"],
             backend=self.backend,
             timeout_s=600.0,
+            announce={"auto": None, "on": True, "off": False}[self.args.announce],
         )
         self.wait()
         t = 0.0
@@ -216,15 +349,136 @@ class Proc:
             t = self.timed(lambda: self.worker.open_refit_channel(self.spec, 1))
         self.put("channel", open_s=t)
 
-    def refit(self, step: int, bucket_bytes: int) -> float:
+    def refit(self, step: int, bucket_bytes: int, impl: str = "current") -> float:
         """One refit policy -> generation; every process times from the same barrier."""
         from rlcore.refit.specs import plan_buckets
 
         buckets = plan_buckets(self.worker.weight_specs(), bucket_bytes)
         self.wait()
+        with use_channels(impl):
+            if self.index in POLICY:
+                return self.timed(lambda: self.worker.send_weights(self.spec, step, buckets))
+            return self.timed(lambda: self.worker.receive_weights(self.spec, step, buckets))
+
+    def refit_pieces(self, bucket_bytes: int) -> None:
+        """The refit's parts at one bucket size, each timed alone (same barrier, max over procs).
+
+        ``export_pack``: the TP=2 export and packing into two reused buffers, nothing sent;
+        ``transfer``: the packed buckets broadcast back to back, nothing else running;
+        ``receive_load``: the real receive + load, the sender broadcasting (and announcing)
+        pre-packed buckets (no export); ``load``: unpacking and loading buckets already on
+        the receiver.
+        """
+        import torch
+
+        from rlcore.refit import channels
+        from rlcore.refit.specs import plan_buckets
+        from rlcore_megatron import convert
+        from rlcore_megatron.worker import _as_planned
+
+        w = self.worker
+        buckets = plan_buckets(w.weight_specs(), bucket_bytes)
+        sizes = [sum(s.nbytes for s in b) for b in buckets]
+        dev = torch.device(self.device)
+        out: dict[str, float] = {}
+        # export + pack
+        self.wait()
         if self.index in POLICY:
-            return self.timed(lambda: self.worker.send_weights(self.spec, step, buckets))
-        return self.timed(lambda: self.worker.receive_weights(self.spec, step, buckets))
+
+            def export_pack() -> None:
+                slots = [torch.empty(max(sizes), dtype=torch.uint8, device=dev) for _ in sizes[:2]]
+                stream = _as_planned(w.export_stream(), buckets)
+                if self.index == 0:
+                    for i, tensors in channels._buckets_in_order(stream, buckets):
+                        channels._pack(tensors, slots[i % len(slots)][: sizes[i]])
+                for _ in stream:
+                    pass
+
+            out["export_pack"] = self.timed(export_pack)
+        # pre-packed buckets (sender) and receive buffers (receiver)
+        packed = None
+        if self.index == 0:
+            named = dict(w.export_stream())
+            packed = [
+                channels._pack(
+                    [named[s.name] for s in b], torch.empty(n, dtype=torch.uint8, device=dev)
+                )
+                for b, n in zip(buckets, sizes, strict=True)
+            ]
+            del named
+        elif self.index == 1:
+            for _ in w.export_stream():
+                pass
+        elif self.index == GENERATION:
+            packed = [torch.empty(n, dtype=torch.uint8, device=dev) for n in sizes]
+        ch = channels._open.get(self.spec.key)
+
+        def transfer(announce: bool = False) -> None:
+            works = []
+            for b in packed:
+                if announce and ch.ready is not None:  # what channels.send_weights tells receivers
+                    ch.ready.broadcast(torch.ones(1), 0, ch.timeout).wait()
+                works.append(ch.broadcast(b))
+            for work in works:
+                work.wait()
+
+        self.wait()
+        if self.index in (0, GENERATION):
+            out["transfer"] = self.timed(transfer)
+        # receive + load with the sender not exporting
+        self.wait()
+        if self.index == 0:
+            out["receive_load"] = self.timed(lambda: transfer(announce=True))
+        elif self.index == GENERATION:
+            out["receive_load"] = self.timed(
+                lambda: w.receive_weights(self.spec, 50_000 + bucket_bytes % 997, buckets)
+            )
+        # load alone, from the buckets received above
+        self.wait()
+        if self.index == GENERATION:
+
+            def load() -> None:
+                stream = (
+                    (s.name, t)
+                    for b, buf in zip(buckets, packed, strict=True)
+                    for s, t in zip(b, channels._unpack(buf, b), strict=True)
+                )
+                with torch.no_grad():
+                    convert.load_hf_stream(
+                        w.model,
+                        stream,
+                        w.spec,
+                        tp_rank=w.tp_rank,
+                        tp_size=w.tp_size,
+                        make_vocab_size_divisible_by=w.divisible,
+                    )
+
+            out["load"] = self.timed(load)
+        packed = None
+        self.put("refit_pieces", bucket_mb=bucket_bytes / 2**20, buckets=len(buckets), **out)
+
+    def refit_trace(self, step: int, bucket_bytes: int, impl: str) -> None:
+        """One refit under torch.profiler; each process writes its trace and prints a summary."""
+        import gzip
+        import shutil
+
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        with profile(activities=acts) as prof:
+            t = self.refit(step, bucket_bytes, impl)
+        trace_dir = self.args.trace_dir
+        if trace_dir:
+            raw = Path(self.args.work) / f"trace-{impl}-p{self.index}.json"
+            prof.export_chrome_trace(str(raw))
+            with (
+                open(raw, "rb") as src,
+                gzip.open(Path(trace_dir) / (raw.name + ".gz"), "wb") as dst,
+            ):
+                shutil.copyfileobj(src, dst)
+        key = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=60)
+        self.put("refit_trace", impl=impl, seconds=t, table=table)
 
     # -- phases --------------------------------------------------------------------
 
@@ -238,6 +492,7 @@ class Proc:
         lp = self.worker.logprobs(probe)  # policy: both TP ranks take part
         if self.index in (0, GENERATION):
             self.put("check", logprobs=lp)
+        self.engine_check("after-refit", a.check_vocab)
         # The same GRPO step at TP=2 (policy) and at TP=1 (a reference policy worker in the
         # generation's process, loaded with the weights the generation just received).
         batch = rows(8, 24, 16, a.check_vocab, seed=8)
@@ -270,6 +525,7 @@ class Proc:
         lp = self.worker.logprobs(probe)
         if self.index in (0, GENERATION):
             self.put("check_after_step", logprobs=lp)
+        self.engine_check("after-step-refit", a.check_vocab)
         if ref is not None:
             import torch
 
@@ -305,16 +561,25 @@ class Proc:
                 logprobs_s=fwd,
                 tokens=a.batch * (a.prompt_len + a.completion_len),
             )
-        # Refit per bucket size: a warm-up, then timed repetitions.
+        # Refit per bucket size: a warm-up, then timed repetitions; the channels' current
+        # implementation and (--compare-legacy) the previous one.
         step = 100
+        impls = ["current", "legacy"] if a.compare_legacy else ["current"]
         for mb in a.bucket_mb:
-            times = []
-            for rep in range(a.reps + 1):
-                dt = self.refit(step, int(mb * 2**20))
+            for impl in impls:
+                times = []
+                for rep in range(a.reps + 1):
+                    dt = self.refit(step, int(mb * 2**20), impl)
+                    step += 1
+                    if rep:
+                        times.append(dt)
+                self.put("refit", bucket_mb=mb, impl=impl, seconds=times)
+        if a.refit_profile:
+            for mb in a.bucket_mb:
+                self.refit_pieces(int(mb * 2**20))
+            for impl in impls:
+                self.refit_trace(step, int(min(a.bucket_mb) * 2**20), impl)
                 step += 1
-                if rep:
-                    times.append(dt)
-            self.put("refit", bucket_mb=mb, seconds=times)
         # Export alone: the TP gathers and the HF mapping, nothing sent.
         self.wait()
         if self.index in POLICY:
@@ -340,11 +605,25 @@ class Proc:
         if self.index in (0, GENERATION):
             self.put("perf_check", logprobs=lp)
         if self.index == GENERATION:
-            prompts = [p for p, _ in rows(a.gen_prompts, 32, 0, a.vocab, seed=10)]
             g = self.worker
-            g.generate(prompts, a.gen_n, 4, 1.0, 0)  # warm-up
-            t = self.timed(lambda: g.generate(prompts, a.gen_n, a.gen_tokens, 1.0, 1))
-            self.put("generate", seconds=t, samples=a.gen_prompts * a.gen_n, tokens=a.gen_tokens)
+            for n_prompts in a.gen_prompts:
+                prompts = [p for p, _ in rows(n_prompts, 32, 0, a.vocab, seed=10)]
+                for kind in dict.fromkeys((g.engine_kind, "static")):
+                    self.generate_with(kind, prompts, a.gen_n, 4, 1.0, 0)  # warm-up
+                    got: list = []
+                    t = self.timed(
+                        lambda kind=kind, got=got, prompts=prompts: got.extend(
+                            self.generate_with(kind, prompts, a.gen_n, a.gen_tokens, 1.0, 1)
+                        )
+                    )
+                    self.put(
+                        "generate",
+                        engine=kind,
+                        seconds=t,
+                        samples=n_prompts * a.gen_n,
+                        tokens=a.gen_tokens,
+                        returned=sum(len(s["token_ids"]) for grp in got for s in grp),
+                    )
         self.wait()
 
 
@@ -405,8 +684,11 @@ def report(results: list[dict], args: argparse.Namespace, wall_s: float) -> str:
         f"device: {dev}; torch {torch.__version__}; megatron-core {getattr(megatron.core, '__version__', '?')}; "
         f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}"
     )
+    gen_start = one("start", GENERATION)
+    engine = gen_start.get("info", {}).get("engine", "?")
     lines.append(
-        "processes: policy TP=2 on GPU0+GPU1, generation TP=1 on GPU1; refit channel GPU0 -> GPU1"
+        f"processes: policy TP=2 on GPU0+GPU1, generation TP=1 on GPU1 ({engine} engine); "
+        "refit channel GPU0 -> GPU1"
     )
     pol, gen = one("check", 0), one("check", GENERATION)
     if pol and gen:
@@ -432,6 +714,34 @@ def report(results: list[dict], args: argparse.Namespace, wall_s: float) -> str:
                 f"|diff| {ref['weight_max_diff']:.2e} (lr 1e-3), logprobs after: token_mult_prob_error "
                 f"{e3:.6f} (max {m3:.2e})"
             )
+    for tag in ("after-refit", "after-step-refit"):
+        g = next((r for r in by.get("engine_check_gen", []) if r["tag"] == tag), None)
+        p = next((r for r in by.get("engine_check_policy", []) if r["tag"] == tag), None)
+        if not (g and p):
+            continue
+        e, m = mult_prob_error(p["logprobs"], g["gen_lp"])
+        kind = g["engine"]
+        text = (
+            f"check, {tag}: {kind} engine, {len(g['rows'])} sampled completions (T=1): "
+            f"policy TP=2 vs engine logprobs token_mult_prob_error {e:.6f} (max |dlogp| {m:.2e})"
+        )
+        if kind != "static":
+            mine, ref = g[f"greedy_{kind}"], g["greedy_static"]
+            same = sum(a == b for a, b in zip(mine, ref, strict=True))
+            lp = [
+                (x, y)
+                for a, b, la, lb in zip(
+                    mine, ref, g[f"greedy_lp_{kind}"], g["greedy_lp_static"], strict=True
+                )
+                if a == b
+                for x, y in zip(la, lb, strict=True)
+            ]
+            dmax = max((abs(x - y) for x, y in lp), default=float("nan"))
+            text += (
+                f"; greedy ({len(ref)} prompts x 16 tokens): {kind} == static engine on "
+                f"{same}/{len(ref)} (logprobs max |diff| {dmax:.2e})"
+            )
+        lines.append(text)
     model = one("perf_model", 0)
     if model:
         gib = model["bytes"] / 2**30
@@ -463,14 +773,31 @@ def report(results: list[dict], args: argparse.Namespace, wall_s: float) -> str:
             f"{c * 1e3:.2f} ms ({model['bytes'] / c / 1e9:.0f} GB/s)"
         )
         for mb in args.bucket_mb:
-            per_proc = [r for r in by.get("refit", []) if r["bucket_mb"] == mb]
-            if not per_proc:
+            for impl in ("current", "legacy"):
+                per_proc = [
+                    r for r in by.get("refit", []) if r["bucket_mb"] == mb and r["impl"] == impl
+                ]
+                if not per_proc:
+                    continue
+                reps = list(zip(*(r["seconds"] for r in per_proc), strict=True))
+                t = statistics.median(max(x) for x in reps)
+                label = "" if impl == "current" else " [previous channels code]"
+                lines.append(
+                    f"refit, buckets of {mb:g} MiB{label}: {t * 1e3:.1f} ms median of {args.reps} "
+                    f"({model['bytes'] / t / 1e9:.1f} GB/s, {t / c:.1f}x the ceiling's time)"
+                )
+        for mb in args.bucket_mb:
+            pieces = [r for r in by.get("refit_pieces", []) if r["bucket_mb"] == mb]
+            if not pieces:
                 continue
-            reps = list(zip(*(r["seconds"] for r in per_proc), strict=True))
-            t = statistics.median(max(x) for x in reps)
+            part = {
+                k: max(r[k] for r in pieces if k in r)
+                for k in ("export_pack", "transfer", "receive_load", "load")
+                if any(k in r for r in pieces)
+            }
             lines.append(
-                f"refit, buckets of {mb:g} MiB: {t * 1e3:.1f} ms median of {args.reps} "
-                f"({model['bytes'] / t / 1e9:.1f} GB/s, {t / c:.1f}x the ceiling's time)"
+                f"refit pieces, {mb:g} MiB ({pieces[0]['buckets']} buckets): "
+                + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in part.items())
             )
         ex = one("export", 0)
         if ex:
@@ -486,11 +813,11 @@ def report(results: list[dict], args: argparse.Namespace, wall_s: float) -> str:
                 f"after the refits ({args.dtype}): policy TP=2 vs generation TP=1 token_mult_prob_error "
                 f"{e:.4f} (max |dlogp| {m:.2e})"
             )
-        g = one("generate", GENERATION)
-        if g:
+        for g in by.get("generate", []):
             lines.append(
-                f"generation (static engine, TP=1): {g['samples']} samples x {g['tokens']} tokens in "
-                f"{g['seconds']:.2f}s ({g['samples'] * g['tokens'] / g['seconds']:,.0f} tokens/s)"
+                f"generation ({g['engine']} engine, TP=1): {g['samples']} samples x {g['tokens']} "
+                f"tokens in {g['seconds']:.2f}s ({g['samples'] * g['tokens'] / g['seconds']:,.0f} "
+                f"tokens/s; {g['returned']} tokens returned after end-of-sequence cuts)"
             )
         ch = one("channel", 0)
         if ch:
@@ -519,10 +846,22 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--bucket-mb", type=float, nargs="+", default=[64.0, 512.0, 4096.0])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--gen-prompts", type=int, default=8)
+    parser.add_argument("--gen-prompts", type=int, nargs="+", default=[8])
     parser.add_argument("--gen-n", type=int, default=4)
     parser.add_argument("--gen-tokens", type=int, default=64)
     parser.add_argument("--timeout-s", type=float, default=540.0)
+    parser.add_argument("--engine", default="auto", help="generation.options.engine")
+    parser.add_argument(
+        "--compare-legacy", action="store_true", help="also time the previous channels code"
+    )
+    parser.add_argument("--refit-profile", action="store_true", help="time the refit's pieces")
+    parser.add_argument(
+        "--announce",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="ChannelSpec.announce (auto: on over NCCL)",
+    )
+    parser.add_argument("--trace-dir", help="write torch.profiler traces of one refit here")
     parser.add_argument("--out", help="also write the report to this file")
     args = parser.parse_args(argv)
     args.check_layers, args.check_hidden, args.check_vocab = 2, 128, 1000
@@ -546,6 +885,9 @@ def main(argv: list[str]) -> int:
         print(f"needs 2 GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="megatron-gpu-"))
+    args.work = str(work)
+    if args.trace_dir:
+        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     dirs = {}
     for name, cfg in (
         ("check", llama_config(args.check_layers, args.check_hidden, 256, 4, 2, args.check_vocab)),
@@ -597,6 +939,10 @@ def main(argv: list[str]) -> int:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+    for r in results:
+        if r["phase"] == "refit_trace":
+            print(f"--- torch.profiler, one refit ({r['impl']} channels), process {r['proc']}:")
+            print(r["table"], flush=True)
     text = report(results, args, time.monotonic() - t0)
     print(text, flush=True)
     if args.out:

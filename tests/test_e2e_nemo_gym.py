@@ -204,3 +204,55 @@ def test_gym_server_failing_to_start_tears_policy_and_generation_down(tmp_path: 
     assert "init:policy" in stopped and "init:generation" in stopped, (err.aborted, err.shut_down)
     assert took < 240, took
     _assert_nothing_left(tmp_path, leaks)
+
+
+# ---------------------------------------------------------------------------
+# Megatron generation behind rlcore's OpenAI-compatible endpoint
+# ---------------------------------------------------------------------------
+
+MEGATRON_EXAMPLE = str(REPO / "examples" / "megatron_nemo_gym.yaml")
+MEGATRON_STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def megatron_gym_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LeakCheck]:
+    pytest.importorskip("rlcore_megatron")
+    out = tmp_path_factory.mktemp("megatron-gym")
+    cache = tmp_path_factory.mktemp("cache")
+    leaks = LeakCheck()
+    run = run_job(
+        MEGATRON_EXAMPLE,
+        [f"grpo.steps={MEGATRON_STEPS}", f"setup.cache_dir={cache}"],
+        out=str(out / "run"),
+    )
+    return run, leaks
+
+
+def test_megatron_endpoint_serves_gym_rollouts(megatron_gym_run: tuple[Path, LeakCheck]) -> None:
+    run, _ = megatron_gym_run
+    records = read_metrics(run / "metrics.jsonl")
+    setup = records[0]
+    assert setup["timing/setup/init:env_time_s"] > 0
+    # Three-way overlap: total setup is the critical path (policy -> refit -> env).
+    assert setup["timing/setup/total_setup_time_s"] <= 1.15 * setup["timing/setup/critical_path_s"]
+    steps = [r for r in records if "reward/mean" in r]
+    assert [r["step"] for r in steps] == list(range(1, MEGATRON_STEPS + 1))
+    for r in steps:
+        assert 0.0 <= r["reward/mean"] <= 1.0
+        # Gym took prompt ids, completion ids and logprobs from the Megatron endpoint;
+        # the policy scores them the same: ids and logprobs are those the engine sampled.
+        assert 1.0 <= r["train/gen_vs_policy_mult_prob_error"] < 1.01, r
+        assert r["refit/token_mult_prob_error"] < 1.05
+    trace = json.loads((run / "trace.json").read_text())
+    spans = {e["name"]: e for e in trace["traceEvents"] if e.get("ph") == "X"}
+    env, gen, refit = spans["init:env"], spans["init:generation"], spans["refit:initial"]
+    assert abs(env["ts"] - gen["ts"]) < 1e6
+    assert env["ts"] + env["dur"] >= refit["ts"] + refit["dur"]
+
+
+def test_megatron_gym_run_leaves_nothing_behind(megatron_gym_run: tuple[Path, LeakCheck]) -> None:
+    run, leaks = megatron_gym_run
+    for pgid in _gym_launchers(run):
+        assert _group_alive(pgid) == [], f"Gym process group {pgid} still alive"
+    # The endpoint's server thread is among the threads checked here.
+    _assert_nothing_left(run.parent, leaks)

@@ -103,6 +103,63 @@ def test_channel_round_trip_is_bit_exact(transport: str, tmp_path) -> None:
             assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
 
 
+def _receiver_steps(spec, rank, buckets, steps, out) -> None:  # noqa: ANN001
+    try:
+        import io
+
+        open_channel(spec, rank)
+        for step in range(1, steps + 1):
+            got = dict(receive_weights(spec, rank, step, buckets))
+            buf = io.BytesIO()
+            torch.save({k: v.clone() for k, v in got.items()}, buf)
+            out.put((rank, step, buf.getvalue()))
+    except BaseException as err:  # report, never hang the parent
+        out.put((rank, 0, repr(err)))
+
+
+def test_announced_collective_with_a_tiny_in_flight_budget(monkeypatch) -> None:
+    """The NCCL mode (receivers wait for the sender's "bucket packed") over gloo, with at
+    most one bucket in flight, for two steps on one channel: bit-exact, in order."""
+    import io
+
+    from rlcore.refit import channels
+
+    monkeypatch.setattr(channels, "IN_FLIGHT_BYTES", 1)
+    steps = [_weights(1), _weights(2)]
+    specs = [spec_of(n, t) for n, t in steps[0].items()]
+    buckets = plan_buckets(specs, 1024)
+    assert len(buckets) > 3
+    spec = ChannelSpec(
+        "collective", f"ann{os.getpid()}", world_size=3, addr="127.0.0.1", port=free_port(),
+        timeout_s=30, announce=True,
+    )
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_receiver_steps, args=(spec, r, buckets, len(steps), out)) for r in (1, 2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        open_channel(spec, 0)
+        assert channels._open[spec.key].ready is not None
+        for step, weights in enumerate(steps, 1):
+            assert send_weights(spec, step, iter(weights.items()), buckets) == sum(s.nbytes for s in specs)
+        results = [out.get(timeout=60) for _ in range(len(procs) * len(steps))]
+    finally:
+        channels.close_channel(spec)
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for rank, step, payload in results:
+        assert not isinstance(payload, str), payload
+        got = torch.load(io.BytesIO(payload))
+        assert list(got) == list(steps[step - 1])
+        for name, t in steps[step - 1].items():
+            assert torch.equal(got[name], t), (rank, step, name)
+
+
 def test_sender_stream_out_of_plan_is_an_error(tmp_path) -> None:
     weights = _weights()
     specs = [spec_of(n, t) for n, t in weights.items()]

@@ -33,10 +33,11 @@ from typing import Any
 
 from rlcore.context import InitContext
 from rlcore.errors import ConfigError, RlcoreError
+from rlcore.handles import Endpoint
 from rlcore.refit.specs import TensorSpec
 from rlcore.waiting import CancelToken
 from rlcore.workers import WorkerGroup
-from rlcore_megatron.plugin import CHECKPOINT_ARTIFACT, MegatronOptions
+from rlcore_megatron.plugin import CHECKPOINT_ARTIFACT, MegatronOptions, resolve_engine
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,7 @@ class _Handle:
         # The rank that answers for each data-parallel replica: its tensor-parallel rank 0.
         leads = sorted((x["dp_rank"], x["rank"]) for x in self.layout if x["tp_rank"] == 0)
         self._leads = [rank for _, rank in leads]
+        self._submit_lock = threading.Lock()
 
     @property
     def world_size(self) -> int:
@@ -154,6 +156,30 @@ class _Handle:
     def _replicas(self, parts: Sequence[Sequence[Any]]) -> list[Any]:
         """Concatenate per-rank shard results, one per data-parallel replica, in order."""
         return [row for rank in self._leads for row in parts[rank]]
+
+    def _submit(self, method: str, *args: Any, per_rank: Any = None) -> list[Any]:
+        """Submit ``method`` to every rank in one step; Ray refs.
+
+        Tensor-parallel ranks must run the same calls in the same order, and Ray
+        runs one submitting process's calls to an actor in submission order: the
+        lock keeps calls made from several threads of this process (the training
+        loop, an endpoint) in one order on every rank. ``per_rank(i)`` gives extra
+        leading arguments for rank ``i``.
+        """
+        self._check_open()
+        with self._submit_lock:
+            return [
+                getattr(a, method).remote(*(per_rank(i) if per_rank else ()), *args)
+                for i, a in enumerate(self.group.actors)
+            ]
+
+    def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        """Per-token logprobs of each ``(prompt_ids, completion_ids)`` row's completion;
+        rows split over the replicas."""
+        import ray
+
+        rows = ray.put([(list(p), list(c)) for p, c in batch])
+        return self._replicas(self.group.get(self._submit("logprobs", rows), what="logprobs"))
 
     def pids(self) -> list[int]:
         """Process ids of the ranks (for leak checks)."""
@@ -237,14 +263,6 @@ class MegatronPolicy(_Handle):
 
     # ------------------------------------------------------------ training loop
 
-    def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
-        """Per-token logprobs of each row's completion; rows split over the replicas."""
-        import ray
-
-        self._check_open()
-        rows = ray.put([(list(p), list(c)) for p, c in batch])
-        return self._replicas(self.group.call("logprobs", rows, what="logprobs"))
-
     def train_step(
         self,
         batch: Sequence[tuple[Sequence[int], Sequence[int]]],
@@ -270,13 +288,16 @@ class MegatronPolicy(_Handle):
 
 class MegatronGeneration(_Handle):
     """A started Megatron generation engine: ``workers`` :class:`~rlcore_megatron.worker.MegatronGenerationWorker`
-    ranks running megatron-core's static inference engine (tensor parallel
+    ranks running megatron-core's inference engine (static on CPU, dynamic on CUDA; tensor parallel
     ``options.tensor_model_parallel_size``, the rest independent replicas).
 
     Implements :class:`rlcore.handles.RefitReceiver` (every rank is a receiver:
     rank ``i`` is refit channel rank ``1 + i`` and loads its own slices) and the
-    generation side of :func:`rlcore.grpo.run_grpo`. It serves no OpenAI-compatible
-    endpoint (``endpoint`` is None).
+    generation side of :func:`rlcore.grpo.run_grpo`. With ``serve_openai`` it also
+    serves an OpenAI-compatible endpoint (:mod:`rlcore.openai_endpoint`, in this
+    process, from its own thread) over :meth:`generate`; ``endpoint`` says where
+    (else None). Calls to the ranks go through ``_submit``, so requests the endpoint
+    serves and the refits of the training loop reach every rank in one order.
 
     ``info``: ``init_s``, ``group_start_s``, ``start_s`` (model and engine),
     ``refit_fed``; loading the checkpoint: ``checkpoint``, ``checkpoint_wait_s``
@@ -286,7 +307,6 @@ class MegatronGeneration(_Handle):
     """
 
     kind = "generation"
-    endpoint = None
 
     def __init__(
         self,
@@ -301,10 +321,13 @@ class MegatronGeneration(_Handle):
         self.device_type = device_type
         self.refit_ranks = group.world_size
         self._specs = list(specs)
+        #: The OpenAI-compatible endpoint (``serve_openai``), started by :func:`start_generation`.
+        self.server: Any = None
 
-    def _actors(self) -> list[Any]:
-        self._check_open()
-        return self.group.actors
+    @property
+    def endpoint(self) -> Endpoint | None:
+        """Where the OpenAI-compatible endpoint listens (``serve_openai``), else None."""
+        return None if self.server is None else self.server.endpoint
 
     # ------------------------------------------------------------ refit receiver
 
@@ -314,17 +337,17 @@ class MegatronGeneration(_Handle):
         return list(self._specs)
 
     def open_refit_channel(self, spec: Any) -> list[Any]:
-        return [a.open_refit_channel.remote(spec, 1 + i) for i, a in enumerate(self._actors())]
+        """Rank ``i`` joins ``spec`` as channel rank ``1 + i``; Ray refs."""
+        return self._submit("open_refit_channel", per_rank=lambda i: (spec, 1 + i))
 
     def refit_ceiling(self, spec: Any, step: int, nbytes: int) -> list[Any]:
         """Every rank receives ``nbytes`` raw over the channel (bench); Ray refs."""
-        return [a.refit_ceiling.remote(spec, step, nbytes) for a in self._actors()]
+        return self._submit("refit_ceiling", spec, step, nbytes)
 
     def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
         import ray
 
-        plan = ray.put(buckets)
-        return [a.receive_weights.remote(spec, step, plan) for a in self._actors()]
+        return self._submit("receive_weights", spec, step, ray.put(buckets))
 
     # ------------------------------------------------------------ training loop
 
@@ -344,26 +367,18 @@ class MegatronGeneration(_Handle):
         """
         import ray
 
-        self._check_open()
         prompts = ray.put([list(map(int, p)) for p in prompt_ids])
-        parts = self.group.call(
-            "generate",
-            prompts,
-            int(n),
-            int(max_tokens),
-            float(temperature),
-            int(seed),
-            what="generate",
+        refs = self._submit(
+            "generate", prompts, int(n), int(max_tokens), float(temperature), int(seed)
         )
-        return self._replicas(parts)
+        return self._replicas(self.group.get(refs, what="generate"))
 
-    def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
-        """Per-token logprobs of each ``(prompt_ids, completion_ids)`` pair's completion."""
-        import ray
-
-        self._check_open()
-        rows = ray.put([(list(p), list(c)) for p, c in batch])
-        return self._replicas(self.group.call("logprobs", rows, what="logprobs"))
+    def shutdown(self) -> None:
+        """Stop the endpoint (if any), then release the ranks. Idempotent."""
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop()
+        super().shutdown()
 
 
 # ---------------------------------------------------------------------------
@@ -576,6 +591,7 @@ def start_generation(ctx: InitContext) -> MegatronGeneration:
     spec = convert.ModelSpec.from_hf(model_dir)
     _check_tp(spec, section.workers, options, "generation")
     device = _resolve_device(options.device, "generation")
+    engine = resolve_engine(options.engine, device)  # a bad choice fails before any worker starts
     _check_go(ctx)
     refit_fed = bool(section.refit_fed)
     key, padded = None, None
@@ -638,22 +654,67 @@ def start_generation(ctx: InitContext) -> MegatronGeneration:
         "checkpoint_load_s": load_s,
         "checkpoint": str(checkpoint) if checkpoint is not None else None,
         "refit_fed": refit_fed,
+        "engine": layout[0].get("engine", engine),
     }
-    ctx.log.info(
-        "megatron generation: %d rank(s) (tp=%d) on %s, %s, init %.2fs (workers %.2fs, engine %.2fs%s)",
-        section.workers,
-        options.tensor_model_parallel_size,
-        device,
-        "refit-fed" if refit_fed else "from the published checkpoint",
-        info["init_s"],
-        info["group_start_s"],
-        info["start_s"],
-        f", waited {wait_s:.2f}s for the checkpoint, loaded in {load_s:.2f}s" if key else "",
-    )
-    return MegatronGeneration(
+    handle = MegatronGeneration(
         group,
         device_type=device,
         specs=convert.tensor_specs(spec, dtype),
         layout=layout,
         info=info,
     )
+    if options.serve_openai:
+        try:
+            handle.server = _start_endpoint(handle, model_dir, options, ctx)
+        except BaseException:
+            handle.shutdown()
+            raise
+    ctx.log.info(
+        "megatron generation: %d rank(s) (tp=%d) on %s, %s engine, %s, init %.2fs (workers %.2fs, "
+        "engine %.2fs%s)%s",
+        section.workers,
+        options.tensor_model_parallel_size,
+        device,
+        info["engine"],
+        "refit-fed" if refit_fed else "from the published checkpoint",
+        info["init_s"],
+        info["group_start_s"],
+        info["start_s"],
+        f", waited {wait_s:.2f}s for the checkpoint, loaded in {load_s:.2f}s" if key else "",
+        f"; OpenAI-compatible endpoint {handle.endpoint.base_url}" if handle.endpoint else "",
+    )
+    return handle
+
+
+def _start_endpoint(
+    handle: MegatronGeneration, model_dir: Path, options: MegatronOptions, ctx: InitContext
+) -> Any:
+    """The OpenAI-compatible endpoint over ``handle.generate`` (``serve_openai``)."""
+    from rlcore.openai_endpoint import OpenAIEndpoint
+    from rlcore_megatron.worker import eos_token_ids
+
+    replicas = max(1, len(handle._leads))
+    server = OpenAIEndpoint(
+        handle,
+        str(model_dir),
+        model_name=options.served_model_name,
+        max_sequence_length=options.max_sequence_length,
+        eos_token_ids=eos_token_ids(str(model_dir)),
+        # Each replica's engine takes max_batch_size requests at once.
+        max_batch=options.max_batch_size * replicas,
+        batch_wait_s=options.batch_wait_ms / 1000.0,
+        seed=options.seed,
+        host=options.host,
+        port=options.port,
+    )
+    remaining = ctx.deadline.remaining()
+    try:
+        server.start(timeout_s=30.0 if remaining is None else max(1.0, min(30.0, remaining)))
+    except OSError as err:
+        raise ConfigError(
+            f"the megatron generation's OpenAI-compatible endpoint cannot listen on "
+            f"{options.host}:{options.port}: {err}; choose another generation.options.port "
+            "(0 picks a free one) or generation.options.host",
+            key="generation.options.port",
+        ) from err
+    return server

@@ -18,6 +18,18 @@ the Hugging Face vocabulary.
 
 The generation backend drives the engine with token ids only
 (:class:`TokenIdAdapter`); :class:`HFTokenizerAdapter` serves text prompts.
+
+Two engines (:func:`resolve_engine` picks one from ``generation.options.engine``):
+
+* the legacy **static** engine (:func:`build_static_engine`): one batch at a time,
+  a KV cache of ``max_batch_size x max_sequence_length``; it runs on CPU;
+* the **dynamic** engine (:func:`build_dynamic_engine`, CUDA only: its context
+  and controller allocate on the GPU and in pinned memory): in-flight batching
+  over a block-paged KV cache, requests leave the batch at their end-of-sequence
+  token. No CUDA graphs. Its attention needs flash-attn; without it
+  :mod:`rlcore_megatron.paged_attention` supplies a torch implementation.
+  :func:`generate_dynamic` runs one call's requests to completion and
+  :func:`reset_dynamic_engine` drops every request and KV block (after a refit).
 """
 
 from __future__ import annotations
@@ -28,10 +40,13 @@ import torch
 from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
     GPTInferenceWrapper,
 )
+from megatron.core.inference.sampling_params import SamplingParams
 
 from rlcore_megatron.cpu_compat import causal_mask
+from rlcore_megatron.plugin import ENGINES, resolve_engine  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
+    from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
     from megatron.core.inference.engines.static_engine import StaticInferenceEngine
 
     from rlcore_megatron.convert import ModelSpec
@@ -119,6 +134,20 @@ class HFTokenizerAdapter:
         return out
 
 
+def sampling_params(temperature: float, max_tokens: int, **extra: Any) -> SamplingParams:
+    """megatron-core sampling parameters for the generation backend: the sampled tokens'
+    logprobs, the full distribution (no top-p), greedy when ``temperature <= 0``."""
+    greedy = temperature <= 0
+    return SamplingParams(
+        temperature=1.0 if greedy else float(temperature),
+        top_k=1 if greedy else 0,
+        top_p=0.0,
+        return_log_probs=True,
+        num_tokens_to_generate=int(max_tokens),
+        **extra,
+    )
+
+
 def build_static_engine(
     model: Any,
     tokenizer: Any,
@@ -168,3 +197,178 @@ def build_static_engine(
         return StaticInferenceEngine(
             controller, max_batch_size=max_batch_size, random_seed=seed, legacy=True
         )
+
+
+# ---------------------------------------------------------------------------
+# Engine choice and megatron-core's dynamic engine (CUDA)
+# ---------------------------------------------------------------------------
+
+#: KV-cache block of the dynamic engine, in tokens (flash-attn 2 pages must be multiples of 256).
+KV_BLOCK_TOKENS = 256
+
+
+def kv_block_bytes(spec: ModelSpec, tp: int, dtype: torch.dtype) -> int:
+    """Bytes of one dynamic-engine KV block on one tensor-parallel rank (keys and values)."""
+    kv_heads = spec.num_query_groups // tp
+    return 2 * spec.num_layers * KV_BLOCK_TOKENS * kv_heads * spec.head_dim * dtype.itemsize
+
+
+def kv_cache_gib(
+    spec: ModelSpec,
+    tp: int,
+    dtype: torch.dtype,
+    max_batch_size: int,
+    max_sequence_length: int,
+    requested_gib: float = 0.0,
+) -> float:
+    """The dynamic engine's KV buffer per rank, in GiB.
+
+    ``requested_gib > 0`` is taken as is; otherwise room for ``max_batch_size``
+    sequences of ``max_sequence_length`` tokens, plus megatron-core's dummy block
+    (and half a block so its ``int(gib * 2**30) // block`` does not round one away).
+    """
+    if requested_gib > 0:
+        return float(requested_gib)
+    per_request = -(-int(max_sequence_length) // KV_BLOCK_TOKENS)
+    blocks = int(max_batch_size) * per_request + 1
+    return (blocks + 0.5) * kv_block_bytes(spec, tp, dtype) / 2**30
+
+
+def build_dynamic_engine(
+    model: Any,
+    tokenizer: Any,
+    spec: ModelSpec,
+    *,
+    tp: int = 1,
+    make_vocab_size_divisible_by: int = 128,
+    max_batch_size: int = 8,
+    max_sequence_length: int = 512,
+    kv_cache_gib_requested: float = 0.0,
+    seed: int = 1234,
+) -> DynamicInferenceEngine:
+    """megatron-core's dynamic engine (paged KV cache, in-flight batching) for a local-spec
+    ``GPTModel`` on the current CUDA device.
+
+    At most ``max_batch_size`` requests run at once (more wait for a slot); each
+    may hold ``max_sequence_length`` tokens; the KV buffer is :func:`kv_cache_gib`.
+    Only the last token's logits are computed (``materialize_only_last_token_logits``;
+    no prompt logprobs), prompts are prefilled whole (no chunking: one step takes
+    up to ``max(16384, max_sequence_length)`` tokens), no CUDA graphs. Logits of the
+    padded vocabulary are masked as in the static engine
+    (:class:`MaskedGPTInferenceWrapper`). Installs the torch paged attention when
+    flash-attn is absent (:func:`rlcore_megatron.paged_attention.install`).
+    """
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+    from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
+    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+        InferenceWrapperConfig,
+    )
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+
+    from rlcore_megatron import paged_attention
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("megatron-core's dynamic inference engine needs CUDA")
+    paged_attention.install()
+    dtype = model.config.params_dtype
+    max_tokens = DynamicInferenceContext.round_up_tokens(
+        max(DynamicInferenceContext.DEFAULT_MAX_TOKENS, int(max_sequence_length)), tp
+    )
+    context = DynamicInferenceContext(
+        params_dtype=dtype,
+        num_layers=spec.num_layers,
+        kv_channels=spec.head_dim,
+        num_attention_heads=spec.num_query_groups,
+        max_sequence_length=int(max_sequence_length),
+        buffer_size_gb=kv_cache_gib(
+            spec, tp, dtype, max_batch_size, max_sequence_length, kv_cache_gib_requested
+        ),
+        max_requests=int(max_batch_size),
+        max_tokens=max_tokens,
+        block_size_tokens=KV_BLOCK_TOKENS,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        num_cuda_graphs=None,
+        materialize_only_last_token_logits=True,
+        use_cuda_graphs_for_non_decode_steps=False,
+        use_flashinfer_fused_rope=False,
+        unified_memory_level=0,
+    )
+    config = InferenceWrapperConfig(
+        hidden_size=spec.hidden_size,
+        params_dtype=dtype,
+        inference_batch_times_seqlen_threshold=-1,
+        padded_vocab_size=spec.padded_vocab_size(tp, make_vocab_size_divisible_by),
+        inference_max_requests=max_batch_size,
+        inference_max_seq_length=max_sequence_length,
+    )
+    wrapped = MaskedGPTInferenceWrapper(model, config, context)
+    wrapped.real_vocab_size = spec.vocab_size
+    adapter = tokenizer if hasattr(tokenizer, "eod") else HFTokenizerAdapter(tokenizer)
+    controller = TextGenerationController(wrapped, adapter)
+    return DynamicInferenceEngine(
+        controller, context, random_seed=int(seed), enable_chunked_prefill=False
+    )
+
+
+def generate_dynamic(
+    engine: DynamicInferenceEngine,
+    prompts: list[list[int]],
+    n: int,
+    max_tokens: int,
+    temperature: float,
+) -> list[list[tuple[list[int], list[float]]]]:
+    """``n`` samples per prompt from the dynamic engine: ``(token_ids, logprobs)`` each.
+
+    A sample ends at the tokenizer's end-of-document id (kept) or after
+    ``max_tokens``. ``logprobs`` are the sampled tokens' logprobs before
+    temperature; ``temperature <= 0`` is greedy. The caller seeds
+    ``engine.controller.sampling_rng``. Runs until every request finished; on an
+    error the engine is reset (no request or KV block outlives the call).
+    """
+    from megatron.core.inference.inference_request import Status
+
+    longest = max(len(p) for p in prompts) + int(max_tokens)
+    if longest > engine.context.max_sequence_length:
+        raise ValueError(
+            f"prompt + max_tokens is {longest} tokens, more than the engine's "
+            f"generation.options.max_sequence_length ({engine.context.max_sequence_length})"
+        )
+    params = sampling_params(
+        temperature,
+        max_tokens,
+        skip_prompt_log_probs=True,
+        termination_id=int(engine.controller.tokenizer.eod),
+    )
+    flat = [list(p) for p in prompts for _ in range(n)]
+    try:
+        records = engine.generate(flat, params)
+        if len(records) != len(flat):
+            raise RuntimeError(
+                f"megatron dynamic engine finished {len(records)} of {len(flat)} requests"
+            )
+        samples = []
+        for record in records:
+            req = record.merge()
+            if req.status != Status.COMPLETED:
+                raise RuntimeError(
+                    f"megatron dynamic engine: request {req.request_id} {req.status}"
+                )
+            samples.append(
+                (
+                    [int(t) for t in req.generated_tokens],
+                    [float(x) for x in req.generated_log_probs or []],
+                )
+            )
+    except BaseException:
+        reset_dynamic_engine(engine)
+        raise
+    return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+def reset_dynamic_engine(engine: DynamicInferenceEngine) -> None:
+    """Drop every request and release every KV block (megatron-core 0.16 has no prefix
+    cache: after this no state from before remains). Call it when the weights change."""
+    engine.reset()

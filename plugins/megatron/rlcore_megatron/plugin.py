@@ -29,6 +29,7 @@ from rlcore.declarations import (
     Role,
     Transport,
 )
+from rlcore.errors import ConfigError
 from rlcore.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -66,10 +67,60 @@ class MegatronOptions:
     max_grad_norm: float = 1.0
     #: (policy) AdamW weight decay; the learning rate comes with every train step.
     weight_decay: float = 0.0
-    #: (generation) Requests the static engine runs in one batch (its KV cache size).
+    #: (generation) Requests the engine runs at once (the static engine's batch and KV
+    #: cache size; the dynamic engine's most concurrent requests).
     max_batch_size: int = 64
     #: (generation) Longest prompt + completion, in tokens (KV cache length).
     max_sequence_length: int = 512
+    #: (generation) megatron-core inference engine: ``auto`` (the dynamic engine on CUDA,
+    #: the static engine on CPU), ``static`` (one batch at a time; runs anywhere) or
+    #: ``dynamic`` (in-flight batching over a paged KV cache; CUDA only).
+    engine: str = "auto"
+    #: (generation, dynamic engine) KV cache per rank in GiB; 0: room for
+    #: ``max_batch_size`` sequences of ``max_sequence_length`` tokens.
+    kv_cache_gib: float = 0.0
+    #: (generation) Serve an OpenAI-compatible endpoint (``/v1/chat/completions``,
+    #: ``/v1/completions``, ``/v1/models``, ``/tokenize``) in the driver, in front of the
+    #: engine: environments such as NeMo Gym reach the policy through it. Requests are
+    #: batched into the same ``generate`` calls the training loop makes
+    #: (:mod:`rlcore.openai_endpoint`).
+    serve_openai: bool = False
+    #: (generation, serve_openai) The model name requests use and ``/v1/models`` lists.
+    served_model_name: str = "policy"
+    #: (generation, serve_openai) Address to listen on; keep it local unless a remote
+    #: environment needs it (the endpoint has no authentication).
+    host: str = "127.0.0.1"
+    #: (generation, serve_openai) Port to listen on; 0 picks a free one.
+    port: int = 0
+    #: (generation, serve_openai) How long a batch waits for concurrent requests, in ms.
+    batch_wait_ms: float = 5.0
+
+
+#: Values of ``generation.options.engine``.
+ENGINES = ("auto", "static", "dynamic")
+
+
+def resolve_engine(engine: str, device_type: str) -> str:
+    """``static`` or ``dynamic`` for ``generation.options.engine`` on ``device_type``.
+
+    ``auto`` is the dynamic engine on CUDA and the static engine on CPU; the
+    dynamic engine on CPU is a :class:`~rlcore.errors.ConfigError`.
+    """
+    key = "generation.options.engine"
+    if engine not in ENGINES:
+        raise ConfigError(
+            f"{key} of backend 'megatron' is {engine!r}; use auto, static or dynamic", key=key
+        )
+    if engine == "auto":
+        return "dynamic" if device_type == "cuda" else "static"
+    if engine == "dynamic" and device_type != "cuda":
+        raise ConfigError(
+            f"{key}=dynamic needs CUDA (megatron-core's dynamic engine allocates its KV cache "
+            f"and sampling buffers on the GPU), but the generation runs on {device_type}: set "
+            f"{key} to auto or static, or run it on GPUs (generation.options.device=cuda)",
+            key=key,
+        )
+    return engine
 
 
 @hookimpl
@@ -108,13 +159,14 @@ def rlcore_declare_backend() -> BackendDeclaration:
         refit_fed=True,
         send_transports={Transport.COLLECTIVE, Transport.DISK, Transport.SHARED_MEMORY},
         receive_transports={Transport.COLLECTIVE, Transport.DISK, Transport.SHARED_MEMORY},
-        # megatron-core's OpenAI-compatible server needs its dynamic engine (CUDA);
-        # the static engine used here has none, so none is declared.
-        openai_endpoint=False,
+        # With generation.options.serve_openai (rlcore.openai_endpoint in front of the
+        # engine; megatron-core's own server needs its dynamic engine and CUDA).
+        openai_endpoint=True,
         options=MegatronOptions,
         description=(
             "megatron-core GPTModel (local layer spec, tensor parallel over gloo/NCCL) as "
-            "policy and static-batch generation; Llama-family and Qwen2 checkpoints"
+            "policy and generation (optional OpenAI-compatible endpoint); Llama-family and "
+            "Qwen2 checkpoints"
         ),
     )
 

@@ -5,9 +5,9 @@
   computes per-token logprobs, takes GRPO steps (AdamW) and streams its weights
   under Hugging Face names for refit.
 * :class:`MegatronGenerationWorker` -- one rank of the generation engine
-  ("MInf"): the same model served by megatron-core's static inference engine
-  (:mod:`rlcore_megatron.inference`), loaded from the published checkpoint or fed
-  by refit.
+  ("MInf"): the same model served by megatron-core's dynamic inference engine on
+  CUDA or its static engine on CPU (:mod:`rlcore_megatron.inference`), loaded from
+  the published checkpoint or fed by refit.
 
 Both are :class:`rlcore.workers.DistributedWorker` subclasses: a
 :class:`rlcore.workers.WorkerGroup` gives them a torch.distributed default group
@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from rlcore.batches import Row, check_rows, check_train_inputs, shard_range
+from rlcore.errors import NotServingError
 from rlcore.workers import DistributedWorker, free_port, node_ip
 
 if TYPE_CHECKING:
@@ -76,6 +77,16 @@ def _token_ids(value: Any) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in (value if isinstance(value, list | tuple) else [value])]
+
+
+def eos_token_ids(model_dir: str) -> list[int]:
+    """End-of-sequence ids of a Hugging Face model: ``config.json``'s, then
+    ``generation_config.json``'s (chat models often list several there)."""
+    eos = _token_ids(_hf_config(model_dir).get("eos_token_id"))
+    gen_cfg = Path(model_dir) / "generation_config.json"
+    if gen_cfg.is_file():
+        eos += _token_ids(json.loads(gen_cfg.read_text()).get("eos_token_id"))
+    return list(dict.fromkeys(eos))
 
 
 class MegatronWorker(DistributedWorker):
@@ -504,11 +515,14 @@ def _as_planned(
 
 
 class MegatronGenerationWorker(MegatronWorker):
-    """One rank of the Megatron generation engine (megatron-core static inference)."""
+    """One rank of the Megatron generation engine (megatron-core's dynamic engine on CUDA,
+    its static engine on CPU: ``generation.options.engine``)."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         super().__init__(rank, world_size)
         self.engine: Any = None
+        #: ``static`` or ``dynamic`` (:func:`rlcore_megatron.inference.resolve_engine`).
+        self.engine_kind = "static"
         self.eos_ids: set[int] = set()
         #: False until weights are loaded (refit-fed: until the first refit).
         self.serving = False
@@ -525,38 +539,58 @@ class MegatronGenerationWorker(MegatronWorker):
         *,
         padded_vocab_size: int | None = None,
     ) -> dict[str, Any]:
-        """Build the model without weights and the static inference engine around it.
+        """Build the model without weights and the inference engine around it.
 
         ``padded_vocab_size``: the padded vocabulary of the checkpoint this engine
         will load (written at the policy's tensor-parallel size); None pads with this
         engine's own options (refit-fed: refit moves unpadded Hugging Face tensors).
+        The engine is ``options.engine`` resolved for ``device`` (reported as ``engine``).
         """
-        from rlcore_megatron.inference import TokenIdAdapter, build_static_engine
+        from rlcore_megatron import inference
 
         t0 = time.monotonic()
+        self.engine_kind = inference.resolve_engine(
+            options.engine, "cuda" if device.startswith("cuda") else "cpu"
+        )
         self._build(model_dir, dtype, options, device, padded_vocab_size=padded_vocab_size)
         self.model.requires_grad_(False)
         cfg = _hf_config(model_dir)
-        eos = _token_ids(cfg.get("eos_token_id"))
-        gen_cfg = Path(model_dir) / "generation_config.json"
-        if gen_cfg.is_file():
-            eos += _token_ids(json.loads(gen_cfg.read_text()).get("eos_token_id"))
+        eos = eos_token_ids(model_dir)
         self.eos_ids = set(eos)
         bos = _token_ids(cfg.get("bos_token_id"))
-        adapter = TokenIdAdapter(
+        adapter = inference.TokenIdAdapter(
             eod=eos[0] if eos else -1, bos=bos[0] if bos else None, vocab_size=self.spec.vocab_size
         )
-        self.engine = build_static_engine(
-            self.model,
-            adapter,
-            self.spec,
-            tp=self.tp_size,
-            make_vocab_size_divisible_by=self.divisible,
-            max_batch_size=options.max_batch_size,
-            max_sequence_length=options.max_sequence_length,
-            seed=options.seed + 1,
-        )
-        return {**self.layout(), "device": self.device.type, "start_s": time.monotonic() - t0}
+        common = {
+            "tp": self.tp_size,
+            "make_vocab_size_divisible_by": self.divisible,
+            "max_batch_size": options.max_batch_size,
+            "max_sequence_length": options.max_sequence_length,
+            "seed": options.seed + 1,
+        }
+        if self.engine_kind == "dynamic":
+            self.engine = inference.build_dynamic_engine(
+                self.model,
+                adapter,
+                self.spec,
+                kv_cache_gib_requested=options.kv_cache_gib,
+                **common,
+            )
+        else:
+            self.engine = inference.build_static_engine(self.model, adapter, self.spec, **common)
+        return {
+            **self.layout(),
+            "device": self.device.type,
+            "engine": self.engine_kind,
+            "start_s": time.monotonic() - t0,
+        }
+
+    def _forget_requests(self) -> None:
+        """The weights are about to change: the dynamic engine drops every request and KV block."""
+        if self.engine_kind == "dynamic" and self.engine is not None:
+            from rlcore_megatron.inference import reset_dynamic_engine
+
+            reset_dynamic_engine(self.engine)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Load a published Megatron checkpoint (any tensor-parallel size) and serve it."""
@@ -568,6 +602,7 @@ class MegatronGenerationWorker(MegatronWorker):
         info = read_info(path)
         if ModelSpec.from_hf(info["hf_config"]) != self.spec:
             raise ConversionError(f"{path} was converted from another model than this engine's")
+        self._forget_requests()
         load_checkpoint(self.model, path)
         self.serving, self.stale = True, None
         return {"checkpoint_load_s": time.monotonic() - t0, "written_at_tp": info["tp"]}
@@ -575,12 +610,12 @@ class MegatronGenerationWorker(MegatronWorker):
     def _check_serving(self) -> None:
         self._require_model()
         if self.stale is not None:
-            raise RuntimeError(
+            raise NotServingError(
                 f"megatron generation rank {self.rank}: {self.stale}; its weights may mix two "
                 "versions, so it refuses to serve until a refit succeeds"
             )
         if not self.serving:
-            raise RuntimeError(
+            raise NotServingError(
                 f"megatron generation rank {self.rank} has no weights yet (refit-fed: it "
                 "serves after the first refit)"
             )
@@ -595,19 +630,17 @@ class MegatronGenerationWorker(MegatronWorker):
     ) -> list[list[Sample]]:
         """``n`` samples per prompt of this rank's data-parallel shard. Collective.
 
-        megatron-core's static engine samples over the padded vocabulary: the
-        inference wrapper sets the padded entries' logits to ``-inf`` first
+        megatron-core's engines sample over the padded vocabulary: the inference
+        wrapper sets the padded entries' logits to ``-inf`` first
         (:class:`rlcore_megatron.inference.MaskedGPTInferenceWrapper`), so they are
         never drawn and the returned logprobs are normalised over the Hugging Face
         vocabulary. ``logprobs`` are the sampled tokens' logprobs under the model
-        (before temperature, as vLLM reports them). Every sample runs
-        ``max_tokens`` steps (no early termination in the engine) and is cut after
-        its first end-of-sequence token, which is kept, as vLLM does.
-        ``temperature <= 0`` is greedy. The replica's sampling generator is seeded
-        from ``(seed, replica)`` at every call.
+        (before temperature, as vLLM reports them). Every sample is cut after its
+        first end-of-sequence token, which is kept, as vLLM does (the static engine
+        runs ``max_tokens`` steps for every sample; the dynamic engine ends a sample
+        at the first end-of-sequence id). ``temperature <= 0`` is greedy. The
+        replica's sampling generator is seeded from ``(seed, replica)`` at every call.
         """
-        from megatron.core.inference.sampling_params import SamplingParams
-
         self._check_serving()
         if n < 1 or max_tokens < 1:
             raise ValueError(f"n and max_tokens must be >= 1, got n={n}, max_tokens={max_tokens}")
@@ -617,17 +650,27 @@ class MegatronGenerationWorker(MegatronWorker):
             return []
         if any(not p for p in local):
             raise ValueError("empty prompt")
-        greedy = temperature <= 0
-        params = SamplingParams(
-            temperature=1.0 if greedy else float(temperature),
-            top_k=1 if greedy else 0,
-            top_p=0.0,
-            return_log_probs=True,
-            num_tokens_to_generate=int(max_tokens),
-        )
+        self.engine.controller.sampling_rng.manual_seed(sample_seed(seed, self.dp_rank))
+        if self.engine_kind == "dynamic":
+            from rlcore_megatron.inference import generate_dynamic
+
+            raw = generate_dynamic(self.engine, local, n, max_tokens, temperature)
+        else:
+            raw = self._generate_static(local, n, max_tokens, temperature)
+        return [[self._cut_at_eos(tokens, lps) for tokens, lps in group] for group in raw]
+
+    def _cut_at_eos(self, tokens: list[int], logprobs: list[float]) -> Sample:
+        cut = next((i + 1 for i, t in enumerate(tokens) if t in self.eos_ids), len(tokens))
+        return {"token_ids": tokens[:cut], "logprobs": logprobs[:cut]}
+
+    def _generate_static(
+        self, local: list[list[int]], n: int, max_tokens: int, temperature: float
+    ) -> list[list[tuple[list[int], list[float]]]]:
+        """The static engine: ``(token_ids, logprobs)`` of ``max_tokens`` steps per sample."""
+        from rlcore_megatron.inference import sampling_params
+
+        params = sampling_params(temperature, max_tokens)
         params.add_attributes({"no_early_termination": True})
-        controller = self.engine.controller
-        controller.sampling_rng.manual_seed(sample_seed(seed, self.dp_rank))
         scheduler = self.engine.scheduler
         ids = [
             [
@@ -639,19 +682,16 @@ class MegatronGenerationWorker(MegatronWorker):
         try:
             self.engine.run_engine()
             done = scheduler.completed_request_pool
-            results = []
-            for group in ids:
-                samples = []
-                for rid in group:
-                    req = done[rid]
-                    tokens = [int(t) for t in req.generated_tokens.tolist()]
-                    lps = [float(x) for x in req.generated_log_probs]
-                    cut = next(
-                        (i + 1 for i, t in enumerate(tokens) if t in self.eos_ids), len(tokens)
+            return [
+                [
+                    (
+                        [int(t) for t in done[rid].generated_tokens.tolist()],
+                        [float(x) for x in done[rid].generated_log_probs],
                     )
-                    samples.append({"token_ids": tokens[:cut], "logprobs": lps[:cut]})
-                results.append(samples)
-            return results
+                    for rid in group
+                ]
+                for group in ids
+            ]
         finally:
             for group in ids:
                 for rid in group:
@@ -700,6 +740,7 @@ class MegatronGenerationWorker(MegatronWorker):
         rank = self._channel_ranks.get(spec.key, 1 + self.rank)
         stream = channels.receive_weights(spec, rank, step, buckets, device=self.device)
         self.stale = f"refit step {step} over {spec.transport} did not complete"
+        self._forget_requests()
         try:
             with torch.no_grad():
                 convert.load_hf_stream(

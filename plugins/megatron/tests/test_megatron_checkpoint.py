@@ -77,7 +77,8 @@ def test_cancel_kills_the_converter_and_its_children(llama_dir: Path, tmp_path: 
                 break
             time.sleep(0.002)
         seen.extend(
-            p for p in psutil.Process().children(recursive=True)
+            p
+            for p in psutil.Process().children(recursive=True)
             if p.pid not in before and not _own_helpers(p)
         )
         cancel.cancel("test cancels")
@@ -105,7 +106,8 @@ def test_deadline_kills_the_converter(llama_dir: Path, tmp_path: Path) -> None:
         convert_to_directory(llama_dir, tmp_path / "out", deadline=Deadline(0.3, "init:policy"))
     assert time.monotonic() - t0 < 10
     left = [
-        p for p in psutil.Process().children()
+        p
+        for p in psutil.Process().children()
         if p.pid not in before and not _own_helpers(p) and p.status() != psutil.STATUS_ZOMBIE
     ]
     assert left == []

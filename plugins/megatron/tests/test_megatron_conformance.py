@@ -22,8 +22,9 @@ class TestMegatronConformance(BackendConformance):
     needs_ray = True
     ray_num_cpus = 2
     init_timeout_s = 240.0
-    # Token ids < 52: the tiny tokenizer's vocabulary.
-    config_overrides = ("policy.devices_per_worker=0.5", "generation.devices_per_worker=0.5")
-    # Not the backend's: tqdm's monitor thread, started (once per process) by the progress
-    # bar of transformers' save_pretrained when rlcore.tinymodel writes the tiny model.
-    leak_ignore_threads = ("tqdm_monitor",)
+    # The endpoint is claimed (openai_endpoint=True) and served with serve_openai.
+    config_overrides = (
+        "policy.devices_per_worker=0.5",
+        "generation.devices_per_worker=0.5",
+        "generation.options.serve_openai=true",
+    )

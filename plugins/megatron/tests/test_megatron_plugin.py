@@ -28,9 +28,8 @@ def test_declaration_is_valid_and_says_what_the_brief_says() -> None:
     both = {Transport.COLLECTIVE, Transport.DISK, Transport.SHARED_MEMORY}
     assert decl.send_transports == both and decl.receive_transports == both
     assert decl.refit_fed and decl.options is MegatronOptions
-    # The static engine serves no OpenAI-compatible endpoint (megatron-core's server needs
-    # the dynamic engine, i.e. CUDA): the declaration does not claim one.
-    assert not decl.openai_endpoint
+    # rlcore.openai_endpoint in front of either engine (generation.options.serve_openai).
+    assert decl.openai_endpoint and "serve_openai" in (decl.option_names() or [])
 
 
 def test_options_are_checked_against_the_dataclass() -> None:

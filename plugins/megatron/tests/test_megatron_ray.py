@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import threading
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from _megatron_helpers import (
@@ -140,8 +142,9 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def pair(ray_cluster: None, work: Path, llama_dir: Path) -> Iterator[tuple[Any, Any]]:
-    """TP=2 policy and refit-fed TP=1 generation, started at the same time as in a setup."""
-    args = (f"model.path={llama_dir}", *TP2)
+    """TP=2 policy and refit-fed TP=1 generation (serving its OpenAI-compatible endpoint),
+    started at the same time as in a setup."""
+    args = (f"model.path={llama_dir}", *TP2, "generation.options.serve_openai=true")
     out: dict[str, Any] = {}
 
     def start(role: Role, hook: Callable[..., Any]) -> None:
@@ -190,11 +193,35 @@ def test_handles(pair: tuple[Any, Any], work: Path) -> None:
     assert policy.device_type == generation.device_type == "cpu"
     assert [(x["tp_rank"], x["dp_rank"]) for x in policy.layout] == [(0, 0), (1, 0)]
     assert policy.weight_specs() == generation.weight_specs()
-    assert generation.refit_ranks == 1 and generation.endpoint is None
+    assert generation.refit_ranks == 1
+    assert generation.endpoint.base_url.startswith("http://127.0.0.1:")
     assert len(set(policy.pids()) | set(generation.pids())) == 3
     # Generation is refit-fed: the policy published no checkpoint.
     assert policy.info["checkpoint"] is None and policy.info["convert_s"] == 0.0
     assert not (work / "megatron.checkpoint").exists()
+
+
+def chat(generation: Any, content: str, **body: Any) -> httpx.Response:
+    return httpx.post(
+        generation.endpoint.base_url + "/chat/completions",
+        json={
+            "model": generation.endpoint.model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 4,
+            "logprobs": True,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+            **body,
+        },
+        timeout=120,
+        trust_env=False,
+    )
+
+
+def test_endpoint_answers_503_before_the_first_refit(pair: tuple[Any, Any]) -> None:
+    _, generation = pair
+    r = chat(generation, "1+1")
+    assert r.status_code == 503 and "no weights yet" in r.json()["message"]
 
 
 def test_tp2_logprobs_match_transformers(pair: tuple[Any, Any], llama_dir: Path) -> None:
@@ -241,9 +268,35 @@ def test_generate_through_the_handle(pair: tuple[Any, Any]) -> None:
     assert generation.generate(prompts, n=3, max_tokens=4, temperature=1.0, seed=11) == out
 
 
+def test_endpoint_serves_the_engines_samples_during_refits(pair: tuple[Any, Any]) -> None:
+    """Greedy chat completions equal the handle's own greedy samples; requests sent
+    while refits run all complete (every call reaches the ranks in one order)."""
+    policy, generation = pair
+    core_refit(policy, generation, "collective", 4)
+    r = chat(generation, "2+2", temperature=0)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    prompt, ids = body["prompt_token_ids"], body["choices"][0]["token_ids"]
+    greedy = generation.generate([prompt], n=1, max_tokens=4, temperature=0, seed=0)[0][0]
+    assert ids == greedy["token_ids"]
+    lps = [e["logprob"] for e in body["choices"][0]["logprobs"]["content"]]
+    assert [e["token"] for e in body["choices"][0]["logprobs"]["content"]] == [
+        f"token_id:{t}" for t in ids
+    ]
+    assert max_diff([lps], policy.logprobs([(prompt, ids)])) < 1e-4
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(chat, generation, f"{i}+{i}") for i in range(6)]
+        for step in (5, 6):
+            core_refit(policy, generation, "collective", step)
+        answers = [f.result() for f in futures]
+    assert [a.status_code for a in answers] == [200] * 6
+    assert all(len(a.json()["choices"][0]["token_ids"]) >= 1 for a in answers)
+
+
 def test_shutdown_leaves_nothing(pair: tuple[Any, Any]) -> None:
     policy, generation = pair
     pids = set(policy.pids()) | set(generation.pids())
+    url = generation.endpoint.base_url
     policy.shutdown()
     generation.shutdown()
     generation.shutdown()  # idempotent
@@ -256,6 +309,9 @@ def test_shutdown_leaves_nothing(pair: tuple[Any, Any]) -> None:
     )
     with pytest.raises(RlcoreError, match="shut down"):
         policy.logprobs(BATCH)
+    assert generation.endpoint is None
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/models", timeout=2, trust_env=False)
 
 
 # ----------------------------------------------------------------- 2. data parallel
@@ -356,6 +412,21 @@ def test_broken_checkpoint_fails_policy_init_without_leaks(
         rlcore_init_policy(context(Role.POLICY, tmp_path, f"model.path={broken}", *TP2))
     assert time.monotonic() - t0 < 90
     assert wait_for(lambda: not (actor_pids("MegatronPolicyWorker") - before))
+
+
+def test_dynamic_engine_on_cpu_fails_before_any_worker_starts(
+    ray_cluster: None, tmp_path: Path, llama_dir: Path
+) -> None:
+    from rlcore.errors import ConfigError
+
+    before = actor_pids("MegatronGenerationWorker")
+    ctx = context(
+        Role.GENERATION, tmp_path, f"model.path={llama_dir}", "generation.options.engine=dynamic"
+    )
+    with pytest.raises(ConfigError, match="needs CUDA") as info:
+        rlcore_init_generation(ctx)
+    assert info.value.key == "generation.options.engine"
+    assert actor_pids("MegatronGenerationWorker") == before
 
 
 def test_checkpoint_wait_has_a_deadline(ray_cluster: None, tmp_path: Path, llama_dir: Path) -> None:

@@ -25,6 +25,7 @@ from _megatron_helpers import (
     reference_step,
 )
 
+from rlcore.errors import NotServingError
 from rlcore.refit.channels import ChannelSpec
 from rlcore.refit.specs import plan_buckets, spec_of
 from rlcore.workers import free_port
@@ -116,7 +117,7 @@ def test_refit_fed_generation_serves_only_after_refit(
     policy: MegatronPolicyWorker, generation: MegatronGenerationWorker, tmp_path: Path
 ) -> None:
     assert generation.weight_specs() == policy.weight_specs()
-    with pytest.raises(RuntimeError, match="no weights yet"):
+    with pytest.raises(NotServingError, match="no weights yet"):
         generation.generate([[2, 5]], 1, 2, 1.0, 0)
     refit(policy, generation, tmp_path, 1)
     assert max_diff(generation.logprobs(BATCH), policy.logprobs(BATCH)) < 1e-6
@@ -190,7 +191,7 @@ def test_failed_refit_blocks_serving_until_a_good_one(
     last.write_bytes(b"\0" * last.stat().st_size)  # same size (still "complete"), garbage
     with pytest.raises(Exception):  # noqa: B017 - safetensors' own error type
         generation.receive_weights(spec, 4, buckets)
-    with pytest.raises(RuntimeError, match="refit step 4 over disk did not complete"):
+    with pytest.raises(NotServingError, match="refit step 4 over disk did not complete"):
         generation.generate([[2, 5]], 1, 2, 1.0, 0)
     refit(policy, generation, tmp_path, 5)
     assert max_diff(generation.logprobs(BATCH), policy.logprobs(BATCH)) < 1e-6

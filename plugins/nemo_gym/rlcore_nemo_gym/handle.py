@@ -262,14 +262,19 @@ class NemoGymEnv:
 # ---------------------------------------------------------------------- init
 
 
+#: rlcore's generation backends whose endpoint is switched on by ``generation.options.serve_openai``.
+SERVE_OPENAI_SWITCH = frozenset({"vllm", "megatron"})
+
+
 def _check_generation_serves_endpoint(ctx: InitContext) -> None:
-    """Fail in a second, not after generation's start, when rlcore's vLLM backend
-    is configured without its endpoint (the only backend whose switch we know)."""
+    """Fail in a second, not after generation's start, when one of rlcore's generation
+    backends whose endpoint is a switch (:data:`SERVE_OPENAI_SWITCH`) runs without it."""
     gen = ctx.config.generation
-    if gen.backend == "vllm" and not gen.options.get("serve_openai", False):
+    if gen.backend in SERVE_OPENAI_SWITCH and not gen.options.get("serve_openai", False):
         raise ConfigError(
             "env backend 'nemo_gym' talks to the policy over the generation endpoint, but "
-            "generation backend 'vllm' runs without one: set generation.options.serve_openai: true",
+            f"generation backend '{gen.backend}' runs without one: set "
+            "generation.options.serve_openai: true",
             key="generation.options.serve_openai",
         )
 

@@ -68,11 +68,12 @@ def test_missing_gym_venv_names_the_option_and_the_install(tmp_path: Path) -> No
     assert not (tmp_path / "run" / "nemo_gym").exists()  # nothing was started
 
 
-def test_vllm_without_its_endpoint_fails_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["vllm", "megatron"])
+def test_generation_without_its_endpoint_fails_at_once(tmp_path: Path, backend: str) -> None:
     ctx = make_ctx(tmp_path)
-    ctx.config.generation.backend = "vllm"
+    ctx.config.generation.backend = backend
     ctx.config.generation.options = {"serve_openai": False}
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(ConfigError, match=f"'{backend}' runs without one") as info:
         start_env(ctx)
     assert info.value.key == "generation.options.serve_openai"
 
