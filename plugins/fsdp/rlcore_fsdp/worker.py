@@ -40,10 +40,10 @@ from torch import nn
 
 from rlcore.batches import Row, check_rows, check_train_inputs, shard_range
 from rlcore.refit.specs import TensorSpec, plan_buckets
-from rlcore.workers import DistributedWorker, free_port, node_ip
+from rlcore.refit.worker import RefitSenderWorker
+from rlcore.workers import DistributedWorker
 
 if TYPE_CHECKING:
-    from rlcore.refit.channels import ChannelSpec
     from rlcore_fsdp.plugin import FSDPOptions
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class _Entry:
     dtype: str
 
 
-class FSDPWorker(DistributedWorker):
+class FSDPWorker(RefitSenderWorker, DistributedWorker):
     """One FSDP rank. See the module docstring for the lockstep rule and conventions."""
 
     def __init__(self, rank: int, world_size: int) -> None:
@@ -90,7 +90,6 @@ class FSDPWorker(DistributedWorker):
         self.pad_id = 0
         self._layout: list[tuple[Any, list[_Entry]]] = []
         self._specs: list[TensorSpec] = []
-        self._open_channels: list[ChannelSpec] = []
 
     # ------------------------------------------------------------------ load
 
@@ -365,42 +364,6 @@ class FSDPWorker(DistributedWorker):
 
     # ----------------------------------------------------------------- refit
 
-    def refit_address(self) -> tuple[str, int]:
-        """Host and free port on this rank's node for a collective refit channel."""
-        return node_ip(), free_port()
-
-    def open_refit_channel(self, spec: ChannelSpec) -> None:
-        """Join refit channel ``spec`` as its rank 0 (the sender); other ranks do nothing."""
-        from rlcore.refit import channels
-
-        if self.rank == 0:
-            channels.open_channel(spec, 0)
-            self._open_channels.append(spec)
-
-    def refit_ceiling(self, spec: ChannelSpec, step: int, nbytes: int) -> float:
-        """Rank 0 sends ``nbytes`` raw over the channel (bench: the transport's ceiling)."""
-        from rlcore.refit import channels
-
-        return channels.ceiling(spec, 0, step, nbytes) if self.rank == 0 else 0.0
-
-    def send_weights(self, spec: ChannelSpec, step: int, buckets: list[list[TensorSpec]]) -> int:
-        """Stream the current weights over ``spec`` following the plan ``buckets``.
-
-        Every rank runs the export (collective); rank 0 sends. If sending fails, rank 0
-        still finishes the export so the other ranks are not left in a gather.
-        Returns the bytes sent (0 on ranks other than 0).
-        """
-        from rlcore.refit import channels
-
-        stream = self.export_stream()
-        try:
-            if self.rank == 0:
-                return channels.send_weights(spec, step, stream, buckets)
-            return 0
-        finally:
-            for _ in stream:
-                pass
-
     # ------------------------------------------------------------- compute
 
     def _forward_token_logprobs(
@@ -552,16 +515,7 @@ class FSDPWorker(DistributedWorker):
 
     def teardown(self) -> None:
         """Close refit channels, drop the model, destroy the process group."""
-        from rlcore.refit import channels
-
-        for spec in self._open_channels:
-            try:
-                channels.close_channel(spec)
-            except Exception as err:  # teardown must not raise
-                log.warning(
-                    "rank %d: closing refit channel %s failed: %s", self.rank, spec.key, err
-                )
-        self._open_channels = []
+        self.close_refit_channels()
         self._layout, self.model, self.optimizer = [], None, None
         super().teardown()
 

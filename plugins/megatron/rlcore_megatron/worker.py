@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 from rlcore.batches import Row, check_rows, check_train_inputs, shard_range
 from rlcore.errors import NotServingError
-from rlcore.workers import DistributedWorker, free_port, node_ip
+from rlcore.refit.worker import RefitChannels, RefitSenderWorker
+from rlcore.workers import DistributedWorker
 
 if TYPE_CHECKING:
     from rlcore.refit.channels import ChannelSpec
@@ -89,7 +90,7 @@ def eos_token_ids(model_dir: str) -> list[int]:
     return list(dict.fromkeys(eos))
 
 
-class MegatronWorker(DistributedWorker):
+class MegatronWorker(RefitChannels, DistributedWorker):
     """What policy and generation ranks share: parallel state, the model, logprobs, channels."""
 
     def __init__(self, rank: int, world_size: int) -> None:
@@ -102,7 +103,6 @@ class MegatronWorker(DistributedWorker):
         self.tp_rank, self.tp_size, self.dp_rank, self.dp_size = 0, 1, 0, 1
         self.divisible = 128
         self.pad_id = 0
-        self._open_channels: list[ChannelSpec] = []
 
     # ------------------------------------------------------------------ build
 
@@ -244,25 +244,9 @@ class MegatronWorker(DistributedWorker):
 
     # ------------------------------------------------------------- channels
 
-    def refit_address(self) -> tuple[str, int]:
-        """Host and free port on this rank's node for a collective refit channel."""
-        return node_ip(), free_port()
-
-    def _close_channels(self) -> None:
-        from rlcore.refit import channels
-
-        for spec in self._open_channels:
-            try:
-                channels.close_channel(spec)
-            except Exception as err:  # teardown must not raise
-                log.warning(
-                    "rank %d: closing refit channel %s failed: %s", self.rank, spec.key, err
-                )
-        self._open_channels = []
-
     def teardown(self) -> None:
         """Close refit channels, drop the model, destroy megatron-core's and torch's groups."""
-        self._close_channels()
+        self.close_refit_channels()
         self.model = None
         try:
             from megatron.core import parallel_state
@@ -274,7 +258,7 @@ class MegatronWorker(DistributedWorker):
         super().teardown()
 
 
-class MegatronPolicyWorker(MegatronWorker):
+class MegatronPolicyWorker(RefitSenderWorker, MegatronWorker):
     """One rank of the Megatron policy (see the module docstring)."""
 
     def __init__(self, rank: int, world_size: int) -> None:
@@ -453,65 +437,9 @@ class MegatronPolicyWorker(MegatronWorker):
         """The whole stream as a dict of CPU copies on rank 0 (``{}`` elsewhere). Tests only."""
         return {name: t.detach().cpu().clone() for name, t in self.export_stream()}
 
-    def open_refit_channel(self, spec: ChannelSpec) -> None:
-        """Join refit channel ``spec`` as its rank 0 (the sender); other ranks do nothing."""
-        from rlcore.refit import channels
-
-        if self.rank == 0:
-            channels.open_channel(spec, 0)
-            self._open_channels.append(spec)
-
-    def refit_ceiling(self, spec: ChannelSpec, step: int, nbytes: int) -> float:
-        """Rank 0 sends ``nbytes`` raw over the channel (the transport's ceiling)."""
-        from rlcore.refit import channels
-
-        return channels.ceiling(spec, 0, step, nbytes) if self.rank == 0 else 0.0
-
-    def send_weights(self, spec: ChannelSpec, step: int, buckets: list[list[TensorSpec]]) -> int:
-        """Stream the current weights over ``spec`` following the plan ``buckets``.
-
-        Every rank of replica 0 runs the export (tensor-parallel all-gathers in
-        lockstep); rank 0 sends. If sending fails, rank 0 still finishes the export
-        so its peers are not left in a gather. Returns bytes sent (0 off rank 0).
-        """
-        from rlcore.refit import channels
-
-        stream = self.export_stream()
-        try:
-            if self.rank == 0:
-                return channels.send_weights(spec, step, _as_planned(stream, buckets), buckets)
-            return 0
-        finally:
-            for _ in stream:
-                pass
-
     def teardown(self) -> None:
         self.optimizer = None
         super().teardown()
-
-
-def _as_planned(
-    stream: Iterator[tuple[str, torch.Tensor]], buckets: list[list[TensorSpec]]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The stream, each tensor checked against its spec before it is packed.
-
-    The receivers size their buffers from the specs alone: a tensor of another
-    dtype or shape would shift every byte after it (NCCL does not notice), so a
-    mismatch stops the refit here, loudly.
-    """
-    from rlcore.errors import RefitError
-
-    planned = {s.name: s for bucket in buckets for s in bucket}
-    for name, tensor in stream:
-        spec = planned.get(name)
-        if spec is not None:
-            got = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
-            if got != (tuple(spec.shape), spec.dtype):
-                raise RefitError(
-                    f"megatron export of {name!r} is {got[0]} {got[1]}, but the refit plan says "
-                    f"{tuple(spec.shape)} {spec.dtype}"
-                )
-        yield name, tensor
 
 
 class MegatronGenerationWorker(MegatronWorker):
@@ -706,11 +634,8 @@ class MegatronGenerationWorker(MegatronWorker):
 
     def open_refit_channel(self, spec: ChannelSpec, rank: int) -> None:
         """Join refit channel ``spec`` as ``rank`` (1 + this worker's rank)."""
-        from rlcore.refit import channels
-
-        channels.open_channel(spec, rank)
+        self.join_refit_channel(spec, rank)
         self._channel_ranks[spec.key] = rank
-        self._open_channels.append(spec)
 
     def refit_ceiling(self, spec: ChannelSpec, step: int, nbytes: int) -> float:
         """Receive ``nbytes`` raw over the channel (the transport's ceiling)."""

@@ -1,0 +1,93 @@
+"""Worker-side refit methods that policy workers share.
+
+:class:`RefitChannels` keeps the refit channels a rank joined and closes them at
+teardown; :class:`RefitSenderWorker` adds the sender's side of
+:class:`rlcore.handles.RefitSender` for a worker group whose rank 0 sends: every
+rank runs the export (it may be collective: FSDP unit gathers, tensor-parallel
+all-gathers), rank 0 joins the channel and streams the buckets. A worker class
+provides ``export_stream()`` (Hugging Face names and the plan's shapes and dtypes,
+in plan order, on rank 0; the core checks every tensor against the plan).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from rlcore.workers import free_port, node_ip
+
+if TYPE_CHECKING:
+    from rlcore.refit.channels import ChannelSpec
+    from rlcore.refit.specs import TensorSpec
+
+log = logging.getLogger(__name__)
+
+
+class RefitChannels:
+    """Channel bookkeeping of one rank (a mixin for :class:`rlcore.workers.DistributedWorker`)."""
+
+    rank: int
+
+    def refit_address(self) -> tuple[str, int]:
+        """Host and free port on this rank's node for a collective refit channel."""
+        return node_ip(), free_port()
+
+    def _joined_channels(self) -> list[ChannelSpec]:
+        joined: list[ChannelSpec] | None = self.__dict__.get("_refit_channels")
+        if joined is None:
+            joined = self.__dict__["_refit_channels"] = []
+        return joined
+
+    def join_refit_channel(self, spec: ChannelSpec, channel_rank: int) -> None:
+        """Join ``spec`` as ``channel_rank``; :meth:`close_refit_channels` leaves it."""
+        from rlcore.refit import channels
+
+        channels.open_channel(spec, channel_rank)
+        self._joined_channels().append(spec)
+
+    def close_refit_channels(self) -> None:
+        """Leave every joined channel (never raises: called from teardown)."""
+        from rlcore.refit import channels
+
+        joined = self._joined_channels()
+        for spec in joined:
+            try:
+                channels.close_channel(spec)
+            except Exception as err:  # teardown must not raise
+                log.warning(
+                    "rank %d: closing refit channel %s failed: %s", self.rank, spec.key, err
+                )
+        joined.clear()
+
+
+class RefitSenderWorker(RefitChannels):
+    """The sending side of refit for a group whose rank 0 is channel rank 0."""
+
+    def open_refit_channel(self, spec: ChannelSpec) -> None:
+        """Join refit channel ``spec`` as its rank 0 (the sender); other ranks do nothing."""
+        if self.rank == 0:
+            self.join_refit_channel(spec, 0)
+
+    def refit_ceiling(self, spec: ChannelSpec, step: int, nbytes: int) -> float:
+        """Rank 0 sends ``nbytes`` raw over the channel (bench: the transport's ceiling)."""
+        from rlcore.refit import channels
+
+        return channels.ceiling(spec, 0, step, nbytes) if self.rank == 0 else 0.0
+
+    def send_weights(self, spec: ChannelSpec, step: int, buckets: list[list[TensorSpec]]) -> int:
+        """Stream the current weights over ``spec`` following the plan ``buckets``.
+
+        Every rank runs the export (it may be collective); rank 0 sends. If sending
+        fails, rank 0 still finishes the export so its peers are not left waiting in
+        a gather. Returns the bytes sent (0 on other ranks).
+        """
+        from rlcore.refit import channels
+
+        stream = self.export_stream()  # type: ignore[attr-defined]
+        try:
+            if self.rank == 0:
+                return channels.send_weights(spec, step, stream, buckets)
+            return 0
+        finally:
+            for _ in stream:
+                pass
