@@ -8,6 +8,7 @@ policy backend so that they reject the same bad input with the same message.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 #: A batch row: (prompt token ids, completion token ids).
 Row = tuple[Sequence[int], Sequence[int]]
@@ -49,8 +50,33 @@ def check_train_inputs(
         raise ValueError(f"{len(advantages)} advantages for a batch of {len(rows)} rows")
     if old_logprobs is not None:
         if len(old_logprobs) != len(rows):
-            raise ValueError(f"{len(old_logprobs)} old_logprobs rows for a batch of {len(rows)} rows")
+            raise ValueError(
+                f"{len(old_logprobs)} old_logprobs rows for a batch of {len(rows)} rows"
+            )
         for i, ((_, c), old) in enumerate(zip(rows, old_logprobs, strict=True)):
             if len(old) != len(c):
-                raise ValueError(f"batch row {i}: {len(old)} old logprobs for {len(c)} completion tokens")
+                raise ValueError(
+                    f"batch row {i}: {len(old)} old logprobs for {len(c)} completion tokens"
+                )
     return rows
+
+
+def put_rows(batch: Sequence[Row]) -> Any:
+    """The rows in Ray's object store, once for every rank (a top-level ref argument is
+    resolved by Ray before the call, so each rank gets the list, not the ref)."""
+    import ray
+
+    return ray.put([(list(p), list(c)) for p, c in batch])
+
+
+def put_train_inputs(
+    batch: Sequence[Row],
+    advantages: Sequence[float],
+    old_logprobs: Sequence[Sequence[float]] | None,
+) -> tuple[Any, Any, Any]:
+    """Rows, advantages and old logprobs of a train step in Ray's object store (see
+    :func:`put_rows`): the leading arguments of every policy worker's ``train_step``."""
+    import ray
+
+    old = None if old_logprobs is None else [[float(x) for x in r] for r in old_logprobs]
+    return put_rows(batch), ray.put([float(a) for a in advantages]), ray.put(old)

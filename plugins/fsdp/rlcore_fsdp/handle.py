@@ -6,6 +6,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from rlcore.batches import put_rows, put_train_inputs
 from rlcore.refit.specs import TensorSpec
 from rlcore.workers import WorkerGroup
 
@@ -85,11 +86,8 @@ class FSDPPolicy:
 
         Rows are split across the ranks; the shards come back in rank order.
         """
-        import ray
-
         self._check_open()
-        rows = ray.put([(list(p), list(c)) for p, c in batch])
-        parts = self.group.call("logprobs", rows, what="logprobs")
+        parts = self.group.call("logprobs", put_rows(batch), what="logprobs")
         return [row for part in parts for row in part]
 
     def train_step(
@@ -103,15 +101,10 @@ class FSDPPolicy:
     ) -> dict[str, float]:
         """One GRPO step on every rank; returns rank 0's metrics (``loss``, ``grad_norm``,
         ``clip_fraction``, ``tokens``, ``lr``)."""
-        import ray
-
         self._check_open()
-        # Top-level object refs are resolved by Ray: one stored copy for every rank.
-        rows = ray.put([(list(p), list(c)) for p, c in batch])
-        adv = ray.put([float(a) for a in advantages])
-        old = ray.put(None if old_logprobs is None else [list(map(float, r)) for r in old_logprobs])
+        inputs = put_train_inputs(batch, advantages, old_logprobs)
         results = self.group.call(
-            "train_step", rows, adv, old, float(clip_eps), float(lr), what="train step"
+            "train_step", *inputs, float(clip_eps), float(lr), what="train step"
         )
         return dict(results[0])
 

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rlcore.batches import put_rows, put_train_inputs
 from rlcore.context import InitContext
 from rlcore.errors import ConfigError, RlcoreError
 from rlcore.handles import Endpoint
@@ -176,10 +177,8 @@ class _Handle:
     def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
         """Per-token logprobs of each ``(prompt_ids, completion_ids)`` row's completion;
         rows split over the replicas."""
-        import ray
-
-        rows = ray.put([(list(p), list(c)) for p, c in batch])
-        return self._replicas(self.group.get(self._submit("logprobs", rows), what="logprobs"))
+        refs = self._submit("logprobs", put_rows(batch))
+        return self._replicas(self.group.get(refs, what="logprobs"))
 
     def pids(self) -> list[int]:
         """Process ids of the ranks (for leak checks)."""
@@ -274,14 +273,10 @@ class MegatronPolicy(_Handle):
     ) -> dict[str, float]:
         """One GRPO step on every rank; returns rank 0's metrics (``loss``, ``grad_norm``,
         ``clip_fraction``, ``tokens``, ``lr``)."""
-        import ray
-
         self._check_open()
-        rows = ray.put([(list(p), list(c)) for p, c in batch])
-        adv = ray.put([float(a) for a in advantages])
-        old = ray.put(None if old_logprobs is None else [list(map(float, r)) for r in old_logprobs])
+        inputs = put_train_inputs(batch, advantages, old_logprobs)
         results = self.group.call(
-            "train_step", rows, adv, old, float(clip_eps), float(lr), what="train step"
+            "train_step", *inputs, float(clip_eps), float(lr), what="train step"
         )
         return dict(results[0])
 
