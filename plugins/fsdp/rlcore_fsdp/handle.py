@@ -7,11 +7,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlcore.batches import put_rows, put_train_inputs
+from rlcore.refit.group import GroupRefitSender
 from rlcore.refit.specs import TensorSpec
 from rlcore.workers import WorkerGroup
 
 
-class FSDPPolicy:
+class FSDPPolicy(GroupRefitSender):
     """A started FSDP policy: N :class:`~rlcore_fsdp.worker.FSDPWorker` ranks in Ray actors.
 
     Implements :class:`rlcore.handles.RefitSender` (rank 0 sends; every rank takes
@@ -57,27 +58,6 @@ class FSDPPolicy:
         if self._specs is None:
             self._specs = list(self.group.call("weight_specs", ranks=[0], what="weight specs")[0])
         return list(self._specs)
-
-    def refit_address(self) -> tuple[str, int]:
-        self._check_open()
-        host, port = self.group.call("refit_address", ranks=[0], what="refit address")[0]
-        return str(host), int(port)
-
-    def open_refit_channel(self, spec: Any) -> list[Any]:
-        self._check_open()
-        return self.group.call_async("open_refit_channel", spec)
-
-    def refit_ceiling(self, spec: Any, step: int, nbytes: int) -> list[Any]:
-        """Raw bytes over an open refit channel from rank 0 (for bench/refit.py); Ray refs."""
-        self._check_open()
-        return self.group.call_async("refit_ceiling", spec, step, nbytes, ranks=[0])
-
-    def send_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
-        import ray
-
-        self._check_open()
-        plan = ray.put(buckets)  # one copy in the object store for every rank
-        return self.group.call_async("send_weights", spec, step, plan)
 
     # ------------------------------------------------------------ training loop
 

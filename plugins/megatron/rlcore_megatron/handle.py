@@ -35,6 +35,7 @@ from rlcore.batches import put_rows, put_train_inputs
 from rlcore.context import InitContext
 from rlcore.errors import ConfigError, RlcoreError
 from rlcore.handles import Endpoint
+from rlcore.refit.group import GroupRefitSender
 from rlcore.refit.specs import TensorSpec
 from rlcore.waiting import CancelToken
 from rlcore.workers import WorkerGroup
@@ -197,7 +198,7 @@ class _Handle:
         self.group.shutdown()
 
 
-class MegatronPolicy(_Handle):
+class MegatronPolicy(GroupRefitSender, _Handle):
     """A started Megatron policy: ``workers`` :class:`~rlcore_megatron.worker.MegatronPolicyWorker`
     ranks (tensor parallel ``options.tensor_model_parallel_size``, the rest data parallel).
 
@@ -238,27 +239,6 @@ class MegatronPolicy(_Handle):
         """
         self._check_open()
         return list(self._specs)
-
-    def refit_address(self) -> tuple[str, int]:
-        self._check_open()
-        host, port = self.group.call("refit_address", ranks=[0], what="refit address")[0]
-        return str(host), int(port)
-
-    def open_refit_channel(self, spec: Any) -> list[Any]:
-        self._check_open()
-        return self.group.call_async("open_refit_channel", spec)
-
-    def refit_ceiling(self, spec: Any, step: int, nbytes: int) -> list[Any]:
-        """Raw bytes over an open refit channel from rank 0 (bench); Ray refs."""
-        self._check_open()
-        return self.group.call_async("refit_ceiling", spec, step, nbytes, ranks=[0])
-
-    def send_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
-        import ray
-
-        self._check_open()
-        plan = ray.put(buckets)
-        return self.group.call_async("send_weights", spec, step, plan)
 
     # ------------------------------------------------------------ training loop
 
