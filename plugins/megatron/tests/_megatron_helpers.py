@@ -13,6 +13,16 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from rlcore.testing.reference import (  # noqa: F401  (re-exported to the tests)
+    GRPO_ADVANTAGES,
+    GRPO_BATCH,
+    hf_model,
+    max_diff,
+    perturbed_old,
+    reference_grpo_step,
+    reference_logprobs,
+)
+
 #: Shape of the tiny Qwen2 model (vocab 100: padded to 128 at TP=1 and 256 at TP=2).
 QWEN2_SHAPE = dict(
     vocab_size=100,
@@ -182,77 +192,15 @@ def tp_worker(
 # Single-process Hugging Face references of the policy's computations
 # ---------------------------------------------------------------------------
 
-#: Rows (prompt ids, completion ids): uneven lengths (right padding), an empty
-#: completion, a one-token prompt. Ids < 52 (the tiny tokenizer's vocabulary).
-BATCH = [
-    ([2, 5, 6], [7, 8, 9, 10]),
-    ([2, 11], [12]),
-    ([2, 3, 4, 5, 6, 7], [8, 9]),
-    ([2], []),
-    ([2, 30, 31], [32, 33, 34]),
-]
-ADVANTAGES = [1.0, -0.5, 0.7, 0.0, -1.2]
+BATCH = GRPO_BATCH
+ADVANTAGES = GRPO_ADVANTAGES
 CLIP_EPS = 0.2
 LR = 1e-3
 
 
-def hf_model(model_dir: Path, state: dict | None = None) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    if state is not None:
-        model.load_state_dict(state)
-    return model
-
-
-def reference_logprobs(model: Any, batch: list) -> list[list[float]]:
-    import torch
-
-    out = []
-    with torch.no_grad():
-        for p, c in batch:
-            logp = model(input_ids=torch.tensor([p + c])).logits[0, :-1].float().log_softmax(-1)
-            out.append([logp[len(p) - 1 + j, t].item() for j, t in enumerate(c)])
-    return out
-
-
-def perturbed_old(logprobs: list[list[float]]) -> list[list[float]]:
-    """Old logprobs off by -0.3, +0.05 or +0.3: some ratios leave the clip range, some not."""
-    shifts = (-0.3, 0.05, 0.3)
-    return [
-        [lp + shifts[(i + j) % 3] for j, lp in enumerate(row)] for i, row in enumerate(logprobs)
-    ]
-
-
-def reference_step(
-    model: Any, batch: list, adv: list, old: list, *, max_grad_norm: float = 1.0
-) -> dict:
-    """The GRPO step written independently: per-row forward, global token mean, AdamW."""
-    import torch
-
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    terms = []
-    for (p, c), a, o in zip(batch, adv, old, strict=True):
-        if not c:
-            continue
-        logp = model(input_ids=torch.tensor([p + c])).logits[0, :-1].float().log_softmax(-1)
-        lp = logp[len(p) - 1 : len(p) - 1 + len(c)].gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
-        ratio = torch.exp(lp - torch.tensor(o))
-        terms.append(torch.minimum(ratio * a, ratio.clamp(1 - CLIP_EPS, 1 + CLIP_EPS) * a))
-    loss = -torch.cat(terms).mean()
-    loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    opt.step()
-    return {"loss": loss.item(), "grad_norm": norm.item(), "state": model.state_dict()}
-
-
-def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    assert [len(r) for r in a] == [len(r) for r in b]
-    return max(
-        (abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)),
-        default=0.0,
-    )
+def reference_step(model: Any, batch: list, adv: list, old: list, **kwargs: Any) -> dict:
+    """:func:`rlcore.testing.reference.reference_grpo_step` at these tests' LR and clip."""
+    return reference_grpo_step(model, batch, adv, old, lr=LR, clip_eps=CLIP_EPS, **kwargs)
 
 
 def tp_generate_worker(

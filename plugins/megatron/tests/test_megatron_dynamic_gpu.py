@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlcore.testing.reference import max_diff
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -108,10 +110,6 @@ def static_greedy(gen, prompts: list[list[int]], tokens: int) -> list[list[int]]
         return [g[0]["token_ids"] for g in gen.generate(prompts, 1, tokens, 0.0, 0)]
     finally:
         gen.engine, gen.engine_kind = saved
-
-
-def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
 
 
 def test_engine_is_dynamic_on_cuda(workers: tuple) -> None:
