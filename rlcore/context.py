@@ -40,6 +40,9 @@ class InitContext:
         cache_dir: the shared artifact cache (atomic publish writes here).
         events: the setup's event board (see :meth:`wait_event`).
         publish_hook: calls the ``rlcore_publish`` hook (set by the core).
+        needed_artifacts: the artifacts this init produces that another selected
+            backend needs under this config (from the plan); None when the context
+            was not made from a plan (then :meth:`artifact_needed` says yes to all).
     """
 
     role: Role
@@ -52,11 +55,22 @@ class InitContext:
     cache_dir: Path
     events: EventBoard
     publish_hook: Callable[..., Path] | None = None
+    needed_artifacts: frozenset[str] | None = None
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("rlcore.backend"))
 
     @property
     def task(self) -> str:
         return f"init:{self.role.value}"
+
+    def artifact_needed(self, name: str) -> bool:
+        """Whether another backend of this run needs artifact ``name`` from this init.
+
+        A declared artifact that nobody needs under this config (the only reader's
+        need is conditional and does not hold, say) may be skipped: the plan draws no
+        wait for it. Without a plan (``needed_artifacts`` None) the answer is yes,
+        because skipping a needed artifact leaves its reader waiting until its deadline.
+        """
+        return self.needed_artifacts is None or name in self.needed_artifacts
 
     def wait_event(self, name: str) -> Any:
         """Wait for a core event (e.g. ``generation.endpoint``) and return its value.

@@ -81,8 +81,9 @@ def rlcore_init_policy(ctx: InitContext) -> BackendHandle:
         ctx: role, backend options, run config, cancellation token, deadline,
             event board and artifact helpers (see :class:`rlcore.context.InitContext`).
             Artifacts the declaration says it ``produces`` are published with
-            ``ctx.publish``; artifacts it ``needs`` are awaited with
-            ``ctx.wait_artifact``.
+            ``ctx.publish`` (an init may skip one when ``ctx.artifact_needed(name)``
+            is false: no reader of this run needs it); artifacts it ``needs`` are
+            awaited with ``ctx.wait_artifact``.
 
     Returns:
         A policy handle (see :mod:`rlcore.handles`): at least ``shutdown()``; for

@@ -52,6 +52,9 @@ class Plan:
     posts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     #: The refit transport chosen from both declarations and the placement.
     refit_transport: str | None = None
+    #: init task -> the artifacts it produces that another selected backend needs under
+    #: this config (the init may skip producing the others: ``InitContext.artifact_needed``).
+    consumed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def task(self, name: str) -> Task:
         for t in self.tasks:
@@ -128,6 +131,7 @@ class Plan:
             "critical_path": list(self.critical_path),
             "refit_transport": self.refit_transport,
             "posts": {k: list(v) for k, v in self.posts.items()},
+            "artifacts_needed": {k: list(v) for k, v in self.consumed.items()},
             "overlapping": [list(p) for p in self.overlapping_pairs()],
         }
 

@@ -47,12 +47,16 @@ def selected_roles(config: RunConfig) -> list[Role]:
     return roles
 
 
-def role_view(config: RunConfig, role: Role, decl: BackendDeclaration | None = None) -> dict[str, Any]:
+def role_view(
+    config: RunConfig, role: Role, decl: BackendDeclaration | None = None
+) -> dict[str, Any]:
     """The view of the config that declaration conditions are evaluated against."""
     section = getattr(config, role.value)
     options: Any = dict(section.options)
     if decl is not None and decl.options is not None:
-        resolved = resolve_options(section.options, decl.options, section=role.value, backend=decl.name)
+        resolved = resolve_options(
+            section.options, decl.options, section=role.value, backend=decl.name
+        )
         options = dataclasses.asdict(resolved)
     return {
         "role": role.value,
@@ -195,6 +199,7 @@ def build_plan(
     graph = _Graph()
     endpoint_producer = REFIT_TASK if refit_fed else init_task(Role.GENERATION)
     posts: dict[str, tuple[str, ...]] = {}
+    consumed: dict[str, list[str]] = {}
     if gen.openai_endpoint:
         posts[endpoint_producer] = (ENDPOINT_EVENT,)
 
@@ -242,6 +247,9 @@ def build_plan(
                 )
             prole, art = producers[0]
             them = init_task(prole)
+            consumed.setdefault(them, [])
+            if need.name not in consumed[them]:
+                consumed[them].append(need.name)
             why = need.reason or f"{decl.name} reads it"
             if art.atomic:
                 graph.waits.append(
@@ -314,8 +322,11 @@ def build_plan(
         waits=tuple(graph.waits),
         critical_path=tuple(chain),
         posts=posts,
+        consumed={task: tuple(names) for task, names in consumed.items()},
         refit_transport=transport,
     )
     if len(plan.topological_order()) != len(names):
-        raise PlanError(f"the declarations make a dependency cycle: {[e.reason for e in plan.edges]}")
+        raise PlanError(
+            f"the declarations make a dependency cycle: {[e.reason for e in plan.edges]}"
+        )
     return plan

@@ -42,6 +42,7 @@ from rlcore.hookspecs import hookimpl
 from rlcore.metrics import PREFIX, setup_metrics
 from rlcore.plan import Plan
 from rlcore.planner import build_plan, choose_transport, selected_roles
+from rlcore.planner import init_task as init_task_name
 from rlcore.trace import TraceRecorder
 from rlcore.waiting import CancelToken, Deadline
 
@@ -302,6 +303,7 @@ def run_setup(
                 events=board,
                 publish_hook=publish_hook,
                 log=logging.getLogger(f"rlcore.backend.{backend}"),
+                needed_artifacts=frozenset(plan.consumed.get(init_task_name(role), ())),
             )
             with capture.tracking(ctx, task):
                 handle = init_hook(ctx=ctx)

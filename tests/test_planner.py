@@ -256,6 +256,24 @@ def test_plan_rules(case: Case) -> None:
     assert len(plan.topological_order()) == len(plan.tasks)
 
 
+@pytest.mark.parametrize(
+    ("pair", "overrides", "consumed"),
+    [
+        ("atomic", (), {"init:policy": (CKPT,)}),
+        ("nonatomic", (), {"init:policy": (CKPT,)}),
+        ("atomic", ("generation.refit_fed=true",), {}),  # the reader's need does not hold
+        ("nonatomic", ("generation.refit_fed=true",), {}),
+    ],
+)
+def test_plan_says_which_artifacts_a_reader_needs(
+    pair: str, overrides: tuple, consumed: dict
+) -> None:
+    backend = megatron if pair == "atomic" else megatron_nonatomic
+    plan = plan_for(backend, backend, None, *overrides)
+    assert dict(plan.consumed) == consumed
+    assert plan.to_dict()["artifacts_needed"] == {k: list(v) for k, v in consumed.items()}
+
+
 def test_worked_example_shape_and_json() -> None:
     plan = plan_for(megatron, megatron, gym, "generation.refit_fed=true")
     d = plan.to_dict()

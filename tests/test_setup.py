@@ -19,7 +19,7 @@ import pytest
 
 from rlcore.config import GenerationConfig, RefitConfig, RoleConfig, RunConfig, SetupConfig
 from rlcore.context import InitContext
-from rlcore.declarations import Artifact, BackendDeclaration, Need
+from rlcore.declarations import Artifact, BackendDeclaration, Condition, Need
 from rlcore.errors import (
     Cancelled,
     ConfigError,
@@ -29,6 +29,7 @@ from rlcore.errors import (
 )
 from rlcore.handles import Endpoint, RefitReport
 from rlcore.hookspecs import hookimpl
+from rlcore.planner import role_view
 from rlcore.registry import load_registry
 from rlcore.setup import SetupResult, run_setup
 
@@ -106,12 +107,16 @@ class FakeBackend:
             if role == "env":
                 handle.got_endpoint = ctx.wait_event("generation.endpoint")
                 self.journal.add("got_endpoint", role)
-            for need in self.decl.needs:
+            view = role_view(ctx.config, ctx.role, self.decl)
+            for need in self.decl.needed(ctx.role, view):
                 if need.kind == "artifact":
                     path = ctx.wait_artifact(need.name, "k")
                     handle.artifact = (path / "weights.txt").read_text()
                     self.journal.add("got_artifact", role)
             for art in self.decl.produces:
+                if not ctx.artifact_needed(art.name):
+                    self.journal.add("skipped", role)
+                    continue
                 ctx.publish(art.name, "k", lambda d: (d / "weights.txt").write_text("w"))
                 self.journal.add("published", role)
         except BaseException:
@@ -330,6 +335,22 @@ def test_atomic_artifact_is_published_through_the_hook_and_awaited(tmp_path: Pat
         assert journal.at("start", "generation") < journal.at("published", "policy")
         assert journal.at("published", "policy") < journal.at("got_artifact", "generation")
         assert (tmp_path / "cache" / "fake.ckpt" / "k" / "weights.txt").read_text() == "w"
+
+
+def test_an_artifact_no_reader_needs_is_not_produced(tmp_path: Path, leaks) -> None:
+    """The generation needs the checkpoint only when it is not refit-fed: in a refit-fed
+    run the core tells the policy's init that nobody needs it."""
+    journal = Journal()
+    backends = fakes(journal)
+    pol, gen = backends["fake-policy"], backends["fake-gen"]
+    pol.decl = replace(pol.decl, produces=(Artifact("fake.ckpt", atomic=True),))
+    gen.decl = replace(gen.decl, needs=(Need("fake.ckpt", when=(Condition("refit_fed", False),)),))
+    registry = load_registry(entry_points=False, extra=list(backends.items()))
+    config = make_config(tmp_path, env=False, refit_fed=True)
+    with run_setup(config, registry, run_dir=tmp_path) as result:
+        assert result.plan.consumed == {}
+        assert journal.roles("skipped") == ["policy"] and journal.roles("published") == []
+    assert not (tmp_path / "cache" / "fake.ckpt").exists()
 
 
 def test_setup_without_env(tmp_path: Path, leaks) -> None:

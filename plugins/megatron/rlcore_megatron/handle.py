@@ -11,8 +11,9 @@ Setup overlap, as declared:
 
 * The policy **publishes** the converted checkpoint (``megatron.checkpoint``,
   keyed by :func:`rlcore_megatron.checkpoint.checkpoint_key` of the model and the
-  policy's options) through the core's ``rlcore_publish`` hook, but only when the
-  run's generation needs it (generation backend ``megatron``, not refit-fed). The
+  policy's options) through the core's ``rlcore_publish`` hook, but only when a
+  reader of the run needs it (``ctx.artifact_needed``: the plan; a refit-fed
+  Megatron generation does not). The
   conversion runs in its own processes, at the same time as the policy's workers
   start and load the Hugging Face checkpoint directly.
 * A generation that loads the checkpoint starts at once: it starts its workers
@@ -46,12 +47,6 @@ log = logging.getLogger(__name__)
 POLICY_GROUP = "megatron-policy"
 GENERATION_GROUP = "megatron-generation"
 BACKEND = "megatron"
-
-
-def checkpoint_needed(config: Any) -> bool:
-    """Whether the run's generation loads the converted checkpoint the policy publishes."""
-    gen = config.generation
-    return gen.backend == BACKEND and not bool(gen.refit_fed)
 
 
 def _options(raw: Any, section: str = "policy") -> MegatronOptions:
@@ -483,7 +478,10 @@ def start_policy(ctx: InitContext) -> MegatronPolicy:
     _check_tp(spec, section.workers, options, "policy")
     device = _resolve_device(options.device, "policy")
     _check_go(ctx)
-    converter = _Converter(ctx, model_dir, options) if checkpoint_needed(ctx.config) else None
+    # Converted only when a reader of this run needs it (the plan says: a refit-fed
+    # Megatron generation's need does not hold, so a refit-fed run converts nothing).
+    needed = ctx.artifact_needed(CHECKPOINT_ARTIFACT)
+    converter = _Converter(ctx, model_dir, options) if needed else None
     if converter is not None:
         converter.start()
     group: WorkerGroup | None = None

@@ -5,14 +5,11 @@ plugins`` and every Ray worker import it, so it imports neither torch, ray nor
 megatron-core. The init hooks hand over to :mod:`rlcore_megatron.handle`, which
 starts :mod:`rlcore_megatron.worker` classes in Ray worker groups.
 
-About ``megatron.checkpoint``: the policy produces it only when the run's
-generation needs it (generation backend ``megatron`` and not refit-fed). A
-declaration condition cannot say so: conditions are evaluated on the
-*producer's* view of the config (``refit_fed``, ``colocated``, ``workers``,
-``options.*`` of the policy section), and the policy section has no
-``refit_fed``. So the artifact is declared unconditionally -- harmless for the
-plan, where an artifact nobody needs draws no edge and no wait -- and the policy
-init checks ``config.generation`` and skips the conversion when no one needs it.
+About ``megatron.checkpoint``: the policy declares it unconditionally and
+produces it only when the plan says a reader needs it
+(``InitContext.artifact_needed``): the generation's need holds only when it is
+not refit-fed, so a refit-fed run converts nothing, and any other backend that
+declares the need gets the checkpoint too.
 """
 
 from __future__ import annotations

@@ -97,6 +97,10 @@ def context(role: Role, tmp: Path, *overrides: str, deadline_s: float = 180.0) -
             *overrides,
         ],
     )
+    from rlcore.registry import load_registry, plan_for
+
+    # What the core's setup tells the init: which of its artifacts a reader needs.
+    needed = plan_for(load_registry(cfg.plugins.allow), cfg).consumed.get(f"init:{role.value}", ())
     cancel = CancelToken()
     section = getattr(cfg, role.value)
     ctx = RecordingContext(
@@ -111,6 +115,7 @@ def context(role: Role, tmp: Path, *overrides: str, deadline_s: float = 180.0) -
         run_dir=tmp / "run",
         cache_dir=cache_dir(cfg),
         events=EventBoard(cancel),
+        needed_artifacts=frozenset(needed),
     )
     ctx.waiting = threading.Event()
     return ctx
