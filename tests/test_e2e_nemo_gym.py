@@ -256,3 +256,25 @@ def test_megatron_gym_run_leaves_nothing_behind(megatron_gym_run: tuple[Path, Le
         assert _group_alive(pgid) == [], f"Gym process group {pgid} still alive"
     # The endpoint's server thread is among the threads checked here.
     _assert_nothing_left(run.parent, leaks)
+
+
+def test_megatron_refit_failing_while_gym_waits_stops_the_endpoint_too(tmp_path: Path) -> None:
+    """The same failure with Megatron generation: its endpoint thread and every Gym and
+    Megatron process are gone when the SetupError arrives."""
+    pytest.importorskip("rlcore_megatron")
+    leaks = LeakCheck()
+    fail = FailFirstRefit()
+    with pytest.raises(SetupError) as info:
+        run_job(
+            MEGATRON_EXAMPLE,
+            [f"setup.cache_dir={tmp_path / 'cache'}", "grpo.steps=1"],
+            out=str(tmp_path / "run"),
+            extra_plugins=[("fail-first-refit", fail)],
+        )
+    err = info.value
+    assert fail.calls == 1 and err.task == "refit:initial"
+    assert any(a.startswith("init:env") for a in err.aborted), err.aborted
+    assert "init:generation" in " ".join(err.shut_down), err.shut_down
+    for pgid in _gym_launchers(tmp_path / "run"):
+        assert _group_alive(pgid) == [], f"Gym process group {pgid} still alive"
+    _assert_nothing_left(tmp_path, leaks)
