@@ -48,3 +48,21 @@ def test_light_imports_do_not_load_heavy_frameworks() -> None:
     assert {"rlcore", "rlcore.registry", "load_registry()"} <= set(result["done"])
     heavy = sorted(m for m in result["modules"] if m.split(".")[0] in HEAVY)
     assert heavy == [], f"{', '.join(result['done'])} imported heavy modules: {heavy}"
+
+
+def test_testing_reference_imports_without_the_config_stack() -> None:
+    """GPU scripts (no omegaconf, pluggy-free environments) import the references."""
+    code = (
+        "import json, sys; import rlcore.testing.reference; "
+        "sys.__stdout__.write(json.dumps(sorted(sys.modules)))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    loaded = set(json.loads(proc.stdout))
+    assert not loaded & {"omegaconf", "rlcore.config", "rlcore.testing.harness", "torch"}
