@@ -46,6 +46,7 @@ pytestmark = [
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = str(REPO / "examples" / "nemo_gym.yaml")
+MEGATRON_EXAMPLE = str(REPO / "examples" / "megatron_nemo_gym.yaml")
 STEPS = 3
 
 
@@ -158,13 +159,21 @@ class FailFirstRefit:
         return (yield)
 
 
-def test_refit_failing_while_gym_waits_tears_everything_down(tmp_path: Path) -> None:
+@pytest.mark.parametrize("generation", ["vllm", "megatron"])
+def test_refit_failing_while_gym_waits_tears_everything_down(
+    tmp_path: Path, generation: str
+) -> None:
+    """Gym waits for the endpoint while the first refit fails: a SetupError in bounded time,
+    and every Gym process, generation process and endpoint thread (Megatron's runs in
+    this process) is gone."""
+    example = EXAMPLE if generation == "vllm" else MEGATRON_EXAMPLE
+    pytest.importorskip(f"rlcore_{generation}")
     leaks = LeakCheck()
     fail = FailFirstRefit()
     t0 = time.monotonic()
     with pytest.raises(SetupError) as info:
         run_job(
-            EXAMPLE,
+            example,
             [f"setup.cache_dir={tmp_path / 'cache'}", "grpo.steps=1"],
             out=str(tmp_path / "run"),
             extra_plugins=[("fail-first-refit", fail)],
@@ -176,6 +185,7 @@ def test_refit_failing_while_gym_waits_tears_everything_down(tmp_path: Path) -> 
     assert any(a.startswith("init:env") for a in err.aborted), (
         err.aborted
     )  # Gym was waiting: cancelled
+    assert "init:generation" in " ".join(err.shut_down), err.shut_down
     assert took < 300, took
     for pgid in _gym_launchers(tmp_path / "run"):
         assert _group_alive(pgid) == [], f"Gym process group {pgid} still alive"
@@ -210,7 +220,6 @@ def test_gym_server_failing_to_start_tears_policy_and_generation_down(tmp_path: 
 # Megatron generation behind rlcore's OpenAI-compatible endpoint
 # ---------------------------------------------------------------------------
 
-MEGATRON_EXAMPLE = str(REPO / "examples" / "megatron_nemo_gym.yaml")
 MEGATRON_STEPS = 2
 
 
@@ -256,25 +265,3 @@ def test_megatron_gym_run_leaves_nothing_behind(megatron_gym_run: tuple[Path, Le
         assert _group_alive(pgid) == [], f"Gym process group {pgid} still alive"
     # The endpoint's server thread is among the threads checked here.
     _assert_nothing_left(run.parent, leaks)
-
-
-def test_megatron_refit_failing_while_gym_waits_stops_the_endpoint_too(tmp_path: Path) -> None:
-    """The same failure with Megatron generation: its endpoint thread and every Gym and
-    Megatron process are gone when the SetupError arrives."""
-    pytest.importorskip("rlcore_megatron")
-    leaks = LeakCheck()
-    fail = FailFirstRefit()
-    with pytest.raises(SetupError) as info:
-        run_job(
-            MEGATRON_EXAMPLE,
-            [f"setup.cache_dir={tmp_path / 'cache'}", "grpo.steps=1"],
-            out=str(tmp_path / "run"),
-            extra_plugins=[("fail-first-refit", fail)],
-        )
-    err = info.value
-    assert fail.calls == 1 and err.task == "refit:initial"
-    assert any(a.startswith("init:env") for a in err.aborted), err.aborted
-    assert "init:generation" in " ".join(err.shut_down), err.shut_down
-    for pgid in _gym_launchers(tmp_path / "run"):
-        assert _group_alive(pgid) == [], f"Gym process group {pgid} still alive"
-    _assert_nothing_left(tmp_path, leaks)
