@@ -6,13 +6,13 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from rlcore.batches import put_rows, put_train_inputs
-from rlcore.refit.group import GroupRefitSender
+from rlcore.batches import put_rows
+from rlcore.policy_group import GroupPolicy
 from rlcore.refit.specs import TensorSpec
 from rlcore.workers import WorkerGroup
 
 
-class FSDPPolicy(GroupRefitSender):
+class FSDPPolicy(GroupPolicy):
     """A started FSDP policy: N :class:`~rlcore_fsdp.worker.FSDPWorker` ranks in Ray actors.
 
     Implements :class:`rlcore.handles.RefitSender` (rank 0 sends; every rank takes
@@ -69,24 +69,6 @@ class FSDPPolicy(GroupRefitSender):
         self._check_open()
         parts = self.group.call("logprobs", put_rows(batch), what="logprobs")
         return [row for part in parts for row in part]
-
-    def train_step(
-        self,
-        batch: Sequence[tuple[Sequence[int], Sequence[int]]],
-        advantages: Sequence[float],
-        old_logprobs: Sequence[Sequence[float]] | None = None,
-        *,
-        clip_eps: float = 0.2,
-        lr: float = 1e-5,
-    ) -> dict[str, float]:
-        """One GRPO step on every rank; returns rank 0's metrics (``loss``, ``grad_norm``,
-        ``clip_fraction``, ``tokens``, ``lr``)."""
-        self._check_open()
-        inputs = put_train_inputs(batch, advantages, old_logprobs)
-        results = self.group.call(
-            "train_step", *inputs, float(clip_eps), float(lr), what="train step"
-        )
-        return dict(results[0])
 
     # ------------------------------------------------------------ lifecycle
 

@@ -29,14 +29,15 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlcore.batches import put_rows, put_train_inputs
+from rlcore.batches import put_rows
 from rlcore.context import InitContext
 from rlcore.errors import ConfigError, RlcoreError
 from rlcore.handles import Endpoint
-from rlcore.refit.group import GroupRefitSender
+from rlcore.policy_group import GroupPolicy
 from rlcore.refit.specs import TensorSpec
 from rlcore.waiting import CancelToken
 from rlcore.workers import WorkerGroup
@@ -193,7 +194,7 @@ class _Handle:
         self.group.shutdown()
 
 
-class MegatronPolicy(GroupRefitSender, _Handle):
+class MegatronPolicy(GroupPolicy, _Handle):
     """A started Megatron policy: ``workers`` :class:`~rlcore_megatron.worker.MegatronPolicyWorker`
     ranks (tensor parallel ``options.tensor_model_parallel_size``, the rest data parallel).
 
@@ -235,25 +236,8 @@ class MegatronPolicy(GroupRefitSender, _Handle):
         self._check_open()
         return list(self._specs)
 
-    # ------------------------------------------------------------ training loop
-
-    def train_step(
-        self,
-        batch: Sequence[tuple[Sequence[int], Sequence[int]]],
-        advantages: Sequence[float],
-        old_logprobs: Sequence[Sequence[float]] | None = None,
-        *,
-        clip_eps: float = 0.2,
-        lr: float = 1e-5,
-    ) -> dict[str, float]:
-        """One GRPO step on every rank; returns rank 0's metrics (``loss``, ``grad_norm``,
-        ``clip_fraction``, ``tokens``, ``lr``)."""
-        self._check_open()
-        inputs = put_train_inputs(batch, advantages, old_logprobs)
-        results = self.group.call(
-            "train_step", *inputs, float(clip_eps), float(lr), what="train step"
-        )
-        return dict(results[0])
+    # refit_address, open_refit_channel, refit_ceiling, send_weights and train_step:
+    # rlcore.policy_group.GroupPolicy; logprobs: _Handle.
 
 
 class MegatronGeneration(_Handle):
@@ -453,31 +437,53 @@ class _Converter:
         self._thread.join()
 
 
-def start_policy(ctx: InitContext) -> MegatronPolicy:
-    """Start the policy as configured by ``ctx`` (the body of ``rlcore_init_policy``)."""
+@dataclass
+class _Start:
+    """What both inits establish first (see :func:`_prepare`)."""
+
+    options: MegatronOptions
+    section: Any
+    dtype: str
+    model_dir: Path
+    spec: Any
+    device: str
+    t0: float
+
+
+def _prepare(ctx: InitContext, role: str) -> _Start:
+    """Ray is up, the model is there, tensor parallelism fits it, the device is chosen."""
     import ray
 
     if not ray.is_initialized():
         raise RuntimeError(
-            "the megatron policy backend needs a running Ray cluster: start one with "
-            "rlcore.cluster.Cluster(config.cluster).start() before calling rlcore_init_policy "
+            f"the megatron {role} backend needs a running Ray cluster: start one with "
+            f"rlcore.cluster.Cluster(config.cluster).start() before calling rlcore_init_{role} "
             "(`rlcore run` does this)"
         )
     from rlcore.tinymodel import ensure_model
     from rlcore_megatron import convert
-    from rlcore_megatron.worker import MegatronPolicyWorker
 
-    options = _options(ctx.options, "policy")
-    section = ctx.config.policy
-    dtype = ctx.config.model.dtype
     t0 = time.monotonic()
+    options = _options(ctx.options, role)
+    section = getattr(ctx.config, role)
     model_dir = ensure_model(
         ctx.config.model, ctx.cache_dir, cancel=ctx.cancel, deadline=ctx.deadline
     )
     spec = convert.ModelSpec.from_hf(model_dir)
-    _check_tp(spec, section.workers, options, "policy")
-    device = _resolve_device(options.device, "policy")
+    _check_tp(spec, section.workers, options, role)
+    device = _resolve_device(options.device, role)
+    return _Start(options, section, ctx.config.model.dtype, model_dir, spec, device, t0)
+
+
+def start_policy(ctx: InitContext) -> MegatronPolicy:
+    """Start the policy as configured by ``ctx`` (the body of ``rlcore_init_policy``)."""
+    start = _prepare(ctx, "policy")
     _check_go(ctx)
+    from rlcore_megatron import convert
+    from rlcore_megatron.worker import MegatronPolicyWorker
+
+    options, section, dtype = start.options, start.section, start.dtype
+    model_dir, spec, device, t0 = start.model_dir, start.spec, start.device, start.t0
     # Converted only when a reader of this run needs it (the plan says: a refit-fed
     # Megatron generation's need does not hold, so a refit-fed run converts nothing).
     needed = ctx.artifact_needed(CHECKPOINT_ARTIFACT)
@@ -542,30 +548,16 @@ def start_policy(ctx: InitContext) -> MegatronPolicy:
 
 def start_generation(ctx: InitContext) -> MegatronGeneration:
     """Start the generation engine as configured by ``ctx`` (the body of ``rlcore_init_generation``)."""
-    import ray
-
-    if not ray.is_initialized():
-        raise RuntimeError(
-            "the megatron generation backend needs a running Ray cluster: start one with "
-            "rlcore.cluster.Cluster(config.cluster).start() first (`rlcore run` does this)"
-        )
-    from rlcore.tinymodel import ensure_model
+    start = _prepare(ctx, "generation")
+    # A bad engine choice fails before any worker starts.
+    engine = resolve_engine(start.options.engine, start.device)
+    _check_go(ctx)
     from rlcore_megatron import convert
     from rlcore_megatron.checkpoint import checkpoint_key
     from rlcore_megatron.worker import MegatronGenerationWorker
 
-    options = _options(ctx.options, "generation")
-    section = ctx.config.generation
-    dtype = ctx.config.model.dtype
-    t0 = time.monotonic()
-    model_dir = ensure_model(
-        ctx.config.model, ctx.cache_dir, cancel=ctx.cancel, deadline=ctx.deadline
-    )
-    spec = convert.ModelSpec.from_hf(model_dir)
-    _check_tp(spec, section.workers, options, "generation")
-    device = _resolve_device(options.device, "generation")
-    engine = resolve_engine(options.engine, device)  # a bad choice fails before any worker starts
-    _check_go(ctx)
+    options, section, dtype = start.options, start.section, start.dtype
+    model_dir, spec, device, t0 = start.model_dir, start.spec, start.device, start.t0
     refit_fed = bool(section.refit_fed)
     key, padded = None, None
     if not refit_fed:

@@ -1,18 +1,22 @@
-"""Driver-side refit methods for a policy handle over a :class:`rlcore.workers.WorkerGroup`.
+"""Driver-side methods a policy handle over a :class:`rlcore.workers.WorkerGroup` shares.
 
-:class:`GroupRefitSender` implements the channel part of
+:class:`GroupPolicy` implements the channel part of
 :class:`rlcore.handles.RefitSender` for handles whose workers are
-:class:`rlcore.refit.worker.RefitSenderWorker` ranks: rank 0 names the channel's
-address and sends, every rank runs the export. The handle provides ``group``,
-``_check_open()``, ``device_type`` and ``weight_specs()``.
+:class:`rlcore.refit.worker.RefitSenderWorker` ranks (rank 0 names the channel's
+address and sends, every rank runs the export) and the training loop's
+``train_step`` (every rank steps; rank 0 reports). The handle provides ``group``,
+``_check_open()``, ``device_type``, ``weight_specs()`` and ``logprobs()``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from rlcore.batches import put_train_inputs
 
-class GroupRefitSender:
+
+class GroupPolicy:
     """A mixin for policy handles (see the module doc)."""
 
     group: Any
@@ -41,3 +45,21 @@ class GroupRefitSender:
         self._check_open()
         plan = ray.put(buckets)  # one copy in the object store for every rank
         return list(self.group.call_async("send_weights", spec, step, plan))
+
+    def train_step(
+        self,
+        batch: Sequence[tuple[Sequence[int], Sequence[int]]],
+        advantages: Sequence[float],
+        old_logprobs: Sequence[Sequence[float]] | None = None,
+        *,
+        clip_eps: float = 0.2,
+        lr: float = 1e-5,
+    ) -> dict[str, float]:
+        """One GRPO step on every rank; returns rank 0's metrics (``loss``, ``grad_norm``,
+        ``clip_fraction``, ``tokens``, ``lr``)."""
+        self._check_open()
+        inputs = put_train_inputs(batch, advantages, old_logprobs)
+        results = self.group.call(
+            "train_step", *inputs, float(clip_eps), float(lr), what="train step"
+        )
+        return dict(results[0])
