@@ -43,7 +43,6 @@ def main(argv: list[str]) -> None:
 
     from rlcore.cluster import Cluster
     from rlcore.config import load_config
-    from rlcore.refit.sync import session_spec
     from rlcore.registry import load_registry
     from rlcore.setup import refit_context, run_setup
     from rlcore.waiting import CancelToken
@@ -68,12 +67,13 @@ def main(argv: list[str]) -> None:
                 for i in range(args.repeats + 1):  # the first opens the channel: reported apart
                     step += 1
                     report = hook(policy=policy, generation=generation,
-                                  ctx=refit_context(config, step=step, transport=transport, cancel=cancel))
+                                  ctx=refit_context(config, step=step, transport=transport, cancel=cancel,
+                                                    sessions=setup.refit_sessions))
                     if i == 0:
                         channel = report.channel_init_time_s
                         continue
                     refits.append(report.weight_sync_time_s)
-                    spec = session_spec(policy, generation, transport)
+                    spec = setup.refit_sessions.spec_for(policy, generation, transport)
                     step += 1
                     t0 = time.monotonic()
                     refs = policy.refit_ceiling(spec, step, nbytes) + generation.refit_ceiling(spec, step, nbytes)

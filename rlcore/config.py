@@ -116,7 +116,7 @@ class PluginsConfig:
 @dataclass
 class RefitConfig:
     #: ``auto`` picks the best transport both sides declare for the placement;
-    #: otherwise one of collective, shared_memory, cuda_ipc, disk, http.
+    #: otherwise one of collective, shared_memory, cuda_ipc, disk.
     transport: str = "auto"
     #: Upper bound on one bucket of streamed weights, in MiB.
     bucket_mb: float = 64.0
@@ -124,6 +124,10 @@ class RefitConfig:
     timeout_s: float = 300.0
     #: Prompts in the probe batch compared after each refit (token_mult_prob_error).
     probe_prompts: int = 4
+    #: Stop the run when ``refit/token_mult_prob_error`` after a refit exceeds this
+    #: (the generation computes with other weights than the policy trains); the
+    #: step's metrics are written first. ``null`` disables the check.
+    max_mult_prob_error: float | None = 1.05
 
 
 @dataclass
@@ -285,7 +289,9 @@ def validate_run_config(cfg: RunConfig) -> None:
             f"config key 'model.dtype' is {cfg.model.dtype!r}; expected float32, bfloat16 or float16",
             key="model.dtype",
         )
-    allowed_transports = {"auto", "collective", "shared_memory", "cuda_ipc", "disk", "http"}
+    from rlcore.declarations import Transport
+
+    allowed_transports = {"auto", *(t.value for t in Transport)}
     if cfg.refit.transport not in allowed_transports:
         hint = _closest(cfg.refit.transport, sorted(allowed_transports))
         raise ConfigError(

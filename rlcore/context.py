@@ -15,6 +15,7 @@ from rlcore.waiting import CancelToken, Deadline
 
 if TYPE_CHECKING:
     from rlcore.config import RunConfig
+    from rlcore.refit.sessions import RefitSessions
 
 _KEY_RE = re.compile(r"[^A-Za-z0-9_.\-]+")
 
@@ -122,6 +123,9 @@ class RefitContext:
         deadline: deadline of the whole refit.
         config: the run config.
         cache_dir: where the disk transport publishes.
+        sessions: the run's open refit channels (:class:`rlcore.refit.sessions.RefitSessions`):
+            a channel is opened at the first refit of a pair and reused after. The
+            run owns it; a backend's own ``rlcore_refit`` may keep its state there too.
     """
 
     step: int
@@ -132,3 +136,4 @@ class RefitContext:
     deadline: Deadline
     config: RunConfig
     cache_dir: Path
+    sessions: RefitSessions

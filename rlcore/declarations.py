@@ -38,7 +38,6 @@ class Transport(StrEnum):
     SHARED_MEMORY = "shared_memory"  # same host: /dev/shm files mapped by both sides
     CUDA_IPC = "cuda_ipc"  # same GPU(s): CUDA IPC handles
     DISK = "disk"  # safetensors published atomically; always works
-    HTTP = "http"  # through the generation server's HTTP API
 
 
 #: Events the core itself raises during setup. A backend may wait for them.

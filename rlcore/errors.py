@@ -101,3 +101,25 @@ class SetupError(RlcoreError):
 class NotServingError(RlcoreError):
     """A generation engine cannot serve: no weights yet (refit-fed, before the first
     refit) or weights left half-updated by a failed refit. Endpoints answer 503."""
+
+
+class ProtocolError(RlcoreError):
+    """A backend's handle broke the contract of :mod:`rlcore.handles` at run time.
+
+    Attributes:
+        backend: the backend's declared name.
+        role: ``policy``, ``generation`` or ``env``.
+        method: the handle method that was called.
+    """
+
+    def __init__(self, message: str, *, backend: str, role: str, method: str) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.role = role
+        self.method = method
+
+
+class DivergenceError(RefitError):
+    """After a refit the generation's logprobs left the policy's by more than
+    ``refit.max_mult_prob_error``: the engine computes with other weights than the
+    policy trains, so training on its samples would be silently wrong."""

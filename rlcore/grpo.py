@@ -2,7 +2,9 @@
 
 Pure orchestration in the driver: the handles do the work in their workers.
 Policy and generation exchange token ids and per-token logprobs as plain
-lists, so nothing here imports torch.
+lists, so nothing here imports torch. Every backend is reached through its
+guarded handle (:mod:`rlcore.guards`), so a result of the wrong shape names the
+backend that returned it.
 """
 
 from __future__ import annotations
@@ -11,18 +13,24 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from rlcore.config import GRPOConfig
+from rlcore.errors import DivergenceError
+from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
+from rlcore.handles import Pair, RolloutRequest
 
-
-@dataclass(frozen=True)
-class Sequence_:
-    """One sample: prompt token ids and the completion's token ids."""
-
-    prompt: list[int]
-    completion: list[int]
+#: Texts the probe batch is cut from: fixed, so every run compares the same tokens.
+PROBE_TEXTS = (
+    "3+4=7",
+    "the quick brown fox jumps over the lazy dog",
+    "12*3=36",
+    "policy and generation must agree on every token",
+    "9-5=4",
+    "weights move from the trainer to the engine",
+    "an rl step: sample, score, train, refit",
+    "7+8=15",
+)
 
 
 def group_advantages(rewards: Sequence[Sequence[float]], eps: float = 1e-6) -> list[list[float]]:
@@ -46,40 +54,61 @@ def token_mult_prob_error(a: Sequence[Sequence[float]], b: Sequence[Sequence[flo
     return math.exp(statistics.fmean(diffs))
 
 
-def make_probe(tokenizer: Any, prompts: Sequence[str], completions: Sequence[str]) -> list[Sequence_]:
-    """A fixed probe batch: token ids of prompt/completion pairs."""
-    return [
-        Sequence_(tokenizer(p).input_ids, tokenizer(c, add_special_tokens=False).input_ids)
-        for p, c in zip(prompts, completions, strict=True)
-    ]
+def probe_batch(tokenizer: Any, n: int) -> list[Pair]:
+    """``n`` fixed (prompt, completion) pairs for comparing policy and generation logprobs.
+
+    Cut from :data:`PROBE_TEXTS` (cycled): the prompt is the first half of a text's
+    tokens (BOS included if the tokenizer adds one), the completion the rest plus
+    EOS. Any env, any model: the comparison needs real token ids, not a task.
+    """
+    pairs: list[Pair] = []
+    for i in range(n):
+        ids = list(tokenizer(PROBE_TEXTS[i % len(PROBE_TEXTS)]).input_ids)
+        cut = max(1, len(ids) // 2)
+        tail = ids[cut:] + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+        pairs.append((ids[:cut], tail or ids[-1:]))
+    return pairs
+
+
+def check_divergence(err: float, limit: float | None, *, step: int, policy: str, generation: str) -> None:
+    """Raise :class:`DivergenceError` when ``err`` (token_mult_prob_error after the refit of
+    ``step``) exceeds ``limit`` (``refit.max_mult_prob_error``; None: never)."""
+    if limit is not None and not err <= limit:  # NaN fails too
+        raise DivergenceError(
+            f"after the refit of step {step}, generation backend '{generation}' and policy backend "
+            f"'{policy}' disagree: refit/token_mult_prob_error {err:.4f} > refit.max_mult_prob_error "
+            f"{limit:g}. The engine is not computing with the weights the policy trains (a refit "
+            "that did not load them, or a logprob convention that differs); the step's metrics "
+            "were written. Set refit.max_mult_prob_error=null to run on regardless."
+        )
 
 
 def run_grpo(
     *,
     cfg: GRPOConfig,
     tokenizer: Any,
-    policy: Any,
-    generation: Any,
-    env: Any,
+    policy: GuardedPolicy,
+    generation: GuardedGeneration,
+    env: GuardedEnv,
     refit: Callable[[int], Any],
-    probe: Sequence[Sequence_],
+    probe: Sequence[Pair],
     on_step: Callable[[dict[str, Any]], None],
+    max_mult_prob_error: float | None = None,
     trace: Callable[[str, float, float, int], None] | None = None,
     cancelled: Callable[[], bool] = lambda: False,
 ) -> list[dict[str, Any]]:
     """Run ``cfg.steps`` GRPO steps; call ``on_step`` with each step's metrics.
 
-    The env either makes prompts and scores texts (``sample_prompts`` /
-    ``score``), or collects scored rollouts itself through the generation
-    endpoint (``collect_rollouts(prompts, samples, step)`` returning, per prompt,
-    samples ``{"prompt_ids", "token_ids", "logprobs", "reward"}``).
-
-    ``refit(step)`` copies the policy's weights to the generation engine and
-    returns a :class:`rlcore.handles.RefitReport`. ``trace(name, start, end,
-    step)`` records phases for the Chrome trace.
+    Each step asks the env for scored rollouts (:class:`rlcore.handles.RolloutRequest`:
+    a prompt-and-score env samples through ``generation``; a Gym env drives the model
+    through its endpoint), trains on them, refits, and compares generation and
+    policy logprobs on ``probe``. ``refit(step)`` copies the policy's weights to the
+    generation engine and returns a :class:`rlcore.handles.RefitReport`. After
+    ``on_step`` has the step's metrics, a ``token_mult_prob_error`` above
+    ``max_mult_prob_error`` raises :class:`DivergenceError`. ``trace(name, start,
+    end, step)`` records phases for the Chrome trace.
     """
     history = []
-    probe_batch = [(s.prompt, s.completion) for s in probe]
     for step in range(1, cfg.steps + 1):
         if cancelled():
             break
@@ -93,36 +122,28 @@ def run_grpo(
                 trace(name, t0, t1, step)
 
         t0 = time.monotonic()
-        if hasattr(env, "collect_rollouts"):
-            # The env drives the model itself (through the generation endpoint) and scores.
-            groups = env.collect_rollouts(cfg.prompts_per_step, cfg.samples_per_prompt, step)
-            phase("rollout", t0)
-            t0 = time.monotonic()
-            rewards = [[c["reward"] for c in g] for g in groups]
-        else:
-            prompts = env.sample_prompts(cfg.prompts_per_step, step)
-            prompt_ids = [tokenizer(p.text).input_ids for p in prompts]
-            groups = generation.generate(
-                prompt_ids,
-                n=cfg.samples_per_prompt,
-                max_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature,
-                seed=cfg.seed * 1_000_003 + step,
-            )
-            for pid, g in zip(prompt_ids, groups, strict=True):
-                for c in g:
-                    c["prompt_ids"] = pid
-            phase("rollout", t0)
-            t0 = time.monotonic()
-            texts = [[tokenizer.decode(c["token_ids"], skip_special_tokens=True) for c in g] for g in groups]
-            rewards = env.score(prompts, texts)
+        request = RolloutRequest(
+            step=step,
+            prompts=cfg.prompts_per_step,
+            samples_per_prompt=cfg.samples_per_prompt,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            seed=cfg.seed * 1_000_003 + step,
+            generation=generation,
+            tokenizer=tokenizer,
+        )
+        groups = env.collect_rollouts(request)
+        phase("rollout", t0)
+
+        t0 = time.monotonic()
+        rewards = [[r["reward"] for r in g] for g in groups]
         advantages = group_advantages(rewards)
         phase("reward", t0)
 
         t0 = time.monotonic()
-        batch = [(c["prompt_ids"], c["token_ids"]) for g in groups for c in g]
+        batch = [(r["prompt_ids"], r["token_ids"]) for g in groups for r in g]
         flat_adv = [a for g in advantages for a in g]
-        gen_lp = [c["logprobs"] for g in groups for c in g]
+        gen_lp = [r["logprobs"] for g in groups for r in g]
         old_lp = policy.logprobs(batch)
         train = policy.train_step(batch, flat_adv, old_lp, clip_eps=cfg.clip_eps, lr=cfg.learning_rate)
         phase("train", t0)
@@ -132,7 +153,7 @@ def run_grpo(
         phase("refit", t0)
 
         t0 = time.monotonic()
-        probe_err = token_mult_prob_error(generation.logprobs(probe_batch), policy.logprobs(probe_batch))
+        probe_err = token_mult_prob_error(generation.logprobs(probe), policy.logprobs(probe))
         phase("probe", t0)
 
         flat_rewards = [r for g in rewards for r in g]
@@ -154,4 +175,7 @@ def run_grpo(
         }
         history.append(metrics)
         on_step(metrics)
+        check_divergence(
+            probe_err, max_mult_prob_error, step=step, policy=policy.backend, generation=generation.backend
+        )
     return history

@@ -1,15 +1,61 @@
-"""What init hooks return: handles to started backends.
+"""What init hooks return: handles to started backends, and every call the core makes on them.
 
-A handle is the core's grip on a started backend. Every handle can be shut down;
-policy and generation handles add what refit and the training loop need. Handles
-are plain Python objects living in the driver process; the work they do usually
-happens in Ray actors they own.
+This module is the second half of the contract (the first is
+:mod:`rlcore.hookspecs`). A handle is the core's grip on a started backend; it
+lives in the driver process and usually drives Ray actors it owns. The core
+calls a backend only through the protocols below, so their docstrings fix every
+data format. ``rlcore.testing.BackendConformance`` holds a backend to them and
+the run loop checks what comes back (:mod:`rlcore.guards`).
+
+Conventions every backend follows
+=================================
+
+Token ids
+    Plain ``list[int]`` in the tokenizer of ``model.path`` (or of the tiny model
+    rlcore makes). A *prompt* is the ids the model conditions on, BOS included
+    when the tokenizer adds one; a *completion* is the ids that follow it.
+
+Log-probabilities
+    Natural-log probabilities (``float``, ``<= 0``) of each completion token given
+    the prompt and the completion tokens before it, under the model's own
+    distribution **at temperature 1**: ``log_softmax(logits)`` of the raw logits,
+    never scaled by the sampling temperature and never renormalised by top-k/top-p.
+    ``GenerationHandle.generate`` and ``logprobs`` and ``PolicyHandle.logprobs``
+    all use this one convention, so the same tokens get the same numbers from
+    policy and generation (``refit/token_mult_prob_error`` is exp of their mean
+    absolute difference and stays near 1.0).
+
+End of sequence
+    Sampling stops after the first end-of-sequence token (the tokenizer's
+    ``eos_token_id``, or any id of the model's ``generation_config.eos_token_id``).
+    That token **is** part of ``token_ids`` (with its logprob): training learns
+    to stop. No token follows it. A sample that reaches ``max_tokens`` ends
+    without one.
+
+Seeding
+    ``generate`` with the same prompts, ``n``, ``max_tokens``, ``temperature``,
+    ``seed`` and weights returns the same samples. Different ``seed`` values give
+    independent samples. Results do not depend on how many workers the engine
+    runs (derive per-prompt seeds from ``seed`` and the prompt's index).
+
+Batches
+    A *batch* is a sequence of ``(prompt_ids, completion_ids)`` pairs; results
+    come back in the batch's order, one row per pair, one value per completion
+    token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
+
+if TYPE_CHECKING:
+    from rlcore.refit.channels import ChannelSpec
+    from rlcore.refit.specs import TensorSpec
+
+#: ``(prompt_ids, completion_ids)``: one sequence of a batch.
+Pair = tuple[Sequence[int], Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -21,13 +67,36 @@ class Endpoint:
     api_key: str = "EMPTY"
 
 
-@runtime_checkable
-class BackendHandle(Protocol):
-    """A started backend. ``shutdown`` must release every process, actor and port
-    the backend started, be safe to call twice, and return within the
-    ``setup.shutdown_timeout_s`` the core allows."""
+class Sample(TypedDict):
+    """One sampled completion (see the module's conventions).
 
-    def shutdown(self) -> None: ...
+    Attributes:
+        token_ids: the completion's token ids, 1 to ``max_tokens`` of them, ending
+            with EOS when the engine stopped on it.
+        logprobs: one per token of ``token_ids``, at temperature 1.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class Rollout(TypedDict, total=False):
+    """One scored sample, as an env returns it.
+
+    Attributes:
+        prompt_ids: the ids the completion was generated from (for a multi-turn
+            env: the whole conversation before the last model turn).
+        token_ids: the completion (the last model turn).
+        logprobs: the generation's logprobs of ``token_ids``, at temperature 1.
+        reward: a finite float.
+        model_turns: (optional) how many model turns the rollout took.
+    """
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    reward: float
+    model_turns: int
 
 
 @dataclass
@@ -48,31 +117,154 @@ class RefitReport:
 
 
 @runtime_checkable
+class BackendHandle(Protocol):
+    """A started backend. ``shutdown`` must release every process, actor and port
+    the backend started, be safe to call twice, and return within the
+    ``setup.shutdown_timeout_s`` the core allows. It calls nothing of the core's:
+    the run owns its refit channels and drops them itself."""
+
+    def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class PolicyHandle(BackendHandle, Protocol):
+    """The model being trained (``rlcore_init_policy`` returns one)."""
+
+    def logprobs(self, batch: Sequence[Pair]) -> list[list[float]]:
+        """Per-token logprobs of each pair's completion under the current weights.
+
+        Returns one row per pair, ``len(row) == len(completion_ids)``, at temperature 1.
+        """
+        ...
+
+    def train_step(
+        self,
+        batch: Sequence[Pair],
+        advantages: Sequence[float],
+        old_logprobs: Sequence[Sequence[float]] | None = None,
+        *,
+        clip_eps: float = 0.2,
+        lr: float = 1e-5,
+    ) -> dict[str, float]:
+        """One optimiser step of the clipped policy-gradient (GRPO) loss over ``batch``.
+
+        ``advantages`` has one float per pair (every token of a completion shares
+        it); ``old_logprobs`` are the policy's logprobs of the same tokens before
+        the step (``None``: computed by the step). Returns metrics, at least
+        ``loss`` (float) and ``grad_norm`` (float) of the step.
+        """
+        ...
+
+
+@runtime_checkable
+class GenerationHandle(BackendHandle, Protocol):
+    """The engine that samples (``rlcore_init_generation`` returns one).
+
+    A backend whose declaration serves an OpenAI-compatible endpoint under the
+    run's config also has an ``endpoint`` attribute (:class:`Endpoint`, or None
+    while it does not serve).
+    """
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+    ) -> list[list[Sample]]:
+        """``n`` samples of at most ``max_tokens`` tokens for each prompt, sampled at
+        ``temperature`` (0: greedy).
+
+        Returns one list of ``n`` :class:`Sample` per prompt, in prompt order. See
+        the module's conventions for logprobs (temperature 1), EOS and seeding.
+        """
+        ...
+
+    def logprobs(self, batch: Sequence[Pair]) -> list[list[float]]:
+        """Per-token logprobs of each pair's completion under the engine's current
+        weights (same format and convention as :meth:`PolicyHandle.logprobs`)."""
+        ...
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """What the GRPO loop asks an env for at one step.
+
+    Attributes:
+        step: the training step (1-based); an env picks its prompts from it, so the
+            same step gives the same prompts.
+        prompts: how many prompts (groups).
+        samples_per_prompt: samples per prompt (the group size).
+        max_new_tokens: bound on each completion.
+        temperature: sampling temperature.
+        seed: the sampling seed of this step.
+        generation: the run's generation handle, for envs that sample through it
+            (prompt-and-score envs). Envs that talk to the model through its
+            OpenAI-compatible endpoint ignore it.
+        tokenizer: the run's Hugging Face tokenizer (to encode prompts, decode
+            completions).
+    """
+
+    step: int
+    prompts: int
+    samples_per_prompt: int
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    generation: GenerationHandle
+    tokenizer: Any
+
+
+@runtime_checkable
+class EnvHandle(BackendHandle, Protocol):
+    """Environments that produce scored samples (``rlcore_init_env`` returns one).
+
+    One interface for both kinds of env: a prompt-and-score env samples through
+    ``request.generation`` and scores the texts (subclass
+    :class:`rlcore.envs.PromptAndScoreEnv`, which does this for you); an env that
+    drives the model itself (NeMo Gym, through the generation endpoint) ignores it.
+    """
+
+    def collect_rollouts(self, request: RolloutRequest) -> list[list[Rollout]]:
+        """``request.prompts`` groups of ``request.samples_per_prompt`` scored
+        :class:`Rollout` each, in a deterministic order for a given step."""
+        ...
+
+
+@runtime_checkable
 class RefitSender(Protocol):
     """The policy side of the core's refit (all methods are called in the driver).
 
-    The sending rank streams Hugging Face-named tensors in the order of
-    ``weight_specs()``; the core groups them into buckets and the worker-side
-    helpers of :mod:`rlcore.refit.channels` move them.
+    Call order, by the core's ``rlcore_refit`` (:func:`rlcore.refit.sync.refit`):
+    ``weight_specs()`` (checked against the receiver's before any byte moves);
+    the first time only, ``refit_address()`` (collective) and
+    ``open_refit_channel(spec)``; then every refit ``send_weights(spec, step, buckets)``
+    together with the receiver's ``receive_weights``. Methods that return Ray
+    object refs return at once; the core waits on the refs with the refit's
+    deadline and cancellation.
     """
 
     #: ``cuda`` or ``cpu``: where the sending rank's tensors live (picks NCCL or gloo).
     device_type: str
 
-    def weight_specs(self) -> list[Any]:
-        """``TensorSpec`` of every weight, full (unsharded) shapes, in send order."""
+    def weight_specs(self) -> list[TensorSpec]:
+        """``TensorSpec`` of every weight, Hugging Face names, full (unsharded) shapes,
+        in send order."""
         ...
 
     def refit_address(self) -> tuple[str, int]:
         """A host and free port on the sending rank's node for the collective rendezvous."""
         ...
 
-    def open_refit_channel(self, spec: Any) -> list[Any]:
+    def open_refit_channel(self, spec: ChannelSpec) -> list[Any]:
         """Join channel ``spec`` as rank 0; returns Ray object refs to wait on."""
         ...
 
-    def send_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
-        """Start streaming the current weights over ``spec``; returns Ray object refs."""
+    def send_weights(self, spec: ChannelSpec, step: int, buckets: list[list[TensorSpec]]) -> list[Any]:
+        """Start streaming the current weights over ``spec`` in the planned ``buckets``
+        (worker side: :func:`rlcore.refit.channels.send_weights`); returns Ray object refs."""
         ...
 
 
@@ -83,15 +275,17 @@ class RefitReceiver(Protocol):
     #: Number of generation workers that receive (channel ranks 1..refit_ranks).
     refit_ranks: int
 
-    def weight_specs(self) -> list[Any]:
+    def weight_specs(self) -> list[TensorSpec]:
         """``TensorSpec`` of every weight the engine expects (Hugging Face names)."""
         ...
 
-    def open_refit_channel(self, spec: Any) -> list[Any]:
+    def open_refit_channel(self, spec: ChannelSpec) -> list[Any]:
         """Join channel ``spec`` as ranks 1..refit_ranks; returns Ray object refs."""
         ...
 
-    def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
-        """Receive the buckets and load them into the running engine; returns Ray object refs
-        that resolve once every worker has loaded every tensor."""
+    def receive_weights(self, spec: ChannelSpec, step: int, buckets: list[list[TensorSpec]]) -> list[Any]:
+        """Receive the buckets and load them into the running engine (worker side:
+        :func:`rlcore.refit.channels.receive_weights`); returns Ray object refs that
+        resolve once every worker has loaded every tensor. A failure leaves the
+        engine refusing to sample until a refit succeeds, never serving mixed weights."""
         ...

@@ -90,37 +90,55 @@ def choose_transport(
     *,
     accelerator: str | None = None,
 ) -> str:
-    """The refit transport both sides support, best first for the placement.
+    """The refit transport both sides support and the core runs, best first for the placement.
 
-    ``refit.transport`` other than ``auto`` is honoured if both sides declare it.
+    Only transports the core implements (:mod:`rlcore.refit.transports`) and that work
+    on this host's accelerator are chosen. ``refit.transport`` other than ``auto`` is
+    honoured if both sides declare it and the core can run it here; otherwise the
+    error says which of the three fails.
     """
+    from rlcore.refit import transports
+
+    accelerator = accelerator or detect_accelerator()
+    usable = transports.implemented(accelerator)
     common = policy.send_transports & generation.receive_transports
     requested = config.refit.transport
+    sides = (
+        f"policy backend '{policy.name}' sends over {sorted(map(str, policy.send_transports))}, "
+        f"generation backend '{generation.name}' receives over "
+        f"{sorted(map(str, generation.receive_transports))}"
+    )
     if requested != "auto":
         if Transport(requested) not in common:
             raise ConfigError(
-                f"config key 'refit.transport' is '{requested}', but policy backend "
-                f"'{policy.name}' sends over {sorted(map(str, policy.send_transports))} and "
-                f"generation backend '{generation.name}' receives over "
-                f"{sorted(map(str, generation.receive_transports))}; pick one both support or 'auto'",
+                f"config key 'refit.transport' is '{requested}', but {sides}; pick one both "
+                "support or 'auto'",
+                key="refit.transport",
+            )
+        if Transport(requested) not in usable:
+            impl = transports.implemented().get(Transport(requested))
+            why = (
+                f"it needs {impl.accelerator} and this host has {accelerator}"
+                if impl is not None
+                else "the core does not implement it"
+            )
+            raise ConfigError(
+                f"config key 'refit.transport' is '{requested}', which cannot run here: {why}; "
+                f"pick one of {sorted(t.value for t in common if t in usable)} or 'auto'",
                 key="refit.transport",
             )
         return requested
-    accelerator = accelerator or detect_accelerator()
     if config.placement.colocated:
         order = [Transport.CUDA_IPC, Transport.SHARED_MEMORY, Transport.COLLECTIVE, Transport.DISK]
     else:
-        order = [Transport.COLLECTIVE, Transport.DISK, Transport.HTTP, Transport.SHARED_MEMORY]
-    if accelerator != "cuda":
-        order = [t for t in order if t is not Transport.CUDA_IPC]
+        order = [Transport.COLLECTIVE, Transport.DISK, Transport.SHARED_MEMORY]
     for t in order:
-        if t in common:
+        if t in common and t in usable:
             return t.value
     raise PlanError(
-        f"no refit transport in common: policy backend '{policy.name}' sends over "
-        f"{sorted(map(str, policy.send_transports))}, generation backend '{generation.name}' "
-        f"receives over {sorted(map(str, generation.receive_transports))} "
-        f"(placement colocated={config.placement.colocated}, accelerator={accelerator})"
+        f"no refit transport in common that the core runs here: {sides}; the core runs "
+        f"{sorted(t.value for t in usable)} on this host (placement colocated="
+        f"{config.placement.colocated}, accelerator={accelerator})"
     )
 
 

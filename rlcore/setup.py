@@ -43,6 +43,7 @@ from rlcore.metrics import PREFIX, setup_metrics
 from rlcore.plan import Plan
 from rlcore.planner import build_plan, choose_transport, selected_roles
 from rlcore.planner import init_task as init_task_name
+from rlcore.refit.sessions import RefitSessions
 from rlcore.trace import TraceRecorder
 from rlcore.waiting import CancelToken, Deadline
 
@@ -71,6 +72,9 @@ class SetupResult:
         plugins: the selected backends' plugins by role (for later hook calls).
         transport: the refit transport chosen for the run.
         refit_report: what ``refit:initial`` returned.
+        config: the run config.
+        registry: the plugins the setup ran with.
+        refit_sessions: the run's refit channels (opened by ``refit:initial``).
     """
 
     plan: Plan
@@ -81,15 +85,44 @@ class SetupResult:
     plugins: dict[str, PluginInfo] = field(default_factory=dict)
     transport: str | None = None
     refit_report: Any = None
+    config: RunConfig | None = None
+    registry: Registry | None = None
+    refit_sessions: RefitSessions = field(default_factory=RefitSessions)
+
+    def refit(self, step: int, cancel: CancelToken, deadline: Deadline | None = None) -> Any:
+        """Copy the policy's current weights to the generation (after training step ``step``).
+
+        Calls ``rlcore_refit`` for the run's policy and generation backends over the
+        run's transport and refit channels; returns the :class:`rlcore.handles.RefitReport`.
+        """
+        assert self.config is not None and self.registry is not None and self.transport
+        return _refit_once(
+            self.config,
+            self.registry,
+            self.plugins,
+            self.handles,
+            refit_context(
+                self.config,
+                step=step,
+                transport=self.transport,
+                cancel=cancel,
+                sessions=self.refit_sessions,
+                deadline=deadline,
+            ),
+        )
 
     def shutdown(self, timeout_s: float | None = None) -> list[str]:
-        """Shut every started backend down, last started first. Idempotent.
+        """Shut every started backend down, last started first, and drop the refit
+        channels. Idempotent.
 
         Each shutdown is bounded by ``timeout_s`` (default
         ``setup.shutdown_timeout_s``); returns one line per shutdown that raised
         or hung.
         """
-        return self.execution.shutdown(timeout_s)
+        try:
+            return self.execution.shutdown(timeout_s)
+        finally:
+            self.refit_sessions.close()
 
     def __enter__(self) -> SetupResult:
         return self
@@ -115,11 +148,13 @@ def refit_context(
     step: int,
     transport: str,
     cancel: CancelToken,
+    sessions: RefitSessions,
     deadline: Deadline | None = None,
 ) -> RefitContext:
     """The :class:`RefitContext` of one weight sync (``refit:initial`` is step 0).
 
-    Its deadline is the sooner of ``deadline`` and ``refit.timeout_s`` from now.
+    Its deadline is the sooner of ``deadline`` and ``refit.timeout_s`` from now;
+    ``sessions`` are the refit channels of the run (opened once, reused).
     """
     base = deadline or Deadline.never(f"refit step {step}")
     return RefitContext(
@@ -131,7 +166,29 @@ def refit_context(
         deadline=base.sooner(config.refit.timeout_s, f"refit step {step}"),
         config=config,
         cache_dir=cache_dir(config),
+        sessions=sessions,
     )
+
+
+def _refit_once(
+    config: RunConfig,
+    registry: Registry,
+    plugins: dict[str, PluginInfo],
+    handles: dict[str, Any],
+    ctx: RefitContext,
+) -> Any:
+    """One ``rlcore_refit`` call for the run's policy and generation; its report."""
+    pol, gen = plugins[Role.POLICY.value], plugins[Role.GENERATION.value]
+    report = registry.hook("rlcore_refit", [pol, gen])(
+        policy=handles[Role.POLICY.value], generation=handles[Role.GENERATION.value], ctx=ctx
+    )
+    if report is None:
+        raise RefitError(
+            f"no rlcore_refit implementation synced policy backend "
+            f"'{config.policy.backend}' to generation backend "
+            f"'{config.generation.backend}' (every implementation returned None)"
+        )
+    return report
 
 
 def _shutdown_handle(handle: Any) -> None:
@@ -320,21 +377,15 @@ def run_setup(
 
         return run
 
+    sessions = RefitSessions()
+    plugins = {r.value: i for r, i in infos.items()}
+
     def refit_task(task: TaskRun) -> Any:
-        pol, gen = infos[Role.POLICY], infos[Role.GENERATION]
         ctx = refit_context(
-            config, step=0, transport=transport, cancel=task.cancel, deadline=task.deadline
+            config, step=0, transport=transport, cancel=task.cancel, sessions=sessions,
+            deadline=task.deadline,
         )
-        report = registry.hook("rlcore_refit", [pol, gen])(
-            policy=handles[Role.POLICY.value], generation=handles[Role.GENERATION.value], ctx=ctx
-        )
-        if report is None:
-            raise RefitError(
-                f"no rlcore_refit implementation synced policy backend "
-                f"'{declarations[Role.POLICY].name}' to generation backend "
-                f"'{declarations[Role.GENERATION].name}' (every implementation returned None)"
-            )
-        return report
+        return _refit_once(config, registry, plugins, handles, ctx)
 
     def post_events(task_name: str) -> Callable[[Any], None] | None:
         events = tuple(plan.posts.get(task_name, ()))
@@ -393,6 +444,7 @@ def run_setup(
                 on_cancel=lambda _reason: board.wake_all(),
             )
     except BaseException as err:
+        sessions.close()
         err.plan = plan  # type: ignore[attr-defined]
         raise
 
@@ -412,7 +464,10 @@ def run_setup(
         execution=execution,
         metrics=metrics,
         trace_events=TraceRecorder.from_execution(execution, plan).events,
-        plugins={r.value: i for r, i in infos.items()},
+        plugins=plugins,
         transport=transport,
         refit_report=report,
+        config=config,
+        registry=registry,
+        refit_sessions=sessions,
     )

@@ -342,7 +342,21 @@ def test_transport_choice() -> None:
     with pytest.raises(ConfigError, match="refit.transport"):
         plan_for(fsdp, vllm, None, "refit.transport=http")
     with pytest.raises(PlanError, match="no refit transport in common"):
-        plan_for(BackendDeclaration(name="p", roles={P}, send_transports={"http"}), vllm)
+        plan_for(BackendDeclaration(name="p", roles={P}, send_transports={"cuda_ipc"}), vllm)
+
+
+def test_transports_the_core_cannot_run_here_are_never_chosen() -> None:
+    both = {"cuda_ipc", "shared_memory", "disk"}
+    pol = BackendDeclaration(name="p", roles={P}, send_transports=both)
+    gen = BackendDeclaration(name="g", roles={G}, receive_transports=both)
+    colocated = "placement.colocated=true"
+    # On a CPU host cuda_ipc is never picked, and asking for it names the reason.
+    assert plan_for(pol, gen, None, colocated).refit_transport == "shared_memory"
+    with pytest.raises(ConfigError, match="refit.transport.*cannot run here"):
+        plan_for(pol, gen, None, colocated, "refit.transport=cuda_ipc")
+    only_ipc = BackendDeclaration(name="p2", roles={P}, send_transports={"cuda_ipc"})
+    with pytest.raises(PlanError, match="no refit transport in common that the core runs here"):
+        plan_for(only_ipc, gen, None, colocated)
 
 
 def test_option_condition_uses_declared_default() -> None:

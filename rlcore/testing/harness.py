@@ -28,7 +28,7 @@ from typing import Any
 
 from rlcore.config import RunConfig, load_config, resolve_options
 from rlcore.context import InitContext
-from rlcore.declarations import BackendDeclaration, Role, Transport
+from rlcore.declarations import BackendDeclaration, Role
 from rlcore.events import EventBoard
 from rlcore.hookspecs import hookimpl
 from rlcore.planner import role_view
@@ -39,10 +39,6 @@ log = logging.getLogger(__name__)
 
 #: Modules a plugin must not import at module level or in ``rlcore_declare_backend``.
 HEAVY_MODULES: tuple[str, ...] = ("torch", "ray", "vllm", "megatron", "transformers", "sglang")
-#: Transports the core's own ``rlcore_refit`` (:mod:`rlcore.refit.sync`) can move bytes over.
-CORE_REFIT_TRANSPORTS: frozenset[Transport] = frozenset(
-    {Transport.COLLECTIVE, Transport.DISK, Transport.SHARED_MEMORY}
-)
 #: Config value of ``<role>.backend`` for a role that no plugin of the test serves
 #: (``validate_run_config`` wants policy and generation set; nothing starts them).
 UNUSED_BACKEND = "conformance-unused"
@@ -374,6 +370,10 @@ class Harness:
         self.board = EventBoard(self.cancel)
         self.started: list[Started] = []
         self._lock = threading.Lock()
+        from rlcore.refit.sessions import RefitSessions
+
+        #: The refit channels of this harness's run (as a run owns them).
+        self.refit_sessions = RefitSessions()
 
     # -- who serves what --------------------------------------------------------------
 
@@ -615,12 +615,7 @@ class Harness:
                 errors.append(str(err))
         self.cancel.cancel("conformance test finished")
         self.board.wake_all()
-        try:
-            from rlcore.refit.sync import forget_sessions
-
-            forget_sessions(*(s.handle for s in todo))
-        except ImportError:  # pragma: no cover - refit is part of the core
-            pass
+        self.refit_sessions.close()
         return errors
 
 

@@ -37,7 +37,6 @@ from rlcore.planner import detect_accelerator, role_view
 from rlcore.publish import STAGING_PREFIX, TRASH_PREFIX, is_complete
 from rlcore.registry import load_registry
 from rlcore.testing.harness import (
-    CORE_REFIT_TRANSPORTS,
     HEAVY_MODULES,
     ConformanceFailure,
     Harness,
@@ -649,13 +648,14 @@ class BackendConformance:
             pytest.skip(
                 f"transports in common {[str(t) for t in common]} need CUDA, which this host lacks"
             )
-        if core_refit and (
-            unsupported := [t for t in transports if t not in CORE_REFIT_TRANSPORTS]
-        ):
+        from rlcore.refit import transports as core_transports
+
+        implemented = core_transports.implemented()
+        if core_refit and (unsupported := [t for t in transports if t not in implemented]):
             _fail(
                 f"declared transport(s) {[str(t) for t in unsupported]} have no implementation: the "
-                "core's refit moves bytes over collective, disk and shared_memory only, and neither "
-                "plugin implements rlcore_refit"
+                f"core's refit moves bytes over {sorted(t.value for t in implemented)} only, and "
+                "neither plugin implements rlcore_refit"
             )
         config = h.config(f"generation.refit_fed={'true' if refit_fed else 'false'}")
         leaks = self._leaks()
@@ -670,7 +670,8 @@ class BackendConformance:
             for _ in range(2):  # the second refit reuses the channel opened by the first
                 self._perturb(policy)
                 ctx = refit_context(
-                    config, step=step, transport=str(transport), cancel=CancelToken()
+                    config, step=step, transport=str(transport), cancel=CancelToken(),
+                    sessions=h.refit_sessions,
                 )
                 out = call_bounded(
                     lambda ctx=ctx: refit(policy=policy, generation=generation, ctx=ctx),

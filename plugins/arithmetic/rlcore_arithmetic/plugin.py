@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from rlcore.context import InitContext
 from rlcore.declarations import BackendDeclaration, OverlapSafety, Role
+from rlcore.envs import PromptAndScoreEnv
 from rlcore.hookspecs import hookimpl
 from rlcore_arithmetic.task import Prompt, make_prompts, reward
 
@@ -20,8 +21,9 @@ class ArithmeticOptions:
     seed: int = 0
 
 
-class ArithmeticEnv:
-    """A prompt source and scorer; cheap, so it lives in the driver process."""
+class ArithmeticEnv(PromptAndScoreEnv):
+    """A prompt source and scorer; cheap, so it lives in the driver process. The core's
+    :class:`~rlcore.envs.PromptAndScoreEnv` samples through the run's generation."""
 
     def __init__(self, options: ArithmeticOptions) -> None:
         self.options = options

@@ -83,7 +83,4 @@ class FSDPPolicy(GroupPolicy):
             if self._closed:
                 return
             self._closed = True
-        from rlcore.refit.sync import forget_sessions
-
-        forget_sessions(self)
         self.group.shutdown()

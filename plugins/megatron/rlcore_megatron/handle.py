@@ -183,14 +183,11 @@ class _Handle:
         return self.group.pids()
 
     def shutdown(self) -> None:
-        """Release every actor (graceful teardown, then kill); forget refit channels. Idempotent."""
+        """Release every actor (graceful teardown, then kill). Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        from rlcore.refit.sync import forget_sessions
-
-        forget_sessions(self)
         self.group.shutdown()
 
 

@@ -41,8 +41,12 @@ from rlcore.declarations import Role
 from rlcore.errors import DeadlineExceeded, RlcoreError
 from rlcore.events import EventBoard
 from rlcore.handles import RefitReceiver, RefitSender
+from rlcore.refit.sessions import RefitSessions
 from rlcore.waiting import CancelToken, Deadline
 from rlcore_megatron.plugin import MegatronOptions, rlcore_init_generation, rlcore_init_policy
+
+#: The refit channels of this module's handles (a run owns its sessions; so does this module).
+SESSIONS = RefitSessions()
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -185,7 +189,9 @@ def core_refit(policy: Any, generation: Any, transport: str, step: int) -> Any:
         None, ["policy.backend=megatron", "generation.backend=megatron", "refit.bucket_mb=0.05"]
     )
     return refit(
-        policy, generation, refit_context(cfg, step=step, transport=transport, cancel=CancelToken())
+        policy, generation, refit_context(
+            cfg, step=step, transport=transport, cancel=CancelToken(), sessions=SESSIONS
+        )
     )
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from rlcore.context import InitContext
 from rlcore.errors import Cancelled, ConfigError, DeadlineExceeded
-from rlcore.handles import Endpoint
+from rlcore.handles import Endpoint, Rollout, RolloutRequest
 from rlcore.waiting import CancelToken, Deadline
 from rlcore.workers import free_port
 from rlcore_nemo_gym.servers import (
@@ -55,7 +55,7 @@ def rows_for_step(n_rows: int, prompts: int, step: int) -> list[int]:
     return [(start + i) % n_rows for i in range(prompts)]
 
 
-def to_sample(result: dict[str, Any]) -> dict[str, Any]:
+def to_sample(result: dict[str, Any]) -> Rollout:
     """One Gym ``/run`` result -> ``{"prompt_ids", "token_ids", "logprobs", "reward"}``.
 
     The *last* model turn that carries token ids is the sample: for a single-turn
@@ -82,13 +82,13 @@ def to_sample(result: dict[str, Any]) -> dict[str, Any]:
     reward = result.get("reward")
     if not isinstance(reward, int | float):
         raise GymError(f"a Gym rollout came back without a numeric reward (reward={reward!r})")
-    return {
-        "prompt_ids": [int(t) for t in last["prompt_token_ids"]],
-        "token_ids": token_ids,
-        "logprobs": logprobs,
-        "reward": float(reward),
-        "model_turns": len(turns),
-    }
+    return Rollout(
+        prompt_ids=[int(t) for t in last["prompt_token_ids"]],
+        token_ids=token_ids,
+        logprobs=logprobs,
+        reward=float(reward),
+        model_turns=len(turns),
+    )
 
 
 class NemoGymEnv:
@@ -147,19 +147,21 @@ class NemoGymEnv:
         body["agent_ref"] = {"type": "responses_api_agents", "name": self.agent_name}
         return body
 
-    def collect_rollouts(
-        self, prompts_per_step: int, samples_per_prompt: int, step: int
-    ) -> list[list[dict[str, Any]]]:
-        """Run ``samples_per_prompt`` rollouts of each of ``prompts_per_step`` rows.
+    def collect_rollouts(self, request: RolloutRequest) -> list[list[Rollout]]:
+        """Run ``request.samples_per_prompt`` rollouts of each of ``request.prompts`` rows
+        (:class:`rlcore.handles.EnvHandle`).
 
         Rows are cycled by step (:func:`rows_for_step`). Returns, per row, its samples
         ``{"prompt_ids", "token_ids", "logprobs", "reward", "model_turns"}`` (see
-        :func:`to_sample`), in order whatever order Gym finishes them in. Bounded by
-        ``rollout_timeout_s``; observes the run's cancellation.
+        :func:`to_sample`), in order whatever order Gym finishes them in. Gym's servers
+        call the model through the generation endpoint with this env's own sampling
+        options (``temperature``, ``max_output_tokens``); ``request.generation`` is not
+        used. Bounded by ``rollout_timeout_s``; observes the run's cancellation.
         """
         if self._closed:
             raise GymError(f"nemo_gym env '{self.env_name}' is shut down")
-        picks = rows_for_step(len(self.rows), prompts_per_step, step)
+        samples_per_prompt, step = request.samples_per_prompt, request.step
+        picks = rows_for_step(len(self.rows), request.prompts, step)
         bodies = [self.request(self.rows[r]) for r in picks for _ in range(samples_per_prompt)]
         results = self._run(bodies, what=f"step {step} rollouts", timeout_s=self.rollout_timeout_s)
         samples = [to_sample(r) for r in results]
@@ -168,7 +170,7 @@ class NemoGymEnv:
             for i in range(len(picks))
         ]
 
-    def verify(self, timeout_s: float, deadline: Deadline | None = None) -> dict[str, Any]:
+    def verify(self, timeout_s: float, deadline: Deadline | None = None) -> Rollout:
         """One short rollout of the first row, end to end; returns its sample."""
         result = self._run(
             [self.request(self.rows[0], max_output_tokens=min(self.max_output_tokens, 16))],

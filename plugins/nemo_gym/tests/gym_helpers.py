@@ -20,7 +20,7 @@ from rlcore.config import RunConfig, resolve_options
 from rlcore.context import InitContext
 from rlcore.declarations import Role
 from rlcore.events import EventBoard
-from rlcore.handles import Endpoint
+from rlcore.handles import Endpoint, RolloutRequest
 from rlcore.waiting import CancelToken, Deadline
 from rlcore_nemo_gym.plugin import NemoGymOptions
 
@@ -225,3 +225,18 @@ def group_alive(pgid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+def rollout_request(prompts: int, samples: int, *, step: int) -> RolloutRequest:
+    """What the GRPO loop asks a Gym env for (Gym samples through its endpoint: no
+    generation handle or tokenizer needed)."""
+    return RolloutRequest(
+        step=step,
+        prompts=prompts,
+        samples_per_prompt=samples,
+        max_new_tokens=8,
+        temperature=1.0,
+        seed=step,
+        generation=None,  # type: ignore[arg-type]
+        tokenizer=None,
+    )

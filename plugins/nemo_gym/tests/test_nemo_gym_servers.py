@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from gym_helpers import StubEndpoint, gym_python, make_ctx, post_later
+from gym_helpers import StubEndpoint, gym_python, make_ctx, post_later, rollout_request
 
 from rlcore.errors import Cancelled, ConfigError, DeadlineExceeded, RlcoreError
 from rlcore.handles import Endpoint
@@ -65,7 +65,7 @@ def _ports(env: NemoGymEnv) -> list[int]:
 
 
 def _assert_rollouts(env: NemoGymEnv) -> None:
-    groups = env.collect_rollouts(3, 4, step=1)
+    groups = env.collect_rollouts(rollout_request(3, 4, step=1))
     assert len(groups) == 3 and all(len(g) == 4 for g in groups)
     for g in groups:
         for s in g:
@@ -79,7 +79,7 @@ def _assert_rollouts(env: NemoGymEnv) -> None:
     assert all(s["reward"] == 0.0 for g in groups[1:] for s in g)
     assert groups[0][0]["token_ids"] == list(b"<choice>H2O</choice>")
     # Step 2 takes the next rows (3, 4 and 0 again of the five).
-    step2 = env.collect_rollouts(3, 1, step=2)
+    step2 = env.collect_rollouts(rollout_request(3, 1, step=2))
     assert [g[0]["reward"] for g in step2] == [0.0, 0.0, 1.0]
 
 
@@ -150,7 +150,7 @@ def test_endpoint_with_another_model_name_restarts_gym_with_it(
         env = start_env(ctx)
         try:
             assert env.servers.spec.model_name == "other-model"
-            assert env.collect_rollouts(1, 2, step=1)[0][0]["reward"] == 1.0
+            assert env.collect_rollouts(rollout_request(1, 2, step=1))[0][0]["reward"] == 1.0
         finally:
             _shutdown_leaves_nothing(env)
         assert len(list((tmp_path / "run" / "nemo_gym").glob("*/status.json"))) == 2
@@ -165,7 +165,7 @@ def test_multi_turn_env_samples_the_last_model_turn(tmp_path: Path, leaks: LeakC
         ctx.events.post("generation.endpoint", tools.endpoint)
         env = start_env(ctx)
         try:
-            [[s]] = env.collect_rollouts(1, 1, step=1)
+            [[s]] = env.collect_rollouts(rollout_request(1, 1, step=1))
         finally:
             _shutdown_leaves_nothing(env)
         # Turn 1 called the weather tool; turn 2 answered after seeing its result.
@@ -311,7 +311,7 @@ def test_a_dead_server_fails_the_next_rollouts(
         os.kill(victim, signal.SIGKILL)
         time.sleep(2.5)  # the launcher polls its servers every second
         with pytest.raises(RlcoreError, match="finished unexpectedly|gone|failed"):
-            env.collect_rollouts(2, 2, step=1)
+            env.collect_rollouts(rollout_request(2, 2, step=1))
     finally:
         env.shutdown()
     assert env.pids() == []

@@ -156,13 +156,10 @@ class VLLMGeneration:
         return self.group.actors
 
     def shutdown(self) -> None:
-        """Stop every engine and server process; forget refit channels. Idempotent."""
+        """Stop every engine and server process; Idempotent."""
         if self._closed:
             return
         self._closed = True
-        from rlcore.refit.sync import forget_sessions
-
-        forget_sessions(self)
         self.group.shutdown()
 
 

@@ -16,12 +16,16 @@ from vllm_helpers import PROMPTS, init_context, make_config, max_abs_diff
 
 from rlcore.errors import RefitError
 from rlcore.refit.channels import ChannelSpec
+from rlcore.refit.sessions import RefitSessions
 from rlcore.refit.specs import TensorSpec, plan_buckets
 from rlcore.refit.sync import refit
 from rlcore.setup import refit_context
 from rlcore.waiting import CancelToken
 from rlcore.workers import WorkerError
 from rlcore_vllm.plugin import rlcore_init_generation
+
+#: The refit channels of this module's handles (a run owns its sessions; so does this module).
+SESSIONS = RefitSessions()
 
 PROBE = [(p, [10, 11, 12, 13]) for p in PROMPTS]  # split 2 + 1 over the engines
 TOL = 1e-4
@@ -42,7 +46,9 @@ def setup(
 
 
 def do_refit(policy: Any, gen: Any, config: Any, transport: str) -> Any:
-    ctx = refit_context(config, step=next(_steps), transport=transport, cancel=CancelToken())
+    ctx = refit_context(
+        config, step=next(_steps), transport=transport, cancel=CancelToken(), sessions=SESSIONS
+    )
     return refit(policy, gen, ctx)
 
 

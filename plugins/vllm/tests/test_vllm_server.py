@@ -18,11 +18,15 @@ import pytest
 import ray
 from vllm_helpers import PROMPTS, init_context, make_config, max_abs_diff
 
+from rlcore.refit.sessions import RefitSessions
 from rlcore.refit.sync import refit
 from rlcore.setup import refit_context
 from rlcore.waiting import CancelToken
 from rlcore.workers import WorkerError
 from rlcore_vllm.plugin import rlcore_init_generation
+
+#: The refit channels of this module's handles (a run owns its sessions; so does this module).
+SESSIONS = RefitSessions()
 
 TOL = 1e-4
 
@@ -98,7 +102,10 @@ def test_endpoint_serves_refit_weights_and_shutdown_leaves_nothing(
             refit(
                 policy,
                 gen,
-                refit_context(config, step=step, transport=transport, cancel=CancelToken()),
+                refit_context(
+                    config, step=step, transport=transport, cancel=CancelToken(),
+                    sessions=SESSIONS,
+                ),
             )
             served = endpoint_logprobs(ep, probe)
             assert max_abs_diff(served, policy.logprobs(probe)) < TOL

@@ -1,0 +1,101 @@
+"""Refit sessions: the channels a run opened, owned by the run.
+
+A channel between a policy and a generation is opened at its first refit and
+reused by every later one (opening a collective group costs seconds). The run
+owns the sessions: it makes one :class:`RefitSessions` in setup, passes it to
+every refit in :class:`rlcore.context.RefitContext`, and drops it at teardown.
+Backends never touch it; their workers close their own channel ends when they
+shut down (:class:`rlcore.refit.worker.RefitChannels`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rlcore.refit import transports
+from rlcore.waiting import Deadline
+
+if TYPE_CHECKING:
+    from rlcore.context import RefitContext
+    from rlcore.handles import RefitReceiver, RefitSender
+    from rlcore.refit.channels import ChannelSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    """An open channel between one policy and one generation.
+
+    Attributes:
+        spec: what both sides opened.
+        init_time_s: seconds it took to open (both sides joined).
+        reported_init: whether a refit report already carried ``init_time_s``.
+    """
+
+    spec: ChannelSpec
+    init_time_s: float
+    reported_init: bool = False
+
+    def take_init_time(self) -> float:
+        """``init_time_s`` the first time it is asked for, then 0 (reports count it once)."""
+        first = not self.reported_init
+        self.reported_init = True
+        return self.init_time_s if first else 0.0
+
+
+class RefitSessions:
+    """The refit channels of one run, keyed by (policy, generation, transport)."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[tuple[int, int, str], Session] = {}
+        self._lock = threading.Lock()
+
+    def open(self, policy: RefitSender, generation: RefitReceiver, ctx: RefitContext) -> Session:
+        """The session for this pair over ``ctx.transport``, opening the channel the first time."""
+        from rlcore.workers import ray_get
+
+        key = (id(policy), id(generation), ctx.transport)
+        with self._lock:
+            if key in self._sessions:
+                return self._sessions[key]
+        impl = transports.get(ctx.transport)
+        t0 = time.monotonic()
+        name = uuid.uuid4().hex[:12]
+        world = 1 + int(generation.refit_ranks)
+        spec = impl.channel(transports.ChannelRequest(name, world, policy, ctx))
+        refs = list(policy.open_refit_channel(spec)) + list(generation.open_refit_channel(spec))
+        ray_get(
+            refs,
+            what=f"opening the {ctx.transport} refit channel",
+            cancel=ctx.cancel,
+            deadline=Deadline(ctx.timeout_s, "refit channel"),
+        )
+        session = Session(spec, time.monotonic() - t0)
+        with self._lock:
+            self._sessions[key] = session
+        log.info(
+            "opened %s refit channel %s (%d ranks) in %.3fs",
+            ctx.transport, name, world, session.init_time_s,
+        )
+        return session
+
+    def spec_for(self, policy: Any, generation: Any, transport: str) -> ChannelSpec | None:
+        """The channel a refit over ``transport`` opened for this pair (None before the first)."""
+        with self._lock:
+            session = self._sessions.get((id(policy), id(generation), transport))
+        return None if session is None else session.spec
+
+    def close(self) -> None:
+        """Forget every session (the run is over; workers close their own ends)."""
+        with self._lock:
+            self._sessions.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sessions)
