@@ -15,15 +15,23 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from rlcore.errors import RlcoreError
+from rlcore.errors import BackendNotFoundError, ConfigError, PlanError, RlcoreError
 
 DEFAULT_EXAMPLE = "quickstart.yaml"
 
 
+#: Width of output that is not a terminal (a pipe, a file): wide enough that tables are
+#: never cut (rich would otherwise assume 80 columns and shorten names to "arithme…").
+PIPE_WIDTH = 1000
+
+
 def _console(stderr: bool = False) -> Console:
-    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else PIPE_WIDTH
+    return Console(stderr=stderr, highlight=False, soft_wrap=True, width=width)
 
 
 def default_config_path() -> Path | None:
@@ -69,7 +77,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     con = _console()
     table = Table(title="rlcore backends (entry-point group rlcore.backends)")
     for col in ("backend", "roles", "overlap (non-colo/colo)", "refit-fed", "transports", "endpoint", "distribution"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # a narrow terminal folds names, never cuts them
     for name, info in sorted(registry.backends.items()):
         d = info.declaration
         assert d is not None
@@ -99,12 +107,14 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def build_plan_from_args(config_path: str | None, overrides: Sequence[str]) -> tuple[Any, Any]:
-    """Load the config, the plugins it allows and its backends' declarations; plan."""
+    """Load the config and the plugins it allows; run every check ``rlcore run`` makes
+    before it starts anything (:func:`rlcore.preflight.check_before_start`); plan."""
     from rlcore.config import load_config
-    from rlcore.registry import load_registry, plan_for
+    from rlcore.preflight import check_before_start
+    from rlcore.registry import load_registry
 
     config = load_config(config_path, overrides)
-    return config, plan_for(load_registry(config.plugins.allow), config)
+    return config, check_before_start(config, load_registry(config.plugins.allow))
 
 
 def render_plan(plan: Any, con: Console) -> None:
@@ -150,7 +160,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise RlcoreError(
             f"no config given and examples/{DEFAULT_EXAMPLE} not found; pass a config file"
         )
-    run_dir = run_job(str(config_path), args.overrides, out=args.out, console=_console())
+    if args.resume and not args.out:
+        raise ConfigError("--resume needs --out DIR: the run directory to append to", key="--resume")
+    run_dir = run_job(str(config_path), args.overrides, out=args.out, console=_console(), resume=args.resume)
     _console().print(f"run directory: {run_dir}")
     return 0
 
@@ -198,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="set up, run the GRPO loop, write a run directory")
     p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]")
-    p.add_argument("--out", default=None, help="run directory (default: <output_dir>/<name>-<time>)")
+    p.add_argument("--out", default=None, help="run directory (default: <output_dir>/<name>-<time>); must be new or empty")
+    p.add_argument("--resume", action="store_true", help="append to a non-empty --out directory")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("new-backend", help="write a ready backend plugin package")
@@ -230,8 +243,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args) or 0)
+    except (ConfigError, BackendNotFoundError, PlanError) as err:
+        # Found before anything started: one line that names the key and the fix.
+        _console(stderr=True).print("[red]error:[/red] " + escape(" ".join(str(err).split("\n"))))
+        return 2
     except RlcoreError as err:
-        _console(stderr=True).print(f"[red]error:[/red] {err}")
+        _console(stderr=True).print("[red]error:[/red] " + escape(str(err)))
         return 2
 
 

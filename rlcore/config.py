@@ -27,6 +27,55 @@ from omegaconf.errors import (
 from rlcore.errors import ConfigError
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """The range a numeric config value must lie in (``None``: no bound on that side).
+
+    Declared once, next to the field, with :func:`bounded`; :func:`check_bounds`
+    enforces every one of them when the config is loaded.
+    """
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+
+    def describe(self) -> str:
+        """``at least 1``, ``greater than 0``, ``between 0 and 1``, in words."""
+        low = f"at least {self.ge:g}" if self.ge is not None else None
+        low = f"greater than {self.gt:g}" if self.gt is not None else low
+        high = f"at most {self.le:g}" if self.le is not None else None
+        return " and ".join(p for p in (low, high) if p) or "any number"
+
+    def holds(self, value: float) -> bool:
+        return (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+        )
+
+    def example(self) -> str:
+        """A value inside the range, for messages (``grpo.steps=1``)."""
+        if self.ge is not None:
+            return f"{self.ge:g}"
+        if self.gt is not None:
+            return f"{self.gt + 1:g}"
+        return f"{self.le:g}" if self.le is not None else "0"
+
+
+def bounded(
+    default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None
+) -> Any:
+    """A dataclass field whose value must lie in a range (``steps: int = bounded(20, ge=1)``).
+
+    ``default`` is the default value, or a factory (``dict``) for a mapping whose
+    every value must lie in the range. ``None`` values (optional fields) are not checked.
+    """
+    meta = {"bounds": Bounds(ge=ge, gt=gt, le=le)}
+    if callable(default):
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class TinyModelConfig:
     """Shape of the tiny Llama-family model rlcore creates when ``model.path`` is unset.
@@ -34,13 +83,13 @@ class TinyModelConfig:
     Sized so that vLLM's CPU attention accepts it (head size 32: hidden / heads).
     """
 
-    seed: int = 0
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 256
-    max_position_embeddings: int = 512
+    seed: int = bounded(0, ge=0)
+    hidden_size: int = bounded(128, ge=1)
+    num_layers: int = bounded(2, ge=1)
+    num_heads: int = bounded(4, ge=1)
+    num_kv_heads: int = bounded(2, ge=1)
+    intermediate_size: int = bounded(256, ge=1)
+    max_position_embeddings: int = bounded(512, ge=1)
 
 
 @dataclass
@@ -62,9 +111,9 @@ class RoleConfig:
     #: ``null`` only for ``env``: the run has no environment backend.
     backend: str | None = None
     #: Number of workers (ranks) of the role's worker group.
-    workers: int = 1
+    workers: int = bounded(1, ge=1)
     #: Devices per worker: GPUs when CUDA is present, else CPU cores reserved in Ray.
-    devices_per_worker: float = 1.0
+    devices_per_worker: float = bounded(1.0, gt=0)
     #: Backend-specific options; checked against the backend's declared options dataclass.
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -88,19 +137,19 @@ class ClusterConfig:
     #: ``null`` starts an embedded local cluster for the run.
     address: str | None = None
     #: CPUs the embedded cluster offers (``null``: all of this machine's).
-    num_cpus: int | None = None
+    num_cpus: int | None = bounded(None, ge=1)
     #: GPUs the embedded cluster offers (``null``: Ray detects them).
-    num_gpus: int | None = None
+    num_gpus: int | None = bounded(None, ge=0)
 
 
 @dataclass
 class SetupConfig:
     #: Deadline for all of setup, in seconds.
-    deadline_s: float = 1800.0
+    deadline_s: float = bounded(1800.0, gt=0)
     #: Per-task deadlines in seconds, by task name (``init:policy: 600``); others use ``deadline_s``.
-    task_deadline_s: dict[str, float] = field(default_factory=dict)
+    task_deadline_s: dict[str, float] = bounded(dict, gt=0)
     #: How long tearing down one started backend may take before it is abandoned.
-    shutdown_timeout_s: float = 60.0
+    shutdown_timeout_s: float = bounded(60.0, gt=0)
     #: Where shared artifacts (converted checkpoints, the tiny model) are cached.
     #: ``null``: ``$RLCORE_CACHE_DIR`` or ``~/.cache/rlcore``.
     cache_dir: str | None = None
@@ -119,31 +168,36 @@ class RefitConfig:
     #: otherwise one of collective, shared_memory, cuda_ipc, disk.
     transport: str = "auto"
     #: Upper bound on one bucket of streamed weights, in MiB.
-    bucket_mb: float = 64.0
+    bucket_mb: float = bounded(64.0, gt=0)
     #: Timeout of every refit collective and of one whole refit, in seconds.
-    timeout_s: float = 300.0
+    timeout_s: float = bounded(300.0, gt=0)
     #: Prompts in the probe batch compared after each refit (token_mult_prob_error).
-    probe_prompts: int = 4
+    probe_prompts: int = bounded(4, ge=1)
     #: Stop the run when ``refit/token_mult_prob_error`` after a refit exceeds this
     #: (the generation computes with other weights than the policy trains); the
     #: step's metrics are written first. ``null`` disables the check.
-    max_mult_prob_error: float | None = 1.05
+    max_mult_prob_error: float | None = bounded(1.05, ge=1)
 
 
 @dataclass
 class GRPOConfig:
     """The small GRPO loop of ``rlcore run``."""
 
-    steps: int = 20
-    prompts_per_step: int = 8
+    #: Training steps (each: rollout, reward, train step, refit).
+    steps: int = bounded(20, ge=1)
+    #: Prompts (or env rows) per step.
+    prompts_per_step: int = bounded(8, ge=1)
     #: Samples per prompt (G): advantages are normalised within each group.
-    samples_per_prompt: int = 8
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    learning_rate: float = 5e-3
+    samples_per_prompt: int = bounded(8, ge=1)
+    #: Longest completion, in tokens.
+    max_new_tokens: int = bounded(8, ge=1)
+    #: Sampling temperature (0: greedy).
+    temperature: float = bounded(1.0, ge=0)
+    #: Policy learning rate (0: the policy does not move).
+    learning_rate: float = bounded(5e-3, ge=0)
     #: PPO-style ratio clip.
-    clip_eps: float = 0.2
-    seed: int = 0
+    clip_eps: float = bounded(0.2, gt=0)
+    seed: int = bounded(0, ge=0)
 
 
 @dataclass
@@ -261,8 +315,13 @@ def load_config(
             )
         try:
             dot = OmegaConf.from_dotlist([item])
-        except OmegaConfBaseException as err:
-            raise ConfigError(f"override '{item}': {err}", key=item.split("=")[0]) from None
+        except Exception as err:  # OmegaConf's own errors, and YAML's for a malformed value
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ConfigError(
+                f"override '{item}' does not parse ({first}); quote values with spaces, "
+                "e.g. 'setup.task_deadline_s={init:policy: 60}'",
+                key=item.split("=")[0],
+            ) from None
         cfg = _merge(cfg, dot, f"override '{item}'")
     try:
         run = OmegaConf.to_object(cfg)
@@ -273,21 +332,65 @@ def load_config(
     return run
 
 
+def check_bounds(obj: Any, prefix: str = "") -> None:
+    """Check every :func:`bounded` field of a config dataclass, recursively.
+
+    Raises :class:`ConfigError` for the first value out of range, naming the key,
+    the value, the range and a value that would do.
+    """
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_bounds(value, f"{key}.")
+            continue
+        bounds: Bounds | None = f.metadata.get("bounds")
+        if bounds is None or value is None:
+            continue
+        items = value.items() if isinstance(value, Mapping) else [(None, value)]
+        for sub, v in items:
+            where = key if sub is None else f"{key}.{sub}"
+            if isinstance(v, bool) or not isinstance(v, int | float) or v != v or not bounds.holds(v):
+                raise ConfigError(
+                    f"config key '{where}' is {v!r}; it must be {bounds.describe()} "
+                    f"(e.g. {where}={bounds.example()})",
+                    key=where,
+                )
+
+
 def validate_run_config(cfg: RunConfig) -> None:
-    """Checks that a single key's type cannot express."""
+    """Checks that a single key's type cannot express: ranges (:func:`bounded`), choices,
+    required keys and relations between keys. Needs nothing but the config."""
     for section in ("policy", "generation"):
         if not getattr(cfg, section).backend:
             raise ConfigError(
                 f"config key '{section}.backend' must be set (`rlcore plugins` lists the backends)",
                 key=f"{section}.backend",
             )
-    for section in ROLE_SECTIONS:
-        if getattr(cfg, section).workers < 1:
-            raise ConfigError(f"config key '{section}.workers' must be at least 1", key=f"{section}.workers")
+    check_bounds(cfg)
     if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(
             f"config key 'model.dtype' is {cfg.model.dtype!r}; expected float32, bfloat16 or float16",
             key="model.dtype",
+        )
+    if cfg.model.path is not None and not str(cfg.model.path).strip():
+        raise ConfigError(
+            "config key 'model.path' is empty; set it to a Hugging Face checkpoint directory, "
+            "or to null for the tiny local model",
+            key="model.path",
+        )
+    tiny = cfg.model.tiny
+    if cfg.model.path is None and tiny.hidden_size % tiny.num_heads:
+        raise ConfigError(
+            f"config key 'model.tiny.hidden_size' is {tiny.hidden_size}, which "
+            f"model.tiny.num_heads={tiny.num_heads} does not divide; pick a multiple of it",
+            key="model.tiny.hidden_size",
+        )
+    if cfg.model.path is None and tiny.num_heads % tiny.num_kv_heads:
+        raise ConfigError(
+            f"config key 'model.tiny.num_kv_heads' is {tiny.num_kv_heads}, which does not divide "
+            f"model.tiny.num_heads={tiny.num_heads}; pick a divisor of it",
+            key="model.tiny.num_kv_heads",
         )
     from rlcore.declarations import Transport
 
@@ -299,8 +402,15 @@ def validate_run_config(cfg: RunConfig) -> None:
             f"{sorted(allowed_transports)}" + (f" (did you mean '{hint}'?)" if hint else ""),
             key="refit.transport",
         )
-    if cfg.setup.deadline_s <= 0:
-        raise ConfigError("config key 'setup.deadline_s' must be positive", key="setup.deadline_s")
+    for key in ("name", "output_dir"):
+        if not str(getattr(cfg, key)).strip():
+            raise ConfigError(f"config key '{key}' is empty; give it a value", key=key)
+    if "/" in cfg.name or cfg.name in (".", ".."):
+        raise ConfigError(
+            f"config key 'name' is {cfg.name!r}; it names the run directory, so it may not "
+            "contain '/' (set output_dir for the parent directory)",
+            key="name",
+        )
 
 
 def resolve_options(options: Mapping[str, Any], schema: type | None, *, section: str, backend: str) -> Any:

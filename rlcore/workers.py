@@ -8,6 +8,7 @@ on CPU, NCCL on GPU) and calls them with deadlines and cancellation. Every
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
@@ -32,8 +33,74 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def is_loopback(host: str) -> bool:
+    """``127.0.0.0/8``, ``::1`` or ``localhost``: an address no other host can reach."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def loopback_interface() -> str:
+    """The name of the network interface that holds 127.0.0.1 (``lo`` on Linux)."""
+    try:
+        import psutil
+
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs):
+                return str(name)
+    except Exception as err:  # pragma: no cover - psutil missing or no permission
+        log.debug("cannot list network interfaces: %s", err)
+    return "lo"
+
+
+def pin_collectives_to(host: str) -> None:
+    """Make gloo (and NCCL's bootstrap) listen on the loopback interface when ``host`` is
+    loopback: a single-host run then opens no port that another host can reach.
+
+    Sets ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` in this process unless the user
+    chose an interface; process groups created afterwards pick it up.
+    """
+    if is_loopback(host):
+        iface = loopback_interface()
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+
+
+def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> Any:
+    """A ``torch.distributed.TCPStore`` for rendezvous at ``host:port``.
+
+    torch's store server listens on every interface whatever ``host`` says. When
+    ``host`` is loopback (a single-host run), the master binds the listening socket to
+    it itself and hands it to the store, so the store answers only on this host.
+    Otherwise (a cluster of several hosts) the store listens as torch makes it.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    pin_collectives_to(host)
+    if not (is_master and is_loopback(host)):
+        return dist.TCPStore(host, port, world_size, is_master, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1" if host == "localhost" else host, port))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    # The store owns the descriptor from here on (it closes it), so the socket object lets go.
+    return dist.TCPStore(host, port, world_size, True, timeout=timeout, master_listen_fd=sock.detach())
+
+
 def node_ip() -> str:
-    """This process's address for rendezvous (loopback on a single host)."""
+    """This process's address for rendezvous: the Ray node's address, which is loopback
+    for rlcore's embedded single-host cluster (:mod:`rlcore.cluster`)."""
     try:
         import ray
 
@@ -58,19 +125,28 @@ class DistributedWorker:
         return node_ip(), free_port()
 
     def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> None:
+        """Join the group's default process group; rank 0 serves the rendezvous store
+        (:func:`tcp_store`: only on loopback when ``master_addr`` is loopback)."""
         import datetime
 
         import torch.distributed as dist
 
         os.environ["MASTER_ADDR"] = master_addr
         os.environ["MASTER_PORT"] = str(master_port)
+        store = tcp_store(master_addr, master_port, self.world_size, self.rank == 0, timeout_s)
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
+            store=store,
             rank=self.rank,
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+
+    def process_ids(self) -> tuple[str, int]:
+        """(Ray node id, pid) of this worker's process (what shutdown waits for)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()
 
     def ping(self) -> int:
         return os.getpid()
@@ -202,6 +278,7 @@ class WorkerGroup:
         self.cancel = cancel
         self.timeout_s = timeout_s
         self.actors: list[Any] = []
+        self._processes = []
         self.start_time_s = 0.0
         t0 = time.monotonic()
         _check_fits(name, world_size, num_cpus, num_gpus)
@@ -218,7 +295,9 @@ class WorkerGroup:
                         max_restarts=0,
                     ).remote(rank, world_size, *args, **(kwargs or {}))
                 )
-            ray_get([a.ping.remote() for a in self.actors], what=f"starting {name} workers", cancel=cancel, deadline=deadline)
+            self._processes: list[tuple[str, int]] = ray_get(
+                [a.process_ids.remote() for a in self.actors], what=f"starting {name} workers", cancel=cancel, deadline=deadline
+            )
             if dist_backend:
                 addr, port = ray_get(self.actors[0].rendezvous_address.remote(), what=f"{name} rendezvous", cancel=cancel, deadline=deadline)
                 self.call("init_process_group", addr, port, dist_backend, timeout_s, what=f"{name} process group", deadline=deadline)
@@ -248,12 +327,37 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         return list(self.call("ping", what="ping"))
 
-    def shutdown(self, graceful_s: float = 10.0) -> None:
-        """Tear every actor down: a graceful ``teardown`` with a deadline, then ``ray.kill``."""
+    def _local_processes(self) -> list[Any]:
+        """The workers' processes on this host, with their descendants (``psutil.Process``)."""
+        import psutil
+        import ray
+
+        here = ray.get_runtime_context().get_node_id()
+        found: dict[int, Any] = {}
+        for node, pid in self._processes:
+            if node != here:
+                continue  # another host's process: ray.kill is all the driver can do
+            try:
+                proc = psutil.Process(pid)
+                for p in [proc, *proc.children(recursive=True)]:
+                    found[p.pid] = p
+            except psutil.Error:
+                continue
+        return list(found.values())
+
+    def shutdown(self, graceful_s: float = 10.0, exit_s: float = 10.0) -> None:
+        """Tear every actor down and return once its processes have exited.
+
+        A graceful ``teardown`` with a deadline of ``graceful_s``, then ``ray.kill``;
+        then wait up to ``exit_s`` for the workers' processes on this host (and their
+        children, e.g. an engine's subprocesses) to exit, and SIGKILL what is left.
+        Idempotent; never raises for a worker that is already dead.
+        """
         import ray
 
         if not self.actors:
             return
+        procs = self._local_processes()
         try:
             refs = [a.teardown.remote() for a in self.actors]
             ray.wait(refs, num_returns=len(refs), timeout=graceful_s)
@@ -265,3 +369,37 @@ class WorkerGroup:
             except Exception as err:
                 log.debug("%s: ray.kill failed: %s", self.name, err)
         self.actors = []
+        self._processes = []
+        left = wait_exited(procs, exit_s)
+        if left:
+            log.warning(
+                "%s: %d worker process(es) still alive %gs after ray.kill; SIGKILL: %s",
+                self.name, len(left), exit_s, [p.pid for p in left],
+            )
+            for p in left:
+                try:
+                    p.kill()
+                except Exception as err:  # gone meanwhile, or not ours to kill
+                    log.debug("%s: SIGKILL of %d failed: %s", self.name, p.pid, err)
+            left = wait_exited(left, 5.0)
+            if left:
+                log.error("%s: processes %s survived SIGKILL", self.name, [p.pid for p in left])
+
+
+def wait_exited(procs: Sequence[Any], timeout_s: float, poll_s: float = 0.05) -> list[Any]:
+    """Poll until every ``psutil.Process`` in ``procs`` has exited (a zombie counts as
+    exited) or ``timeout_s`` passes; returns those still running."""
+    import psutil
+
+    def running(p: Any) -> bool:
+        try:
+            return bool(p.is_running()) and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    left = [p for p in procs if running(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        left = [p for p in left if running(p)]
+    return left

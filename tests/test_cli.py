@@ -66,10 +66,36 @@ def test_plan_json_of_quickstart(capsys) -> None:
 def test_overrides_after_options(monkeypatch, tmp_path: Path) -> None:
     seen = {}
 
-    def fake_run_job(config, overrides, *, out, console):
-        seen.update(config=config, overrides=overrides, out=out)
+    def fake_run_job(config, overrides, *, out, console, resume):
+        seen.update(config=config, overrides=overrides, out=out, resume=resume)
         return tmp_path
 
     monkeypatch.setattr("rlcore.run.run_job", fake_run_job)
     assert main(["run", "c.yaml", "--out", "d", "a=1", "b=2"]) == 0
-    assert seen == {"config": "c.yaml", "overrides": ["a=1", "b=2"], "out": "d"}
+    assert seen == {"config": "c.yaml", "overrides": ["a=1", "b=2"], "out": "d", "resume": False}
+    assert main(["run", "c.yaml", "--out", "d", "--resume"]) == 0
+    assert seen["resume"] is True
+
+
+def test_plugins_in_a_pipe_prints_whole_names() -> None:
+    """Not a terminal: rich would assume 80 columns and cut names ("arithme…")."""
+    import subprocess
+    import sys
+
+    rlcore = Path(sys.executable).with_name("rlcore")
+    out = subprocess.run([str(rlcore), "plugins"], capture_output=True, text=True, check=True,
+                         env={"PATH": "/usr/bin:/bin", "COLUMNS": "60"}).stdout
+    assert "…" not in out
+    for name in ("arithmetic", "rlcore-arithmetic", "shared_memory"):
+        assert name in out
+
+
+def test_plugins_in_a_narrow_terminal_folds_names(monkeypatch, capsys) -> None:
+    from rich.console import Console
+
+    import rlcore.cli as cli
+
+    monkeypatch.setattr(cli, "_console", lambda stderr=False: Console(width=60, force_terminal=True))
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out

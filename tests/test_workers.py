@@ -36,6 +36,35 @@ class EchoWorker(DistributedWorker):
     def sleep(self, s: float) -> None:
         time.sleep(s)
 
+    def listening(self) -> list[str]:
+        """Addresses this worker process listens on (TCP)."""
+        import psutil
+
+        return sorted({c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN})
+
+
+class StubbornWorker(DistributedWorker):
+    """Hangs in teardown and leaves a child that ignores SIGTERM."""
+
+    def spawn_child(self) -> int:
+        import subprocess
+
+        code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+        self.child = subprocess.Popen([sys.executable, "-c", code])
+        return self.child.pid
+
+    def teardown(self) -> None:
+        time.sleep(600)
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
 
 @pytest.fixture(scope="module")
 def cluster():
@@ -58,12 +87,46 @@ def test_group_forms_a_process_group_and_tears_down(cluster) -> None:
         pids = [w[2] for w in where]
     finally:
         group.shutdown()
+    # shutdown() returns only once the processes have exited: no waiting here.
+    assert not [p for p in pids if _running(p)], "worker processes survived shutdown"
+
+
+def test_rendezvous_and_gloo_listen_on_loopback_only(cluster) -> None:
+    """On the embedded single-host cluster no worker-group port is reachable from another host."""
+    group = WorkerGroup(EchoWorker, 2, name="echo-lo", num_cpus=0.5)
+    try:
+        assert group.call("all_reduce", 1.0) == [2.0, 2.0]
+        for rank, addrs in enumerate(group.call("listening")):
+            assert addrs, f"rank {rank} listens on nothing: the check would be vacuous"
+            assert set(addrs) <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, (rank, addrs)
+    finally:
+        group.shutdown()
+
+
+def test_tcp_store_binds_loopback_for_a_loopback_host() -> None:
     import psutil
 
-    deadline = time.monotonic() + 15
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-        assert time.monotonic() < deadline, "worker processes survived shutdown"
-        time.sleep(0.2)
+    from rlcore.workers import free_port, tcp_store
+
+    port = free_port()
+    store = tcp_store("127.0.0.1", port, 1, True, 10.0)
+    store.set("k", "v")
+    mine = {c.laddr.ip for c in psutil.Process().net_connections("inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    assert mine == {"127.0.0.1"}  # torch alone would listen on "::" (every interface)
+    del store
+
+
+def test_shutdown_returns_after_stragglers_are_killed(cluster) -> None:
+    group = WorkerGroup(StubbornWorker, 2, name="stubborn", num_cpus=0.5, dist_backend=None)
+    pids = group.pids()
+    children = group.call("spawn_child")
+    assert all(_running(p) for p in [*pids, *children])
+    group.shutdown(graceful_s=0.5, exit_s=5.0)
+    left = [p for p in [*pids, *children] if _running(p)]
+    assert not left, f"still running after shutdown() returned: {left}"
+    assert group.actors == []
+    group.shutdown()  # idempotent
 
 
 def test_errors_name_group_and_cause(cluster) -> None:

@@ -1,0 +1,381 @@
+"""Every check that needs no cluster, run before anything starts.
+
+:func:`check_before_start` is what ``rlcore run`` and ``rlcore plan`` both call
+after loading the config (which already checked keys, types and ranges, see
+:func:`rlcore.config.validate_run_config`). It starts no process, imports no
+heavy dependency and reads only small files, so a bad input fails in well under
+a second with one line that names the key and the fix:
+
+1. the selected backends exist and serve their roles, their options are valid,
+   and the declarations make a plan (refit transport included) — the same
+   :func:`rlcore.registry.plan_for` that setup runs;
+2. ``setup.task_deadline_s`` names tasks of that plan;
+3. ``model.path`` is a loadable Hugging Face checkpoint: ``config.json`` parses,
+   a tokenizer is there, and every safetensors file's header is read and its
+   size compared with what the header says (a truncated file is named);
+4. the policy and generation workers fit the embedded cluster's CPUs (or GPUs)
+   when no ``cluster.address`` is given (Ray would otherwise wait forever);
+5. the run directory and the cache directory can be created and written.
+
+Every failure is a :class:`~rlcore.errors.ConfigError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rlcore.config import RunConfig, cache_dir
+from rlcore.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rlcore.plan import Plan
+    from rlcore.registry import Registry
+
+#: Largest safetensors header read (the format's own limit is 100 MB).
+MAX_HEADER_BYTES = 100 * 2**20
+#: Files that make a directory a loadable tokenizer for transformers.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+#: Roles whose workers reserve ``workers x devices_per_worker`` in the Ray cluster.
+RESOURCE_ROLES = ("policy", "generation")
+
+
+def one_line(message: str) -> str:
+    """``message`` as one line (a line that ends a sentence is followed by a space, any
+    other by ``; ``): errors found before start are printed as one line."""
+    out = ""
+    for part in (p.strip() for p in str(message).splitlines()):
+        if part:
+            out += (" " if out.endswith(".") else "; ") * bool(out) + part
+    return out
+
+
+def run_dir_for(config: RunConfig, out: str | None, *, now: datetime | None = None) -> Path:
+    """The run directory a run writes: ``out``, else ``<output_dir>/<name>-<timestamp>``."""
+    if out:
+        return Path(out).expanduser()
+    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
+    return Path(config.output_dir).expanduser() / f"{config.name}-{stamp}"
+
+
+def check_before_start(
+    config: RunConfig,
+    registry: Registry,
+    *,
+    out: str | None = None,
+    resume: bool = False,
+    accelerator: str | None = None,
+) -> Plan:
+    """Run every check that needs no cluster; return the setup plan.
+
+    Args:
+        config: the loaded config (keys, types and ranges already checked).
+        registry: the loaded plugins.
+        out: the run directory asked for (``rlcore run --out``); ``None``: a new
+            timestamped directory under ``output_dir``.
+        resume: a non-empty ``out`` is accepted (the run appends to it).
+        accelerator: ``cuda`` or ``cpu``; ``None`` detects it (without torch).
+
+    Raises:
+        ConfigError: one line naming the key at fault and what to do.
+    """
+    plan = check_plan(config, registry, accelerator=accelerator)
+    check_task_deadlines(config, plan)
+    check_model(config)
+    check_resources(config)
+    if out:
+        check_run_dir(Path(out).expanduser(), resume=resume)
+    else:
+        check_writable_dir(Path(config.output_dir).expanduser(), key="output_dir")
+    check_writable_dir(cache_dir(config), key="setup.cache_dir (or $RLCORE_CACHE_DIR)")
+    return plan
+
+
+# ---------------------------------------------------------------- plan
+
+
+def check_plan(config: RunConfig, registry: Registry, *, accelerator: str | None = None) -> Plan:
+    """The plan setup would run, with every backend, option and transport error as one line."""
+    from rlcore.errors import BackendNotFoundError, PlanError
+    from rlcore.planner import build_plan, selected_roles
+    from rlcore.registry import selected_backends
+
+    try:
+        selected = selected_backends(registry, config)
+        return build_plan(
+            config, {r: i.declaration for r, i in selected.items()},  # type: ignore[misc]
+            accelerator=accelerator,
+        )
+    except BackendNotFoundError as err:
+        key = next(
+            (f"{r.value}.backend" for r in selected_roles(config) if f"'{r.value}.backend'" in str(err)),
+            None,
+        )
+        raise ConfigError(one_line(str(err)), key=key) from err
+    except ConfigError as err:
+        if "\n" in str(err):
+            raise ConfigError(one_line(str(err)), key=err.key) from err
+        raise
+    except PlanError as err:
+        chosen = ", ".join(
+            f"{r.value}.backend={getattr(config, r.value).backend}" for r in selected_roles(config)
+        )
+        raise ConfigError(
+            f"the backends the config selects ({chosen}) cannot run together: {one_line(str(err))}",
+            key=None,
+        ) from err
+
+
+def check_task_deadlines(config: RunConfig, plan: Plan) -> None:
+    """``setup.task_deadline_s`` may name only tasks of the plan."""
+    names = [t.name for t in plan.tasks]
+    for task in config.setup.task_deadline_s:
+        if task not in names:
+            raise ConfigError(
+                f"config key 'setup.task_deadline_s.{task}' names no task of this run's plan; "
+                f"its tasks are {', '.join(names)}",
+                key=f"setup.task_deadline_s.{task}",
+            )
+
+
+# ---------------------------------------------------------------- model
+
+
+def check_model(config: RunConfig) -> None:
+    """``model.path`` (when set) is a Hugging Face checkpoint that loads: config, tokenizer,
+    weights whose safetensors headers match their sizes. Reads headers only."""
+    if config.model.path is None:
+        return  # the tiny model, made locally during setup
+    key = "model.path"
+    raw = config.model.path
+    path = Path(raw).expanduser()
+    fix = "set model.path to a Hugging Face checkpoint directory, or null for the tiny local model"
+    if not path.exists():
+        raise ConfigError(f"config key '{key}' is '{raw}', which does not exist; {fix}", key=key)
+    if not path.is_dir():
+        raise ConfigError(f"config key '{key}' is '{raw}', which is not a directory; {fix}", key=key)
+    config_json = path / "config.json"
+    if not config_json.is_file():
+        raise ConfigError(
+            f"config key '{key}' is '{raw}', which has no config.json (not a Hugging Face "
+            f"checkpoint); {fix}",
+            key=key,
+        )
+    try:
+        model_cfg = json.loads(config_json.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"config key '{key}': {config_json} does not parse as JSON ({err}); {fix}", key=key) from None
+    if not isinstance(model_cfg, dict) or "model_type" not in model_cfg:
+        raise ConfigError(
+            f"config key '{key}': {config_json} has no 'model_type', so transformers cannot "
+            f"load it; {fix}",
+            key=key,
+        )
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(
+            f"config key '{key}': '{raw}' has no tokenizer ({', '.join(TOKENIZER_FILES)}); "
+            "save the tokenizer beside the weights (tokenizer.save_pretrained)",
+            key=key,
+        )
+    for shard in _weight_files(path, key):
+        check_safetensors(shard, key=key)
+
+
+def _weight_files(path: Path, key: str) -> list[Path]:
+    """The safetensors files of a checkpoint (those its index names, else all of them)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ConfigError(
+                f"config key '{key}': {index} is not a safetensors index ({type(err).__name__}: "
+                f"{err}); re-save the checkpoint",
+                key=key,
+            ) from None
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ConfigError(
+                f"config key '{key}': {index} names {len(missing)} missing weight file(s), "
+                f"e.g. {path / missing[0]}; copy the whole checkpoint",
+                key=key,
+            )
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files and not list(path.glob("pytorch_model*.bin")):
+        raise ConfigError(
+            f"config key '{key}': '{path}' has no weights (*.safetensors or pytorch_model*.bin); "
+            "copy the whole checkpoint",
+            key=key,
+        )
+    return files
+
+
+def check_safetensors(file: Path, *, key: str = "model.path") -> None:
+    """Read ``file``'s safetensors header and compare the size it implies with the file's.
+
+    Raises :class:`ConfigError` naming the file for a short header, a header that is
+    not JSON, bad offsets, or a file shorter or longer than its header says.
+    """
+    fix = "the file is damaged: copy or convert the checkpoint again"
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or n > min(MAX_HEADER_BYTES, size - 8):
+                raise ConfigError(
+                    f"config key '{key}': weight file {file} is truncated or not safetensors "
+                    f"({size} bytes, no valid header); {fix}",
+                    key=key,
+                )
+            header = json.loads(f.read(n))
+    except OSError as err:
+        raise ConfigError(f"config key '{key}': cannot read weight file {file}: {err.strerror or err}", key=key) from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ConfigError(
+            f"config key '{key}': weight file {file} has a safetensors header that is not JSON; {fix}",
+            key=key,
+        ) from None
+    end = 0
+    try:
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            begin, stop = entry["data_offsets"]
+            if not 0 <= begin <= stop:
+                raise ValueError(f"tensor '{name}' has offsets {begin}..{stop}")
+            end = max(end, int(stop))
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        raise ConfigError(
+            f"config key '{key}': weight file {file} has a malformed safetensors header ({err}); {fix}",
+            key=key,
+        ) from None
+    expected = 8 + n + end
+    if size != expected:
+        what = "truncated" if size < expected else "longer than its header says"
+        raise ConfigError(
+            f"config key '{key}': weight file {file} is {what}: {size} bytes, its header "
+            f"describes {expected}; {fix}",
+            key=key,
+        )
+
+
+# ---------------------------------------------------------------- resources
+
+
+def host_cpus() -> int:
+    """CPUs an embedded Ray cluster would offer here: this process's CPU affinity, capped
+    by a cgroup (v2) CPU quota, as Ray counts them."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        count = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            count = min(count, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return count
+
+
+def host_gpus() -> int:
+    """NVIDIA GPUs an embedded Ray cluster would detect here (without importing torch)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        return len([n for n in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", n)])
+    except OSError:
+        return 0
+
+
+def check_resources(config: RunConfig) -> None:
+    """The policy and generation workers fit the embedded cluster (skipped for ``cluster.address``).
+
+    Each worker reserves ``devices_per_worker`` CPUs on a CPU-only cluster, one GPU on a
+    cluster with GPUs (the convention of ``<role>.devices_per_worker``); the groups are
+    up at the same time, so their needs add up.
+    """
+    if config.cluster.address:
+        return  # an existing cluster: its size is known only once joined
+    gpus = config.cluster.num_gpus if config.cluster.num_gpus is not None else host_gpus()
+    kind, have, have_key = (
+        ("GPU", gpus, "cluster.num_gpus") if gpus >= 1 else
+        ("CPU", config.cluster.num_cpus or host_cpus(), "cluster.num_cpus")
+    )
+    need: list[tuple[str, float]] = []
+    for role in RESOURCE_ROLES:
+        section = getattr(config, role)
+        per = 1.0 if kind == "GPU" else section.devices_per_worker
+        need.append((role, section.workers * per))
+    total = sum(n for _, n in need)
+    if total > have + 1e-9:
+        parts = " + ".join(
+            f"{r}.workers={getattr(config, r).workers} x "
+            f"{1 if kind == 'GPU' else getattr(config, r).devices_per_worker:g}"
+            for r, _ in need
+        )
+        worst = max(need, key=lambda rn: rn[1])[0]
+        raise ConfigError(
+            f"config key '{worst}.workers': the workers need {total:g} {kind} ({parts}), but the "
+            f"embedded Ray cluster has {have:g} ({have_key}"
+            f"{'' if getattr(config.cluster, have_key.split('.')[1]) is not None else ', this host'}); "
+            f"lower {worst}.workers or {worst}.devices_per_worker, or raise {have_key}",
+            key=f"{worst}.workers",
+        )
+
+
+# ---------------------------------------------------------------- directories
+
+
+def _nearest_existing(path: Path) -> Path:
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe
+
+
+def check_writable_dir(path: Path, *, key: str) -> None:
+    """``path`` is a directory that exists or can be created, and can be written.
+
+    Creates nothing that stays: a temporary directory is made and removed in the
+    deepest existing ancestor, which catches read-only mounts, /proc and /sys, a
+    file in the way, and missing permissions (root included).
+    """
+    anchor = _nearest_existing(path.absolute())
+    if not anchor.is_dir():
+        what = "is" if anchor == path.absolute() else f"lies under '{anchor}', which is"
+        raise ConfigError(
+            f"config key '{key}': '{path}' {what} a file, not a directory; choose another path",
+            key=key,
+        )
+    try:
+        probe = tempfile.mkdtemp(prefix=".rlcore-write-check-", dir=anchor)
+    except OSError as err:
+        raise ConfigError(
+            f"config key '{key}': cannot create '{path}' ({err.strerror or err} in '{anchor}'); "
+            "choose a writable directory",
+            key=key,
+        ) from None
+    shutil.rmtree(probe, ignore_errors=True)
+
+
+def check_run_dir(path: Path, *, resume: bool, key: str = "--out") -> None:
+    """The run directory can be written, and is new (or empty) unless ``resume``."""
+    check_writable_dir(path, key=key)
+    if path.is_dir() and not resume and any(path.iterdir()):
+        raise ConfigError(
+            f"run directory '{path}' ({key}) is not empty; choose a new one, or pass --resume "
+            "to append to it",
+            key=key,
+        )
