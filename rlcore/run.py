@@ -21,13 +21,14 @@ from rich.table import Table
 
 from rlcore.cluster import Cluster
 from rlcore.config import RunConfig, cache_dir, load_config
-from rlcore.errors import RlcoreError
-from rlcore.grpo import Sequence_, run_grpo, token_mult_prob_error
+from rlcore.errors import ConfigError
+from rlcore.grpo import check_divergence, probe_batch, run_grpo, token_mult_prob_error
+from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.metrics import MetricsWriter
 from rlcore.plots import plot_reward, plot_setup_timeline
 from rlcore.preflight import check_before_start, run_dir_for
 from rlcore.registry import load_registry, plan_for
-from rlcore.setup import SetupResult, refit_context, run_setup
+from rlcore.setup import SetupResult, run_setup
 from rlcore.trace import TraceRecorder
 from rlcore.waiting import CancelToken
 
@@ -76,19 +77,6 @@ class SetupProgress:
             label = "done" if state in ("end", "ok") else state
             table.add_row(name, f"[{style.get(state, 'white')}]{label}[/]", elapsed)
         return table
-
-
-def _probe_batch(env: Any, tokenizer: Any, n: int) -> list[Sequence_]:
-    """Fixed prompt/answer pairs (the env's, when it makes prompts) for logprob comparison."""
-    if hasattr(env, "sample_prompts"):
-        prompts = env.sample_prompts(n, step=-1)
-        pairs = [(p.text, str(getattr(p, "answer", ""))) for p in prompts]
-    else:
-        pairs = [(f"{i}+{i}=", str(2 * i)) for i in range(n)]
-    return [
-        Sequence_(tokenizer(p).input_ids, tokenizer(c, add_special_tokens=False).input_ids + [tokenizer.eos_token_id])
-        for p, c in pairs
-    ]
 
 
 def run_job(
@@ -145,7 +133,7 @@ def run_job(
         )
         _plot_setup(setup, run_dir, config)
         if not setup_only:
-            _train(config, setup, registry, cancel, trace, metrics_writer, run_dir, console)
+            _train(config, setup, cancel, trace, metrics_writer, run_dir, console)
         return run_dir
     except KeyboardInterrupt:
         cancel.cancel("interrupted (Ctrl-C)")
@@ -182,7 +170,6 @@ def _plot_setup(setup: SetupResult, run_dir: Path, config: RunConfig) -> None:
 def _train(
     config: RunConfig,
     setup: SetupResult,
-    registry: Any,
     cancel: CancelToken,
     trace: TraceRecorder,
     writer: MetricsWriter,
@@ -193,26 +180,31 @@ def _train(
 
     from rlcore.tinymodel import ensure_model
 
-    policy, generation = setup.handles["policy"], setup.handles["generation"]
-    env = setup.handles.get("env")
-    if env is None or not (hasattr(env, "sample_prompts") or hasattr(env, "collect_rollouts")):
-        raise RlcoreError(
-            "rlcore run's GRPO loop needs an env backend that makes prompts and scores them "
-            "(sample_prompts/score, e.g. env.backend=arithmetic) or collects scored rollouts "
-            "(collect_rollouts, e.g. a NeMo Gym env)"
+    env_handle = setup.handles.get("env")
+    if env_handle is None:
+        raise ConfigError(
+            "rlcore run's GRPO loop needs an env: set env.backend (e.g. env.backend=arithmetic)",
+            key="env.backend",
         )
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(config.model, cache_dir(config))))
-    probe = _probe_batch(env, tokenizer, config.refit.probe_prompts)
-    probe_pairs = [(s.prompt, s.completion) for s in probe]
-    refit_hook = registry.hook("rlcore_refit", [setup.plugins["policy"], setup.plugins["generation"]])
+    # Every call goes through the contract's checks, naming the backend that broke it.
+    policy = GuardedPolicy(setup.handles["policy"], config.policy.backend)
+    generation = GuardedGeneration(
+        setup.handles["generation"], config.generation.backend, eos_ids={tokenizer.eos_token_id}
+    )
+    env = GuardedEnv(env_handle, config.env.backend)
+    probe = probe_batch(tokenizer, config.refit.probe_prompts)
+    limit = config.refit.max_mult_prob_error
 
     # The first refit (refit:initial) already ran during setup: check it too.
-    err0 = token_mult_prob_error(generation.logprobs(probe_pairs), policy.logprobs(probe_pairs))
+    err0 = token_mult_prob_error(generation.logprobs(probe), policy.logprobs(probe))
     writer.write({"refit/token_mult_prob_error": err0, "refit/transport": setup.transport}, step=0)
+    check_divergence(
+        err0, limit, step=0, policy=config.policy.backend, generation=config.generation.backend
+    )
 
     def refit(step: int) -> Any:
-        ctx = refit_context(config, step=step, transport=setup.transport or "disk", cancel=cancel)
-        return refit_hook(policy=policy, generation=generation, ctx=ctx)
+        return setup.refit(step, cancel)
 
     def on_step(m: dict[str, Any]) -> None:
         writer.write(m, step=m["step"])
@@ -231,6 +223,7 @@ def _train(
         refit=refit,
         probe=probe,
         on_step=on_step,
+        max_mult_prob_error=limit,
         trace=lambda name, t0, t1, step: trace.add_span(name, t0, t1, cat="step", lane="grpo", args={"step": step}),
         cancelled=lambda: cancel.cancelled,
     )
