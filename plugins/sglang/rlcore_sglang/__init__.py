@@ -1,0 +1,1 @@
+"""rlcore's SGLang generation backend (see README.md)."""

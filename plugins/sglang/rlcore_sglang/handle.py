@@ -1,0 +1,203 @@
+"""The generation handle: SGLang servers in a Ray worker group, as rlcore sees them.
+
+:func:`start_generation` is the body of the ``rlcore_init_generation`` hook; it
+returns a :class:`SGLangGeneration`, which implements
+:class:`rlcore.handles.RefitReceiver` (the core's refit streams weights into
+it) and the calls the training loop makes (``generate``, ``logprobs``), and
+carries SGLang's own OpenAI-compatible endpoint (``endpoint``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from rlcore.context import InitContext
+from rlcore.errors import RlcoreError
+from rlcore.handles import Endpoint
+from rlcore.workers import WorkerGroup
+from rlcore_sglang.options import SGLangOptions
+from rlcore_sglang.worker import Sample, SGLangWorker
+
+log = logging.getLogger(__name__)
+
+GROUP_NAME = "sglang-generation"
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of prompt ``index`` of a call made with ``seed`` (sample ``j`` uses it ``+ j``).
+
+    48 random bits drawn from ``(seed, index)``: the streams of different calls and
+    prompts do not meet, and do not depend on how prompts are split over replicas.
+    """
+    return random.Random(f"rlcore-sglang:{seed}:{index}").getrandbits(48)
+
+
+def shard_bounds(count: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each of ``parts`` contiguous shards of ``count`` items."""
+    return [(count * i // parts, count * (i + 1) // parts) for i in range(parts)]
+
+
+class SGLangGeneration:
+    """Handle of the ``sglang`` generation backend: ``workers`` independent SGLang servers.
+
+    Attributes:
+        group: the Ray worker group (one :class:`SGLangWorker` per server).
+        refit_ranks: number of servers; server ``i`` is rank ``1 + i`` of refit channels.
+        endpoints: each server's OpenAI-compatible endpoint (SGLang's ``/v1``).
+        start_info: per-worker start timings (seconds) reported by the workers.
+    """
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        specs: list[Any],
+        *,
+        endpoints: Sequence[Endpoint],
+        start_info: Sequence[dict[str, Any]] = (),
+        device_type: str = "cpu",
+    ) -> None:
+        self.group = group
+        self.refit_ranks = group.world_size
+        self.endpoints = list(endpoints)
+        self.start_info = list(start_info)
+        self.device_type = device_type
+        self._specs = list(specs)
+        self._closed = False
+
+    # ------------------------------------------------------------ refit side
+
+    def weight_specs(self) -> list[Any]:
+        """``TensorSpec`` of every weight the servers expect (Hugging Face names)."""
+        return list(self._specs)
+
+    def open_refit_channel(self, spec: Any) -> list[Any]:
+        """Every server joins channel ``spec`` (server ``i`` as rank ``1 + i``); Ray refs."""
+        return [a.open_refit_channel.remote(spec, 1 + i) for i, a in enumerate(self._actors())]
+
+    def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
+        """Every server receives and loads the buckets; Ray refs that resolve when all have loaded."""
+        return [a.receive_weights.remote(spec, step, buckets) for a in self._actors()]
+
+    # -------------------------------------------------------- training loop
+
+    @property
+    def endpoint(self) -> Endpoint | None:
+        """Server 0's OpenAI-compatible endpoint (each server serves its own: :attr:`endpoints`)."""
+        return self.endpoints[0] if self.endpoints else None
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+    ) -> list[list[Sample]]:
+        """``n`` samples per prompt, each ``{"token_ids": [...], "logprobs": [...]}``.
+
+        Prompts are split into contiguous slices over the servers; prompt ``i``
+        samples with seed :func:`sample_seed` ``(seed, i)``.
+        """
+        seeds = [sample_seed(seed, i) for i in range(len(prompt_ids))]
+        calls = [
+            (actor, a, b)
+            for actor, (a, b) in zip(
+                self._actors(), shard_bounds(len(prompt_ids), self.refit_ranks), strict=True
+            )
+            if b > a
+        ]
+        refs = [
+            actor.generate.remote([list(p) for p in prompt_ids[a:b]], n, max_tokens, temperature, seeds[a:b])
+            for actor, a, b in calls
+        ]
+        return [g for part in self.group.get(refs, what="generate") for g in part]
+
+    def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        """Per-token log-probabilities of each ``(prompt_ids, completion_ids)`` pair's completion."""
+        refs = [
+            actor.logprobs.remote([(list(p), list(c)) for p, c in batch[a:b]])
+            for actor, (a, b) in zip(
+                self._actors(), shard_bounds(len(batch), self.refit_ranks), strict=True
+            )
+            if b > a
+        ]
+        return [row for part in self.group.get(refs, what="logprobs") for row in part]
+
+    def weight_versions(self) -> list[str]:
+        """Each server's ``weight_version`` (``step-<n>`` after refit step n)."""
+        return list(self.group.call("weight_version", what="weight version"))
+
+    # ------------------------------------------------------------ lifecycle
+
+    def _actors(self) -> list[Any]:
+        if self._closed:
+            raise RlcoreError(f"{GROUP_NAME}: the sglang generation handle was shut down")
+        return self.group.actors
+
+    def shutdown(self) -> None:
+        """Stop every server's process group and the workers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.group.shutdown()
+
+
+def start_generation(ctx: InitContext) -> SGLangGeneration:
+    """Start ``generation.workers`` SGLang servers as configured by ``ctx``; see the module doc."""
+    import ray
+
+    from rlcore.tinymodel import ensure_model
+    from rlcore_sglang.server import find_sglang_python
+
+    options = ctx.options if isinstance(ctx.options, SGLangOptions) else SGLangOptions(**dict(ctx.options or {}))
+    section = ctx.config.generation
+    ctx.cancel.raise_if_cancelled()
+    ctx.deadline.raise_if_expired()
+    find_sglang_python(options.python)  # fail before anything starts if the venv is missing
+    model_dir = ensure_model(ctx.config.model, ctx.cache_dir, cancel=ctx.cancel, deadline=ctx.deadline)
+    cuda = ray.cluster_resources().get("GPU", 0) >= 1
+    group = WorkerGroup(
+        SGLangWorker,
+        section.workers,
+        name=GROUP_NAME,
+        args=(str(model_dir),),
+        kwargs={
+            "dtype": ctx.config.model.dtype,
+            "refit_fed": bool(section.refit_fed),
+            "options": options,
+            "log_dir": str(ctx.run_dir / "sglang"),
+            "threads": max(1, int(section.devices_per_worker)),
+        },
+        num_cpus=1.0 if cuda else float(section.devices_per_worker),
+        num_gpus=1.0 if cuda else 0.0,
+        env={"TOKENIZERS_PARALLELISM": "false"},
+        dist_backend=None,
+        timeout_s=options.call_timeout_s,
+        cancel=ctx.cancel,
+        deadline=ctx.deadline,
+    )
+    try:
+        remaining = ctx.deadline.remaining()
+        limit = options.server_start_timeout_s if remaining is None else min(options.server_start_timeout_s, remaining)
+        info = group.call("start", limit, what="starting SGLang servers", deadline=ctx.deadline)
+        specs = group.call("weight_specs", ranks=[0], what="weight specs", deadline=ctx.deadline)[0]
+        endpoints = [
+            Endpoint(base_url=e["base_url"], model=e["model"])
+            for e in group.call("endpoint_info", what="endpoints", deadline=ctx.deadline)
+        ]
+    except BaseException:
+        group.shutdown()
+        raise
+    ctx.log.info(
+        "sglang: %d server(s) up (%s) in %s",
+        section.workers,
+        "refit-fed" if section.refit_fed else "checkpoint weights",
+        ", ".join(f"{i.get('total_s', 0.0):.1f}s" for i in info),
+    )
+    return SGLangGeneration(
+        group, specs, endpoints=endpoints, start_info=info, device_type="cuda" if cuda else "cpu"
+    )

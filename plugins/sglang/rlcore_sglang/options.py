@@ -1,0 +1,30 @@
+"""``generation.options`` of the ``sglang`` backend (plain data: imported by ``rlcore plugins``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SGLangOptions:
+    """Options of the ``sglang`` generation backend."""
+
+    #: Python of the SGLang venv. ``null``: ``$RLCORE_SGLANG_PYTHON``, else
+    #: ``.venv-sglang/bin/python`` beside the running venv or above this package.
+    python: str | None = None
+    #: Port of replica 0's server (replica i uses port + i); 0 picks free ports.
+    port: int = 0
+    #: Model name the server answers to (``model`` field of OpenAI requests).
+    served_model_name: str = "policy"
+    #: ``--max-total-tokens``: KV-cache size in tokens (bounds concurrent prompt + completion tokens).
+    max_total_tokens: int = 4096
+    #: ``--context-length``: longest prompt + completion, in tokens (0: the model's).
+    context_length: int = 0
+    #: CUDA only: ``--mem-fraction-static`` (GPU memory share SGLang takes at start).
+    mem_fraction_static: float = 0.8
+    #: Extra ``sglang.launch_server`` arguments, appended last (e.g. ``["--log-level", "info"]``).
+    extra_args: list[str] = field(default_factory=list)
+    #: How long a replica waits for its server's ``/health_generate`` before giving up.
+    server_start_timeout_s: float = 180.0
+    #: Upper bound on one HTTP call of a generate, logprobs or refit request.
+    call_timeout_s: float = 900.0

@@ -1,0 +1,383 @@
+"""One SGLang replica: a plain worker class that rlcore runs as a Ray actor.
+
+A :class:`SGLangWorker` owns one SGLang server process group (see
+:mod:`rlcore_sglang.server`) and talks to it over SGLang's own HTTP API:
+
+* ``/generate`` (token ids in, token ids and logprobs out) for ``generate`` and
+  ``logprobs``; SGLang's OpenAI-compatible ``/v1`` is the endpoint others use;
+* refit, by transport:
+
+  - ``collective``: ``/init_weights_update_group`` once per channel (the server's
+    rank joins the core's channel: :mod:`rlcore_sglang.site.sitecustomize`), then
+    per refit ``/begin_weight_update``, one ``/update_weights_from_distributed``
+    per bucket (``load_format="flattened_bucket"``: one broadcast of the
+    bucket's packed bytes, as the core's sender sends it) and
+    ``/end_weight_update``; the session calls only when the server has those
+    routes (read from its OpenAPI schema at start);
+  - ``disk`` / ``shared_memory``: ``/update_weights_from_disk`` of the step
+    directory the core published atomically (one safetensors file per bucket).
+
+Module import is light (the driver imports this module to name the class);
+transformers and torch are imported inside the methods that need them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rlcore.errors import RefitError
+from rlcore.workers import DistributedWorker, free_port
+from rlcore_sglang.server import ServerError, ServerProcess, find_sglang_python
+
+log = logging.getLogger(__name__)
+
+Sample = dict[str, list]  # {"token_ids": [...], "logprobs": [...]}
+
+#: Group names of core refit channels in SGLang (must match the server's sitecustomize).
+GROUP_PREFIX = "rlcore-refit:"
+#: ``load_format`` of a bucket the server receives and does not load (after a rejection).
+DRAIN = "rlcore_drain"
+#: Routes of SGLang's weight-update session (0.5.21+); older servers have neither.
+SESSION_ROUTES = ("/begin_weight_update", "/end_weight_update")
+
+
+def group_name(spec: Any) -> str:
+    """SGLang group name of the core's collective channel ``spec`` (key and timeout in it)."""
+    return f"{GROUP_PREFIX}{spec.key}:{spec.timeout_s:g}"
+
+
+def launch_args(
+    model_dir: str, *, dtype: str, refit_fed: bool, options: Any, seed: int, cuda: bool
+) -> list[str]:
+    """``sglang.launch_server`` arguments of one replica (without host and port)."""
+    o = options
+    args = ["--model-path", model_dir, "--served-model-name", o.served_model_name]
+    args += ["--dtype", dtype, "--random-seed", str(seed), "--max-total-tokens", str(o.max_total_tokens)]
+    args += ["--skip-server-warmup"]
+    if o.context_length:
+        args += ["--context-length", str(o.context_length)]
+    if refit_fed:
+        args += ["--load-format", "dummy"]
+    if cuda:
+        args += ["--mem-fraction-static", str(o.mem_fraction_static)]
+    else:  # the CPU route (plugins/sglang/README.md): torch attention and sampling, no graphs
+        args += ["--device", "cpu", "--attention-backend", "torch_native"]
+        args += ["--sampling-backend", "pytorch", "--disable-cuda-graph", "--disable-overlap-schedule"]
+    return args + [str(a) for a in o.extra_args]
+
+
+class SGLangWorker(DistributedWorker):
+    """One SGLang server of the generation worker group.
+
+    Args:
+        rank, world_size: this replica's index and the number of replicas.
+        model_dir: Hugging Face checkpoint directory (config and tokenizer are
+            always read from it; weights only when not ``refit_fed``).
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
+        refit_fed: start with dummy weights (``--load-format dummy``); the first refit brings real ones.
+        options: the backend's :class:`rlcore_sglang.options.SGLangOptions`.
+        log_dir: where the server's log goes.
+        seed: the server's ``--random-seed``.
+        threads: CPU threads of the server (``OMP_NUM_THREADS``).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        model_dir: str,
+        *,
+        dtype: str,
+        refit_fed: bool,
+        options: Any,
+        log_dir: str,
+        seed: int = 0,
+        threads: int = 1,
+    ) -> None:
+        super().__init__(rank, world_size)
+        self.model_dir = model_dir
+        self.dtype = dtype
+        self.refit_fed = refit_fed
+        self.options = options
+        self.log_dir = log_dir
+        self.seed = seed
+        self.threads = threads
+        self.server: ServerProcess | None = None
+        self.sessions = False  # the server has begin/end_weight_update
+        #: Why the server's weights cannot be trusted (a refit failed half-way), or None.
+        self.stale: str | None = None
+        #: Open collective channels: key -> SGLang group name.
+        self.groups: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ start
+
+    def start(self, timeout_s: float) -> dict[str, Any]:
+        """Start the server and wait until it serves; returns timings in seconds."""
+        import torch
+
+        t0 = time.monotonic()
+        python = find_sglang_python(self.options.python)
+        cuda = torch.cuda.is_available()
+        args = launch_args(
+            self.model_dir, dtype=self.dtype, refit_fed=self.refit_fed, options=self.options,
+            seed=self.seed + self.rank, cuda=cuda,
+        )
+        port = self.options.port + self.rank if self.options.port else free_port()
+        env = {
+            # logprobs of the unscaled distribution (temperature 1), as rlcore.handles wants
+            "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
+            "OMP_NUM_THREADS": str(self.threads),
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        if not cuda:
+            env["SGLANG_USE_CPU_ENGINE"] = ""  # set, it needs a CPU sgl_kernel that PyPI lacks
+        log_path = Path(self.log_dir) / f"sglang-server-{self.rank}-{os.getpid()}.log"
+        self.server = ServerProcess(python, args, port=port, log_path=log_path, env=env)
+        try:
+            ready = self.server.wait_ready(timeout_s)
+            paths = self.server.request("/openapi.json", timeout_s=30).get("paths", {})
+        except BaseException:
+            self.server.stop()
+            self.server = None
+            raise
+        self.sessions = all(r in paths for r in SESSION_ROUTES)
+        return {"server_start_s": ready, "total_s": time.monotonic() - t0, "sessions": self.sessions}
+
+    def _server(self) -> ServerProcess:
+        if self.server is None:
+            raise RuntimeError(f"SGLang worker {self.rank}: the server is not running")
+        return self.server
+
+    # ------------------------------------------------------------- inference
+
+    def _check_weights(self) -> None:
+        if self.stale is not None:
+            raise RuntimeError(
+                f"SGLang worker {self.rank}: {self.stale}; its weights may mix two versions, "
+                "so it refuses to generate until a refit succeeds"
+            )
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        seeds: Sequence[int],
+    ) -> list[list[Sample]]:
+        """``n`` samples per prompt: ``[[{"token_ids": [...], "logprobs": [...]}] * n] * len(prompts)``.
+
+        Sample ``j`` of prompt ``i`` asks for ``sampling_seed = seeds[i] + j``
+        (honoured by servers started with ``--enable-deterministic-inference``).
+        ``logprobs`` are the sampled tokens' log-probabilities at temperature 1;
+        a completion ends with the EOS token when SGLang stopped on it.
+        """
+        self._check_weights()
+        if len(seeds) != len(prompt_ids):
+            raise ValueError(f"{len(prompt_ids)} prompts but {len(seeds)} seeds")
+        if not prompt_ids:
+            return []
+        ids = [list(map(int, p)) for p in prompt_ids for _ in range(n)]
+        params = [
+            {"temperature": float(temperature), "max_new_tokens": int(max_tokens),
+             "sampling_seed": int(s + j) % (1 << 62)}
+            for s in seeds for j in range(n)
+        ]
+        body = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
+        out = self._server().request("/generate", body, timeout_s=self.options.call_timeout_s)
+        samples = [
+            {
+                "token_ids": [int(t) for _, t, _ in o["meta_info"]["output_token_logprobs"]],
+                "logprobs": [float(lp) for lp, _, _ in o["meta_info"]["output_token_logprobs"]],
+            }
+            for o in out
+        ]
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompt_ids))]
+
+    def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        """Log-probabilities of each completion's tokens given its prompt (and the tokens before)."""
+        self._check_weights()
+        if not batch:
+            return []
+        ids = [list(map(int, p)) + list(map(int, c)) for p, c in batch]
+        body = {
+            "input_ids": ids,
+            "sampling_params": [{"temperature": 1.0, "max_new_tokens": 1}] * len(batch),
+            "return_logprob": True,
+            # entry 0 (the last prompt token) has no logprob; the rest are the completion's
+            "logprob_start_len": [len(p) - 1 for p, _ in batch],
+        }
+        out = self._server().request("/generate", body, timeout_s=self.options.call_timeout_s)
+        rows = []
+        for (_, completion), o in zip(batch, out, strict=True):
+            entries = o["meta_info"]["input_token_logprobs"][1:]
+            if [int(t) for _, t, _ in entries] != list(map(int, completion)):
+                raise RuntimeError(
+                    f"SGLang worker {self.rank}: input logprobs do not line up with the completion"
+                )
+            rows.append([float(lp) for lp, _, _ in entries])
+        return rows
+
+    # ----------------------------------------------------------------- refit
+
+    def weight_specs(self) -> list[Any]:
+        """``TensorSpec`` of every weight the server expects, under Hugging Face names.
+
+        The names and shapes of the checkpoint's Hugging Face ``state_dict`` in the
+        run's dtype, built on the meta device from ``config.json`` (no weight is
+        read, so it works refit-fed). SGLang's ``load_weights`` takes these names.
+        """
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from rlcore.refit.specs import spec_of
+
+        config = AutoConfig.from_pretrained(self.model_dir)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, self.dtype))
+        return [spec_of(name, t) for name, t in model.state_dict().items()]
+
+    def open_refit_channel(self, spec: Any, rank: int) -> None:
+        """Join channel ``spec`` as ``rank``: collective through ``/init_weights_update_group``."""
+        if spec.transport != "collective" or spec.key in self.groups:
+            return
+        name = group_name(spec)
+        body = {
+            "master_address": spec.addr, "master_port": int(spec.port), "rank_offset": int(rank),
+            "world_size": int(spec.world_size), "group_name": name, "backend": spec.backend,
+        }
+        try:
+            self._server().request("/init_weights_update_group", body, timeout_s=spec.timeout_s + 30)
+        except ServerError as err:
+            raise RefitError(f"SGLang worker {self.rank}: joining refit channel {spec.key}: {err}") from None
+        self.groups[spec.key] = name
+
+    def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> float:
+        """Receive the buckets of ``step`` over ``spec`` and load them; returns seconds taken.
+
+        Raises :class:`RefitError` quoting the server if it rejects the update; the
+        server's ``weight_version`` then stays the old one. Unless the rejection
+        came before anything was loaded, this worker refuses to sample until a
+        refit succeeds.
+        """
+        t0 = time.monotonic()
+        version = f"step-{step}"
+        if spec.transport == "collective":
+            self._receive_collective(spec, step, buckets, version)
+        else:
+            self._receive_files(spec, step, version)
+        return time.monotonic() - t0
+
+    def _receive_files(self, spec: Any, step: int, version: str) -> None:
+        from rlcore.publish import wait_for_artifact
+        from rlcore.refit import channels
+        from rlcore.waiting import Deadline
+
+        directory = wait_for_artifact(
+            channels._step_dir(spec, step), deadline=Deadline(spec.timeout_s, "refit files")
+        )
+        body = {
+            "model_path": str(directory), "load_format": "safetensors",
+            "weight_version": version, "flush_cache": True,
+        }
+        self.stale = f"refit step {step} over {spec.transport} did not complete"
+        try:
+            self._server().request("/update_weights_from_disk", body, timeout_s=spec.timeout_s + 30)
+        except ServerError as err:
+            if err.message.startswith("Failed to get"):  # loader or file list: nothing loaded
+                self.stale = None
+            raise RefitError(
+                f"SGLang worker {self.rank} rejected refit step {step} from {directory}: {err}"
+            ) from None
+        self.stale = None
+
+    def _receive_collective(self, spec: Any, step: int, buckets: list[list[Any]], version: str) -> None:
+        name = self.groups.get(spec.key)
+        if name is None:
+            raise RefitError(f"SGLang worker {self.rank}: refit channel {spec.key} was never opened")
+        s = self._server()
+        timeout = spec.timeout_s + 30
+        if self.sessions:
+            try:
+                s.request("/begin_weight_update", {}, timeout_s=timeout)
+            except ServerError as err:
+                # Nothing received: leave the channel, so the sender fails now, not at its timeout.
+                self._leave(spec)
+                raise RefitError(
+                    f"SGLang worker {self.rank} rejected refit step {step} "
+                    f"(begin_weight_update): {err}"
+                ) from None
+        self.stale = f"refit step {step} over collective did not complete"
+        failure: ServerError | None = None
+        failed_at = -1
+        try:
+            for k, bucket in enumerate(buckets):
+                last = k == len(buckets) - 1
+                body = {
+                    "names": [t.name for t in bucket],
+                    "dtypes": [t.dtype for t in bucket],
+                    "shapes": [list(t.shape) for t in bucket],
+                    "group_name": name,
+                    "load_format": "flattened_bucket" if failure is None else DRAIN,
+                    "flush_cache": last and failure is None,
+                    "weight_version": version if last and failure is None else None,
+                }
+                try:
+                    s.request("/update_weights_from_distributed", body, timeout_s=timeout)
+                except ServerError as err:
+                    if failure is not None or not err.message.startswith("Failed to update"):
+                        # A receive failed (or the server is gone): the channel is unusable.
+                        self._leave(spec)
+                        failure = failure or err
+                        failed_at = k if failed_at < 0 else failed_at
+                        break
+                    failure, failed_at = err, k  # loading failed after the bytes arrived: drain
+        finally:
+            if self.sessions and s.alive():
+                try:
+                    s.request("/end_weight_update", {}, timeout_s=timeout)
+                except ServerError as err:
+                    failure = failure or err
+        if failure is not None:
+            raise RefitError(
+                f"SGLang worker {self.rank} rejected refit step {step} at bucket "
+                f"{failed_at + 1}/{len(buckets)}: {failure}"
+            )
+        self.stale = None
+
+    def _leave(self, spec: Any) -> None:
+        name = self.groups.pop(spec.key, None)
+        if name is None or self.server is None or not self.server.alive():
+            return
+        try:
+            self.server.request("/destroy_weights_update_group", {"group_name": name}, timeout_s=30)
+        except ServerError as err:
+            log.warning("SGLang worker %d: leaving refit channel %s failed: %s", self.rank, spec.key, err)
+
+    def weight_version(self) -> str:
+        """The server's ``weight_version`` (``step-<n>`` after a refit of step n)."""
+        return str(self._server().request("/model_info", timeout_s=30)["weight_version"])
+
+    # ------------------------------------------------------------- lifecycle
+
+    def endpoint_info(self) -> dict[str, Any]:
+        """``{"base_url", "model", "pid", "pgid", "log"}`` of this worker's server."""
+        s = self._server()
+        return {
+            "base_url": s.base + "/v1", "model": self.options.served_model_name,
+            "pid": s.proc.pid, "pgid": s.pgid, "log": str(s.log_path),
+        }
+
+    def teardown(self) -> None:
+        """Stop the server's process group. Idempotent."""
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        self.groups.clear()
+
+    shutdown = teardown
