@@ -22,6 +22,30 @@ from typing import Any
 
 from rlcore.errors import DeclarationError
 
+#: The version of the backend contract (hookspecs, declarations, handle protocols)
+#: this rlcore implements, ``MAJOR.MINOR``. A minor version only adds (new optional
+#: hooks, declaration fields with defaults, protocol methods the core calls only when
+#: declared); a major version may change or remove. A plugin declares the version it
+#: was written against (:attr:`BackendDeclaration.contract_version`) and loads when
+#: its major equals the core's and its minor is not newer.
+CONTRACT_VERSION = "1.0"
+_VERSION_RE = re.compile(r"^(\d+)\.(\d+)$")
+
+
+def parse_contract_version(text: str) -> tuple[int, int]:
+    """``"1.2"`` -> ``(1, 2)``; :class:`ValueError` for anything else."""
+    m = _VERSION_RE.match(str(text))
+    if m is None:
+        raise ValueError(f"contract version {text!r} is not MAJOR.MINOR (e.g. {CONTRACT_VERSION!r})")
+    return int(m.group(1)), int(m.group(2))
+
+
+def contract_compatible(plugin_version: str, core_version: str = CONTRACT_VERSION) -> bool:
+    """Whether a plugin written for ``plugin_version`` runs on a core implementing
+    ``core_version``: same major, and the plugin's minor not newer than the core's."""
+    p, c = parse_contract_version(plugin_version), parse_contract_version(core_version)
+    return p[0] == c[0] and p[1] <= c[1]
+
 
 class Role(StrEnum):
     """A part of the RL job a backend can serve."""
@@ -156,7 +180,16 @@ class BackendDeclaration:
         send_transports: (policy) refit transports it can send over.
         receive_transports: (generation) refit transports it can receive over.
         openai_endpoint: (generation) it can serve an OpenAI-compatible HTTP
-            endpoint for environments.
+            endpoint for environments (its handle's ``endpoint``).
+        openai_endpoint_when: conditions on the generation's config under which it
+            serves that endpoint (all must hold), e.g.
+            ``(Condition("options.serve_openai", True),)``; empty: whenever
+            ``openai_endpoint`` is true. The planner refuses an env that needs the
+            endpoint when the conditions do not hold, before anything starts.
+        contract_version: the version of rlcore's backend contract the plugin was
+            written against (``MAJOR.MINOR``, :data:`CONTRACT_VERSION` at the time);
+            the registry refuses a plugin of another major version, or of a newer
+            minor than the core's.
         options: a dataclass type describing the backend's options
             (``<role>.options`` in the config); unknown keys and wrong types are
             then config errors that name the key. ``None``: options are not checked.
@@ -172,6 +205,8 @@ class BackendDeclaration:
     send_transports: frozenset[Transport] = frozenset()
     receive_transports: frozenset[Transport] = frozenset()
     openai_endpoint: bool = False
+    openai_endpoint_when: tuple[Condition, ...] = ()
+    contract_version: str = "1.0"
     options: type | None = None
     description: str = ""
 
@@ -186,6 +221,7 @@ class BackendDeclaration:
         )
         object.__setattr__(self, "produces", tuple(self.produces))
         object.__setattr__(self, "needs", tuple(self.needs))
+        object.__setattr__(self, "openai_endpoint_when", tuple(self.openai_endpoint_when))
 
     def serves(self, role: Role) -> bool:
         return role in self.roles
@@ -197,6 +233,10 @@ class BackendDeclaration:
     def needed(self, role: Role, view: Mapping[str, Any]) -> list[Need]:
         """Needs in force when serving ``role`` under the config ``view``."""
         return [n for n in self.needs if n.applies(role, view)]
+
+    def serves_endpoint(self, view: Mapping[str, Any]) -> bool:
+        """Whether the generation serves an OpenAI-compatible endpoint under the config ``view``."""
+        return self.openai_endpoint and _conditions_hold(self.openai_endpoint_when, view)
 
     def option_names(self) -> list[str] | None:
         if self.options is None:
@@ -241,6 +281,8 @@ class BackendDeclaration:
             "send_transports": sorted(t.value for t in self.send_transports),
             "receive_transports": sorted(t.value for t in self.receive_transports),
             "openai_endpoint": self.openai_endpoint,
+            "openai_endpoint_when": cond(self.openai_endpoint_when),
+            "contract_version": self.contract_version,
             "options": self.option_names(),
             "description": self.description,
         }
@@ -285,6 +327,12 @@ def validate_declaration(
         problems.append("refit_fed needs at least one receive transport to get its first weights")
     if decl.openai_endpoint and not gen:
         problems.append("openai_endpoint is only meaningful for a backend that serves generation")
+    if decl.openai_endpoint_when and not decl.openai_endpoint:
+        problems.append("openai_endpoint_when given but openai_endpoint is False")
+    try:
+        parse_contract_version(decl.contract_version)
+    except ValueError as err:
+        problems.append(str(err))
     if decl.send_transports and not pol:
         problems.append("send_transports given but the backend does not serve policy")
     if decl.receive_transports and not gen:
@@ -323,6 +371,7 @@ def validate_declaration(
                     f"{sorted(VIEW_KEYS)} or options.<name>"
                 )
 
+    check_conditions("openai_endpoint_when", decl.openai_endpoint_when)
     for a in decl.produces:
         if not isinstance(a, Artifact):
             problems.append(f"produces entry {a!r} is not an Artifact")

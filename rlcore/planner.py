@@ -218,7 +218,8 @@ def build_plan(
     endpoint_producer = REFIT_TASK if refit_fed else init_task(Role.GENERATION)
     posts: dict[str, tuple[str, ...]] = {}
     consumed: dict[str, list[str]] = {}
-    if gen.openai_endpoint:
+    serves_endpoint = gen.serves_endpoint(views[Role.GENERATION])
+    if serves_endpoint:
         posts[endpoint_producer] = (ENDPOINT_EVENT,)
 
     # Rules 1 and 5: needs become waits (atomic/event) or edges (non-atomic).
@@ -233,6 +234,15 @@ def build_plan(
                             f"{_who(role, decl)} needs the generation endpoint, but generation "
                             f"backend '{gen.name}' declares no OpenAI-compatible endpoint; "
                             "choose a generation backend with openai_endpoint=True"
+                        )
+                    if not serves_endpoint:
+                        raise ConfigError(
+                            f"{_who(role, decl)} needs the generation endpoint, but generation "
+                            f"backend '{gen.name}' serves one only when "
+                            f"{' and '.join('generation.' + c.describe() for c in gen.openai_endpoint_when)}"
+                            "; set that in the config",
+                            key="generation."
+                            + next(c.key for c in gen.openai_endpoint_when if not c.holds(views[Role.GENERATION])),
                         )
                     serving = (
                         "after refit:initial, since generation is refit-fed"

@@ -41,7 +41,13 @@ from typing import Any, Protocol
 import pluggy
 
 from rlcore import builtin, hookspecs
-from rlcore.declarations import BackendDeclaration, Role, validate_declaration
+from rlcore.declarations import (
+    CONTRACT_VERSION,
+    BackendDeclaration,
+    Role,
+    contract_compatible,
+    validate_declaration,
+)
 from rlcore.errors import BackendNotFoundError, DeclarationError
 
 logger = logging.getLogger(__name__)
@@ -52,7 +58,7 @@ ENTRY_POINT_GROUP = "rlcore.backends"
 ALLOWLIST_ENV = "RLCORE_PLUGINS"
 
 #: Failure stages, in the order a plugin goes through them.
-STAGES = ("import", "validate", "declare", "duplicate")
+STAGES = ("import", "validate", "declare", "contract", "duplicate")
 
 #: The init hook of each role. A wrapper plugin may only wrap these.
 _INIT_HOOKS: dict[Role, str] = {
@@ -114,7 +120,8 @@ class PluginFailure:
         stage: where it failed: ``import`` (loading the entry point raised),
             ``validate`` (a hook implementation does not match the contract in
             :mod:`rlcore.hookspecs`), ``declare`` (``rlcore_declare_backend``
-            raised or returned an invalid declaration) or ``duplicate`` (its
+            raised or returned an invalid declaration), ``contract`` (it targets a
+            contract version this rlcore does not implement) or ``duplicate`` (its
             plugin name or backend name belongs to a plugin loaded before it).
         message: names the plugin and distribution, says what went wrong and what to do.
         backend: the backend name it declared, when it got that far.
@@ -283,6 +290,22 @@ class Registry:
                 f"{err}\nFix the declaration returned by rlcore_declare_backend "
                 "(see rlcore.declarations.BackendDeclaration).",
                 backend=getattr(decl_obj, "name", None),
+            )
+
+        if not contract_compatible(decl.contract_version):
+            from rlcore import __version__
+
+            return self._fail(
+                plugin,
+                name,
+                distribution,
+                "contract",
+                f"{who} declares backend '{decl.name}' for rlcore contract "
+                f"{decl.contract_version}, but this rlcore ({__version__}) implements contract "
+                f"{CONTRACT_VERSION}: install a release of {distribution or 'the plugin'} built "
+                f"for contract {CONTRACT_VERSION.split('.')[0]}.x, or an rlcore whose contract "
+                f"it targets.",
+                backend=decl.name,
             )
 
         owner = self.backends.get(decl.name)

@@ -327,6 +327,28 @@ def test_env_needs_endpoint_generation_has_none() -> None:
         )
 
 
+def test_endpoint_that_depends_on_the_config() -> None:
+    @dataclass
+    class ServeOptions:
+        serve_openai: bool = False
+
+    switchable = BackendDeclaration(
+        name="switchable",
+        roles={G},
+        receive_transports={"disk"},
+        openai_endpoint=True,
+        openai_endpoint_when=(Condition("options.serve_openai", True),),
+        options=ServeOptions,
+    )
+    with pytest.raises(ConfigError, match="serves one only when generation.options.serve_openai == True") as info:
+        plan_for(fsdp, switchable, gym)
+    assert info.value.key == "generation.options.serve_openai"
+    plan = plan_for(fsdp, switchable, gym, "generation.options.serve_openai=true")
+    assert plan.posts == {"init:generation": ("generation.endpoint",)}
+    # Without an env that needs it, an endpoint that is off is no error and posts nothing.
+    assert plan_for(fsdp, switchable).posts == {}
+
+
 def test_unmet_artifact_need() -> None:
     reader = BackendDeclaration(
         name="reader", roles={G}, needs=(Need(CKPT),), receive_transports={"disk"}

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from rlcore import builtin, registry
-from rlcore.declarations import BackendDeclaration, Role, Transport
+from rlcore.declarations import CONTRACT_VERSION, BackendDeclaration, Role, Transport
 from rlcore.errors import BackendNotFoundError
 from rlcore.hookspecs import hookimpl
 from rlcore.registry import (
@@ -712,3 +712,48 @@ def test_unmarked_hook_function_warns(reg: Registry, caplog: pytest.LogCaptureFi
     with caplog.at_level(logging.WARNING, logger="rlcore.registry"):
         assert reg.register(Forgot("forgot"), "forgot") is not None
     assert "rlcore_init_env" in caplog.text and "@hookimpl" in caplog.text
+
+
+# --------------------------------------------------------------------------
+# Contract versions
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("version", "loads"),
+    [("1.0", True), (CONTRACT_VERSION, True), ("2.0", False), ("0.9", False), ("1.99", False)],
+)
+def test_a_plugin_for_another_major_or_a_newer_minor_is_refused(version: str, loads: bool) -> None:
+    import dataclasses
+
+    old = Backend("oldtimer")
+    old.decl = dataclasses.replace(old.decl, contract_version=version)
+    fine = Backend("fine")
+    registry = load_registry(
+        entry_points=False, extra=[("oldtimer", old), ("fine", fine)]
+    )
+    assert "fine" in registry.backends  # the rest keep loading
+    assert ("oldtimer" in registry.backends) is loads
+    if not loads:
+        [failure] = registry.failures
+        assert failure.stage == "contract" and failure.backend == "oldtimer"
+        assert "\n" not in failure.message
+        assert f"contract {version}" in failure.message and f"implements contract {CONTRACT_VERSION}" in failure.message
+        assert "plugin 'oldtimer'" in failure.message and "this rlcore (" in failure.message
+
+
+def test_a_malformed_contract_version_is_a_declaration_error() -> None:
+    import dataclasses
+
+    bad = Backend("badver")
+    bad.decl = dataclasses.replace(bad.decl, contract_version="v1")
+    registry = load_registry(entry_points=False, extra=[("badver", bad)])
+    [failure] = registry.failures
+    assert failure.stage == "declare" and "'v1' is not MAJOR.MINOR" in failure.message
+
+
+def test_every_in_tree_backend_states_the_contract_it_targets() -> None:
+    registry = load_registry()
+    for name in ("fsdp", "vllm", "megatron", "arithmetic", "nemo_gym"):
+        decl = registry.backends[name].declaration
+        assert decl is not None and decl.contract_version == CONTRACT_VERSION, name

@@ -58,6 +58,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
         overlap=OverlapSafety(non_colocated=True, colocated=True),
         send_transports={Transport.COLLECTIVE, Transport.SHARED_MEMORY, Transport.DISK},
         options=FSDPOptions,
+        contract_version="1.0",
         description=(
             "Hugging Face causal LM trained with PyTorch FSDP (FSDP1, full shard, gloo on "
             "CPU / NCCL on CUDA); streams HF-named weights one FSDP unit at a time"

@@ -159,6 +159,8 @@ def rlcore_declare_backend() -> BackendDeclaration:
         # With generation.options.serve_openai (rlcore.openai_endpoint in front of the
         # engine; megatron-core's own server needs its dynamic engine and CUDA).
         openai_endpoint=True,
+        openai_endpoint_when=(Condition("options.serve_openai", True),),
+        contract_version="1.0",
         options=MegatronOptions,
         description=(
             "megatron-core GPTModel (local layer spec, tensor parallel over gloo/NCCL) as "

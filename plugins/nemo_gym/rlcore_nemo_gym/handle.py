@@ -264,23 +264,6 @@ class NemoGymEnv:
 # ---------------------------------------------------------------------- init
 
 
-#: rlcore's generation backends whose endpoint is switched on by ``generation.options.serve_openai``.
-SERVE_OPENAI_SWITCH = frozenset({"vllm", "megatron"})
-
-
-def _check_generation_serves_endpoint(ctx: InitContext) -> None:
-    """Fail in a second, not after generation's start, when one of rlcore's generation
-    backends whose endpoint is a switch (:data:`SERVE_OPENAI_SWITCH`) runs without it."""
-    gen = ctx.config.generation
-    if gen.backend in SERVE_OPENAI_SWITCH and not gen.options.get("serve_openai", False):
-        raise ConfigError(
-            "env backend 'nemo_gym' talks to the policy over the generation endpoint, but "
-            f"generation backend '{gen.backend}' runs without one: set "
-            "generation.options.serve_openai: true",
-            key="generation.options.serve_openai",
-        )
-
-
 def _wait_endpoint_ready(endpoint: Endpoint, *, cancel: CancelToken, deadline: Deadline) -> float:
     """Poll ``GET {base_url}/models`` until it answers 200 and lists the model."""
     import httpx
@@ -334,7 +317,6 @@ def load_rows(path: str) -> list[dict[str, Any]]:
 def start_env(ctx: InitContext) -> NemoGymEnv:
     """``rlcore_init_env`` of ``nemo_gym``: see the module docstring."""
     o = ctx.options
-    _check_generation_serves_endpoint(ctx)
     if o.max_concurrent_rollouts < 1:
         raise ConfigError(
             "env.options.max_concurrent_rollouts must be at least 1",

@@ -91,6 +91,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
             ),
         ),
         options=NemoGymOptions,
+        contract_version="1.0",
         description=DESCRIPTION,
     )
 

@@ -69,12 +69,19 @@ def test_missing_gym_venv_names_the_option_and_the_install(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("backend", ["vllm", "megatron"])
-def test_generation_without_its_endpoint_fails_at_once(tmp_path: Path, backend: str) -> None:
-    ctx = make_ctx(tmp_path)
-    ctx.config.generation.backend = backend
-    ctx.config.generation.options = {"serve_openai": False}
-    with pytest.raises(ConfigError, match=f"'{backend}' runs without one") as info:
-        start_env(ctx)
+def test_generation_without_its_endpoint_fails_at_plan_time(backend: str) -> None:
+    """The real declarations say the endpoint exists only with serve_openai: the plan
+    refuses Gym beside a generation without it, before anything starts."""
+    from rlcore.config import load_config
+    from rlcore.registry import load_registry, plan_for
+
+    config = load_config(
+        None,
+        [f"policy.backend={'fsdp' if backend == 'vllm' else 'megatron'}", f"generation.backend={backend}",
+         "env.backend=nemo_gym", "generation.refit_fed=true", "generation.options.serve_openai=false"],
+    )
+    with pytest.raises(ConfigError, match=f"'{backend}' serves one only when") as info:
+        plan_for(load_registry(), config)
     assert info.value.key == "generation.options.serve_openai"
 
 

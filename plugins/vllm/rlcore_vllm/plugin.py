@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rlcore.context import InitContext
-from rlcore.declarations import BackendDeclaration, OverlapSafety, Role, Transport
+from rlcore.declarations import BackendDeclaration, Condition, OverlapSafety, Role, Transport
 from rlcore.hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -63,6 +63,8 @@ def rlcore_declare_backend() -> BackendDeclaration:
         refit_fed=True,
         receive_transports={Transport.COLLECTIVE, Transport.SHARED_MEMORY, Transport.DISK},
         openai_endpoint=True,
+        openai_endpoint_when=(Condition("options.serve_openai", True),),
+        contract_version="1.0",
         options=VLLMOptions,
         description=DESCRIPTION,
     )
