@@ -12,13 +12,16 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from rlcore.errors import BackendNotFoundError, ConfigError, PlanError, RlcoreError
+
+if TYPE_CHECKING:
+    from rlcore.declarations import BackendDeclaration
 
 DEFAULT_EXAMPLE = "quickstart.yaml"
 
@@ -76,7 +79,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         return 0
     con = _console()
     table = Table(title="rlcore backends (entry-point group rlcore.backends)")
-    for col in ("backend", "roles", "overlap (non-colo/colo)", "refit-fed", "transports", "endpoint", "distribution"):
+    columns = ("backend", "roles", "overlap (non-colo/colo)", "refit-fed", "transports", "endpoint",
+               "contract", "distribution")
+    for col in columns:
         table.add_column(col, overflow="fold")  # a narrow terminal folds names, never cuts them
     for name, info in sorted(registry.backends.items()):
         d = info.declaration
@@ -88,7 +93,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             f"{'yes' if d.overlap.non_colocated else 'no'}/{'yes' if d.overlap.colocated else 'no'}",
             "yes" if d.refit_fed else "no",
             ", ".join(transports),
-            "yes" if d.openai_endpoint else "no",
+            _endpoint_cell(d),
+            d.contract_version,
             f"{info.distribution or '?'} {info.version or ''}".strip(),
         )
     con.print(table)
@@ -101,6 +107,14 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     if not registry.backends:
         con.print("no backends installed: pip install one, e.g. ./plugins/fsdp")
     return 0
+
+
+def _endpoint_cell(d: BackendDeclaration) -> str:
+    if not d.openai_endpoint:
+        return "no"
+    if not d.openai_endpoint_when:
+        return "yes"
+    return "when " + " and ".join(c.describe() for c in d.openai_endpoint_when)
 
 
 # ---------------------------------------------------------------- plan

@@ -88,6 +88,9 @@ def test_plugins_in_a_pipe_prints_whole_names() -> None:
     assert "…" not in out
     for name in ("arithmetic", "rlcore-arithmetic", "shared_memory"):
         assert name in out
+    # Each backend's contract version, and an endpoint that depends on the config says when.
+    vllm_row = next(line for line in out.splitlines() if line.startswith("│ vllm "))
+    assert "when options.serve_openai == True" in vllm_row and "│ 1.0 " in vllm_row
 
 
 def test_plugins_in_a_narrow_terminal_folds_names(monkeypatch, capsys) -> None:
