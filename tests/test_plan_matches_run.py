@@ -103,6 +103,8 @@ INVALID = [
     ("transport-one-side-lacks", QUICKSTART, ["generation.backend=diskonly", "refit.transport=collective"], "'refit.transport'"),
     ("no-transport-in-common", QUICKSTART, ["generation.backend=ipconly"], "no refit transport"),
     ("refit-fed-unsupported", QUICKSTART, ["generation.backend=noendpoint"], "'generation.refit_fed'"),
+    ("gym-vllm-endpoint-off", NEMO_GYM, ["generation.options.serve_openai=false"], "generation.options.serve_openai"),
+    ("gym-megatron-endpoint-off", str(REPO / "examples" / "megatron_nemo_gym.yaml"), ["generation.options.serve_openai=false"], "generation.options.serve_openai"),
     ("gym-without-endpoint", NEMO_GYM, ["generation.backend=noendpoint", "generation.refit_fed=false", "generation.options={}"], "endpoint"),
     ("unknown-generation-option", QUICKSTART, ["generation.options.serve_openapi=true"], "serve_openai"),
     ("wrong-option-type", QUICKSTART, ["env.options.max_operand=many"], "env.options.max_operand"),
@@ -126,14 +128,3 @@ def test_plan_fails_exactly_as_run_does(config, overrides, text, tmp_path, capsy
 
 def test_table_is_large_enough() -> None:
     assert len(INVALID) >= 15
-
-
-@pytest.mark.xfail(
-    reason="vllm and megatron declare openai_endpoint unconditionally although they serve one "
-    "only with generation.options.serve_openai; until declarations can depend on the config "
-    "(issue 9 item 3), nemo_gym finds this in its init, after the cluster started",
-    strict=False,
-)
-def test_gym_with_a_generation_whose_endpoint_is_off(capsys, no_cluster) -> None:
-    assert main(["plan", NEMO_GYM, "generation.options.serve_openai=false"]) == 2
-    assert "generation.options.serve_openai" in capsys.readouterr().err
