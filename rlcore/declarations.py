@@ -67,7 +67,8 @@ class Transport(StrEnum):
 #: Events the core itself raises during setup. A backend may wait for them.
 #: ``generation.endpoint``: the generation engine serves an OpenAI-compatible
 #: endpoint with real weights; its value is an :class:`rlcore.handles.Endpoint`.
-CORE_EVENTS: frozenset[str] = frozenset({"generation.endpoint"})
+ENDPOINT_EVENT = "generation.endpoint"
+CORE_EVENTS: frozenset[str] = frozenset({ENDPOINT_EVENT})
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_\-]*$")
 _ARTIFACT_RE = re.compile(r"^[a-z][a-z0-9_\-.]*$")

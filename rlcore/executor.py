@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlcore.errors import Cancelled, DeadlineExceeded, PlanError, SetupError
+from rlcore.graph import topological_order
 from rlcore.waiting import CancelToken, Deadline
 
 log = logging.getLogger(__name__)
@@ -325,20 +326,8 @@ def _validate(tasks: Sequence[TaskSpec]) -> dict[str, _Slot]:
             if dep not in slots:
                 raise PlanError(f"task '{slot.spec.name}' depends on unknown task '{dep}'")
             slots[dep].dependents.append(slot)
-    # Kahn's algorithm: every task must be reachable in some topological order.
-    indeg = {n: len(s.remaining_deps) for n, s in slots.items()}
-    ready = [n for n, d in indeg.items() if d == 0]
-    seen = 0
-    while ready:
-        n = ready.pop()
-        seen += 1
-        for child in slots[n].dependents:
-            indeg[child.spec.name] -= 1
-            if indeg[child.spec.name] == 0:
-                ready.append(child.spec.name)
-    if seen != len(slots):
-        stuck = sorted(n for n, d in indeg.items() if d > 0)
-        raise PlanError(f"the tasks' dependencies form a cycle among {stuck}")
+    # Every task must be reachable in some topological order (a cycle would wait forever).
+    topological_order(slots, {n: s.spec.deps for n, s in slots.items()})
     return slots
 
 

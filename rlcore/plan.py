@@ -8,7 +8,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from rlcore.graph import topological_order, waits_for
+
+if TYPE_CHECKING:
+    from rlcore.declarations import Role
+
+#: The setup task that makes the first weight sync (step 0).
+REFIT_TASK = "refit:initial"
+
+
+def init_task(role: Role) -> str:
+    """The setup task that starts ``role`` (``init:policy``)."""
+    return f"init:{role.value}"
 
 
 @dataclass(frozen=True)
@@ -72,19 +85,16 @@ class Plan:
     def successors(self, name: str) -> list[str]:
         return [e.dst for e in self.edges if e.src == name]
 
+    def deps(self) -> dict[str, list[str]]:
+        """Task -> the tasks it starts after (edges only; a wait is not an edge)."""
+        out: dict[str, list[str]] = {n: [] for n in self.names}
+        for e in self.edges:
+            out[e.dst].append(e.src)
+        return out
+
     def has_path(self, src: str, dst: str) -> bool:
         """True if ``dst`` is reachable from ``src`` over edges (``dst`` waits for ``src``)."""
-        seen: set[str] = set()
-        stack = [src]
-        while stack:
-            node = stack.pop()
-            for nxt in self.successors(node):
-                if nxt == dst:
-                    return True
-                if nxt not in seen:
-                    seen.add(nxt)
-                    stack.append(nxt)
-        return False
+        return waits_for(self.deps(), dst, src)
 
     def may_overlap(self, a: str, b: str) -> bool:
         """Two tasks may run at the same time iff neither waits for the other over edges."""
@@ -97,19 +107,8 @@ class Plan:
         ]
 
     def topological_order(self) -> list[str]:
-        indeg = {n: 0 for n in self.names}
-        for e in self.edges:
-            indeg[e.dst] += 1
-        ready = [n for n in self.names if indeg[n] == 0]
-        order: list[str] = []
-        while ready:
-            n = ready.pop(0)
-            order.append(n)
-            for s in self.successors(n):
-                indeg[s] -= 1
-                if indeg[s] == 0:
-                    ready.append(s)
-        return order
+        """Task names, each after the tasks it starts after; :class:`PlanError` on a cycle."""
+        return topological_order(self.names, self.deps())
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form printed by ``rlcore plan --json``."""

@@ -20,23 +20,18 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlcore.config import RunConfig, resolve_options
-from rlcore.declarations import BackendDeclaration, Role, Transport
+from rlcore.declarations import ENDPOINT_EVENT, BackendDeclaration, Role, Transport
 from rlcore.errors import ConfigError, PlanError
-from rlcore.plan import Edge, Plan, Task, Wait, longest_path
-
-ENDPOINT_EVENT = "generation.endpoint"
-REFIT_TASK = "refit:initial"
+from rlcore.graph import topological_order, waits_for
+from rlcore.plan import REFIT_TASK, Edge, Plan, Task, Wait, init_task, longest_path
 
 # When two inits may not overlap, this order decides who goes first: generation
 # engines that profile free device memory must measure before policy fills it.
 _ROLE_ORDER = {Role.GENERATION: 0, Role.POLICY: 1, Role.ENV: 2}
-
-
-def init_task(role: Role) -> str:
-    return f"init:{role.value}"
 
 
 def selected_roles(config: RunConfig) -> list[Role]:
@@ -142,12 +137,32 @@ def choose_transport(
     )
 
 
-class _Graph:
-    """Edges plus in-init waits, with the cycle check the overlap rules need."""
+@dataclass
+class _Planning:
+    """What the rules read (config, declarations, each role's config view) and the
+    graph they add to: edges (start after) and waits (start at once, wait inside)."""
 
-    def __init__(self) -> None:
-        self.edges: list[Edge] = []
-        self.waits: list[Wait] = []
+    config: RunConfig
+    declarations: Mapping[Role, BackendDeclaration]
+    roles: list[Role]
+    views: dict[Role, dict[str, Any]]
+    edges: list[Edge] = field(default_factory=list)
+    waits: list[Wait] = field(default_factory=list)
+    posts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    consumed: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def gen(self) -> BackendDeclaration:
+        return self.declarations[Role.GENERATION]
+
+    @property
+    def refit_fed(self) -> bool:
+        return bool(self.config.generation.refit_fed)
+
+    @property
+    def endpoint_producer(self) -> str:
+        """The task after which the generation endpoint serves real weights."""
+        return REFIT_TASK if self.refit_fed else init_task(Role.GENERATION)
 
     def deps(self, *, waits: bool = True) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
@@ -157,24 +172,150 @@ class _Graph:
             out.setdefault(w.task, []).append(w.producer)
         return out
 
-    def reaches(self, src: str, dst: str, *, waits: bool = True) -> bool:
-        """``dst`` cannot finish before ``src`` (over edges, and waits unless ``waits=False``)."""
-        deps = self.deps(waits=waits)
-        stack, seen = [dst], set()
-        while stack:
-            node = stack.pop()
-            for d in deps.get(node, ()):
-                if d == src:
-                    return True
-                if d not in seen:
-                    seen.add(d)
-                    stack.append(d)
-        return False
-
     def serialized(self, a: str, b: str) -> bool:
         """One of ``a``/``b`` starts only after the other ended (a wait is not enough:
         a waiting init is running)."""
-        return self.reaches(a, b, waits=False) or self.reaches(b, a, waits=False)
+        deps = self.deps(waits=False)
+        return waits_for(deps, b, a) or waits_for(deps, a, b)
+
+
+def _check_roles(config: RunConfig, declarations: Mapping[Role, BackendDeclaration]) -> None:
+    """Each selected role has a declaration that serves it; refit-fed only if declared."""
+    for role in selected_roles(config):
+        if role not in declarations:
+            raise PlanError(f"no declaration given for role '{role}' ({role.value}.backend)")
+        decl = declarations[role]
+        if not decl.serves(role):
+            raise ConfigError(
+                f"config key '{role.value}.backend' selects '{decl.name}', which does not serve "
+                f"role '{role}' (it serves {sorted(r.value for r in decl.roles)})",
+                key=f"{role.value}.backend",
+            )
+    gen = declarations[Role.GENERATION]
+    if config.generation.refit_fed and not gen.refit_fed:
+        raise ConfigError(
+            f"config key 'generation.refit_fed' is true, but generation backend '{gen.name}' "
+            "does not declare a refit-fed start; set generation.refit_fed=false",
+            key="generation.refit_fed",
+        )
+
+
+def _rule_1_artifacts(p: _Planning, role: Role, need: Any) -> None:
+    """Rule 1: an artifact need is a wait when published atomically, else an edge."""
+    decl, me = p.declarations[role], init_task(role)
+    producers = [
+        (r, a)
+        for r in p.roles
+        if r != role
+        for a in p.declarations[r].produced(r, p.views[r])
+        if a.name == need.name
+    ]
+    if not producers:
+        raise PlanError(
+            f"{_who(role, decl)} needs artifact '{need.name}'{_conditions(need)}, but no "
+            "selected backend produces it under this config"
+        )
+    prole, art = producers[0]
+    them, producer = init_task(prole), p.declarations[prole].name
+    needed = p.consumed.setdefault(them, [])
+    if need.name not in needed:
+        needed.append(need.name)
+    why = need.reason or f"{decl.name} reads it"
+    if art.atomic:
+        p.waits.append(Wait(
+            me, need.name, "artifact", them,
+            f"{me} needs '{need.name}'{_conditions(need)} ({why}); {producer} publishes it "
+            f"atomically, so {me} starts at once and waits for it inside its init (rule 1)",
+        ))
+    else:
+        p.edges.append(Edge(
+            them, me,
+            f"{me} needs '{need.name}'{_conditions(need)} ({why}), which {producer} does not "
+            f"publish atomically: {me} starts after {them} (rule 1)",
+            1,
+        ))
+
+
+def _rule_5_endpoint(p: _Planning, role: Role) -> None:
+    """Rule 5: an init that needs the generation endpoint starts at once and waits for it."""
+    decl, gen, me = p.declarations[role], p.gen, init_task(role)
+    if not gen.openai_endpoint:
+        raise PlanError(
+            f"{_who(role, decl)} needs the generation endpoint, but generation backend "
+            f"'{gen.name}' declares no OpenAI-compatible endpoint; choose a generation backend "
+            "with openai_endpoint=True"
+        )
+    view = p.views[Role.GENERATION]
+    if not gen.serves_endpoint(view):
+        wanted = " and ".join("generation." + c.describe() for c in gen.openai_endpoint_when)
+        raise ConfigError(
+            f"{_who(role, decl)} needs the generation endpoint, but generation backend "
+            f"'{gen.name}' serves one only when {wanted}; set that in the config",
+            key="generation." + next(c.key for c in gen.openai_endpoint_when if not c.holds(view)),
+        )
+    serving = (
+        "after refit:initial, since generation is refit-fed"
+        if p.refit_fed
+        else "when init:generation finishes"
+    )
+    p.waits.append(Wait(
+        me, ENDPOINT_EVENT, "event", p.endpoint_producer,
+        f"{decl.name} talks to the model through the generation endpoint, which serves "
+        f"{serving}; {me} starts at once and waits for it inside its init, so it never blocks "
+        "that refit (rule 5)",
+    ))
+
+
+def _needs(p: _Planning) -> None:
+    """Rules 1 and 5: every need in force becomes a wait or an edge."""
+    for role in p.roles:
+        for need in p.declarations[role].needed(role, p.views[role]):
+            if need.kind == "event":
+                if need.name == ENDPOINT_EVENT:
+                    _rule_5_endpoint(p, role)
+            else:
+                _rule_1_artifacts(p, role, need)
+
+
+def _rules_2_3_overlap(p: _Planning) -> None:
+    """Rules 2 and 3: inits that may not overlap are ordered, by role order unless one
+    already waits for the other's output (never a deadlock)."""
+    ordered = sorted(p.roles, key=lambda r: _ROLE_ORDER[r])
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1 :]:
+            colocated = bool(p.views[a]["colocated"] and p.views[b]["colocated"])
+            da, db = p.declarations[a], p.declarations[b]
+            safe_a = da.overlap.colocated if colocated else da.overlap.non_colocated
+            safe_b = db.overlap.colocated if colocated else db.overlap.non_colocated
+            ta, tb = init_task(a), init_task(b)
+            if (safe_a and safe_b) or p.serialized(ta, tb):
+                continue
+            first, second = (tb, ta) if waits_for(p.deps(), ta, tb) else (ta, tb)
+            placement = "colocated" if colocated else "non-colocated"
+            because = "; ".join(
+                f"{d.name} is not overlap-safe under {placement} placement"
+                + (f" ({d.overlap.reason})" if d.overlap.reason else "")
+                for d, safe in ((da, safe_a), (db, safe_b))
+                if not safe
+            )
+            if colocated:
+                reason = f"{because}: colocated generation and policy do not overlap, generation first (rule 3)"
+                p.edges.append(Edge(first, second, reason, 3))
+            else:
+                p.edges.append(Edge(first, second, f"{because}: it runs alone, {first} before {second} (rule 2)", 2))
+
+
+def _rule_4_first_refit(p: _Planning) -> None:
+    """Rule 4: the first refit needs both sides up, and nothing else."""
+    for role in (Role.POLICY, Role.GENERATION):
+        if p.refit_fed:
+            reason = (
+                "generation is refit-fed (generation.refit_fed == True): it holds no weights until "
+                f"refit:initial, which needs {init_task(role)} up (rule 4)"
+            )
+        else:
+            reason = f"the first weight sync needs {init_task(role)} up (rule 4)"
+        p.edges.append(Edge(init_task(role), REFIT_TASK, reason, 4))
 
 
 def build_plan(
@@ -189,172 +330,30 @@ def build_plan(
     Raises :class:`ConfigError` for a config the declarations cannot serve and
     :class:`PlanError` for needs nobody meets.
     """
+    _check_roles(config, declarations)
     roles = selected_roles(config)
-    for role in roles:
-        if role not in declarations:
-            raise PlanError(f"no declaration given for role '{role}' ({role.value}.backend)")
-        decl = declarations[role]
-        if not decl.serves(role):
-            raise ConfigError(
-                f"config key '{role.value}.backend' selects '{decl.name}', which does not serve "
-                f"role '{role}' (it serves {sorted(r.value for r in decl.roles)})",
-                key=f"{role.value}.backend",
-            )
-    gen = declarations[Role.GENERATION]
-    pol = declarations[Role.POLICY]
-    refit_fed = config.generation.refit_fed
-    if refit_fed and not gen.refit_fed:
-        raise ConfigError(
-            f"config key 'generation.refit_fed' is true, but generation backend '{gen.name}' "
-            "does not declare a refit-fed start; set generation.refit_fed=false",
-            key="generation.refit_fed",
-        )
-    views = {r: role_view(config, r, declarations[r]) for r in roles}
-    transport = choose_transport(config, pol, gen, accelerator=accelerator)
+    p = _Planning(config, declarations, roles, {r: role_view(config, r, declarations[r]) for r in roles})
+    transport = choose_transport(
+        config, declarations[Role.POLICY], p.gen, accelerator=accelerator
+    )
+    if p.gen.serves_endpoint(p.views[Role.GENERATION]):
+        p.posts[p.endpoint_producer] = (ENDPOINT_EVENT,)
+    _needs(p)
+    _rules_2_3_overlap(p)
+    _rule_4_first_refit(p)
 
     tasks = [Task(init_task(r), r.value, declarations[r].name) for r in roles]
     tasks.append(Task(REFIT_TASK, "refit", None))
-    graph = _Graph()
-    endpoint_producer = REFIT_TASK if refit_fed else init_task(Role.GENERATION)
-    posts: dict[str, tuple[str, ...]] = {}
-    consumed: dict[str, list[str]] = {}
-    serves_endpoint = gen.serves_endpoint(views[Role.GENERATION])
-    if serves_endpoint:
-        posts[endpoint_producer] = (ENDPOINT_EVENT,)
-
-    # Rules 1 and 5: needs become waits (atomic/event) or edges (non-atomic).
-    for role in roles:
-        decl = declarations[role]
-        me = init_task(role)
-        for need in decl.needed(role, views[role]):
-            if need.kind == "event":
-                if need.name == ENDPOINT_EVENT:
-                    if not gen.openai_endpoint:
-                        raise PlanError(
-                            f"{_who(role, decl)} needs the generation endpoint, but generation "
-                            f"backend '{gen.name}' declares no OpenAI-compatible endpoint; "
-                            "choose a generation backend with openai_endpoint=True"
-                        )
-                    if not serves_endpoint:
-                        raise ConfigError(
-                            f"{_who(role, decl)} needs the generation endpoint, but generation "
-                            f"backend '{gen.name}' serves one only when "
-                            f"{' and '.join('generation.' + c.describe() for c in gen.openai_endpoint_when)}"
-                            "; set that in the config",
-                            key="generation."
-                            + next(c.key for c in gen.openai_endpoint_when if not c.holds(views[Role.GENERATION])),
-                        )
-                    serving = (
-                        "after refit:initial, since generation is refit-fed"
-                        if refit_fed
-                        else "when init:generation finishes"
-                    )
-                    graph.waits.append(
-                        Wait(
-                            me,
-                            ENDPOINT_EVENT,
-                            "event",
-                            endpoint_producer,
-                            f"{decl.name} talks to the model through the generation endpoint, which "
-                            f"serves {serving}; {me} starts at once and waits for it inside its "
-                            "init, so it never blocks that refit (rule 5)",
-                        )
-                    )
-                continue
-            producers = [
-                (r, a)
-                for r in roles
-                if r != role
-                for a in declarations[r].produced(r, views[r])
-                if a.name == need.name
-            ]
-            if not producers:
-                raise PlanError(
-                    f"{_who(role, decl)} needs artifact '{need.name}'{_conditions(need)}, but no "
-                    "selected backend produces it under this config"
-                )
-            prole, art = producers[0]
-            them = init_task(prole)
-            consumed.setdefault(them, [])
-            if need.name not in consumed[them]:
-                consumed[them].append(need.name)
-            why = need.reason or f"{decl.name} reads it"
-            if art.atomic:
-                graph.waits.append(
-                    Wait(
-                        me,
-                        need.name,
-                        "artifact",
-                        them,
-                        f"{me} needs '{need.name}'{_conditions(need)} ({why}); "
-                        f"{declarations[prole].name} publishes it atomically, so {me} starts at "
-                        "once and waits for it inside its init (rule 1)",
-                    )
-                )
-            else:
-                graph.edges.append(
-                    Edge(
-                        them,
-                        me,
-                        f"{me} needs '{need.name}'{_conditions(need)} ({why}), which "
-                        f"{declarations[prole].name} does not publish atomically: {me} starts "
-                        f"after {them} (rule 1)",
-                        1,
-                    )
-                )
-
-    # Rules 2 and 3: inits that may not overlap are ordered, unsafe ones first by role order.
-    ordered_roles = sorted(roles, key=lambda r: _ROLE_ORDER[r])
-    for i, a in enumerate(ordered_roles):
-        for b in ordered_roles[i + 1 :]:
-            colocated = bool(views[a]["colocated"] and views[b]["colocated"])
-            da, db = declarations[a], declarations[b]
-            safe_a = da.overlap.colocated if colocated else da.overlap.non_colocated
-            safe_b = db.overlap.colocated if colocated else db.overlap.non_colocated
-            ta, tb = init_task(a), init_task(b)
-            if (safe_a and safe_b) or graph.serialized(ta, tb):
-                continue
-            # Role order decides, unless one already waits for the other's output.
-            first, second = (ta, tb) if not graph.reaches(tb, ta) else (tb, ta)
-            unsafe = [d for d, s in ((da, safe_a), (db, safe_b)) if not s]
-            placement = "colocated" if colocated else "non-colocated"
-            because = "; ".join(
-                f"{d.name} is not overlap-safe under {placement} placement"
-                + (f" ({d.overlap.reason})" if d.overlap.reason else "")
-                for d in unsafe
-            )
-            if colocated:
-                reason = f"{because}: colocated generation and policy do not overlap, generation first (rule 3)"
-                rule = 3
-            else:
-                reason = f"{because}: it runs alone, {first} before {second} (rule 2)"
-                rule = 2
-            graph.edges.append(Edge(first, second, reason, rule))
-
-    # Rule 4: the first refit needs both sides up, and nothing else.
-    for role in (Role.POLICY, Role.GENERATION):
-        if refit_fed:
-            reason = (
-                "generation is refit-fed (generation.refit_fed == True): it holds no weights until "
-                f"refit:initial, which needs {init_task(role)} up (rule 4)"
-            )
-        else:
-            reason = f"the first weight sync needs {init_task(role)} up (rule 4)"
-        graph.edges.append(Edge(init_task(role), REFIT_TASK, reason, 4))
-
     names = [t.name for t in tasks]
-    _, chain = longest_path(names, graph.deps(), {n: 1.0 for n in names})
+    _, chain = longest_path(names, p.deps(), {n: 1.0 for n in names})
     plan = Plan(
         tasks=tuple(tasks),
-        edges=tuple(graph.edges),
-        waits=tuple(graph.waits),
+        edges=tuple(p.edges),
+        waits=tuple(p.waits),
         critical_path=tuple(chain),
-        posts=posts,
-        consumed={task: tuple(names) for task, names in consumed.items()},
+        posts=p.posts,
+        consumed={task: tuple(names) for task, names in p.consumed.items()},
         refit_transport=transport,
     )
-    if len(plan.topological_order()) != len(names):
-        raise PlanError(
-            f"the declarations make a dependency cycle: {[e.reason for e in plan.edges]}"
-        )
+    topological_order(names, p.deps())  # the waits may not close a cycle with the edges
     return plan

@@ -34,15 +34,15 @@ from typing import TYPE_CHECKING, Any
 
 from rlcore.config import RunConfig, cache_dir, resolve_options
 from rlcore.context import InitContext, RefitContext
-from rlcore.declarations import Role
+from rlcore.declarations import ENDPOINT_EVENT, Role
 from rlcore.errors import ConfigError, PlanError, PluginError, RefitError
 from rlcore.events import EventBoard
 from rlcore.executor import ExecutionResult, TaskRun, TaskSpec, execute
 from rlcore.hookspecs import hookimpl
 from rlcore.metrics import PREFIX, setup_metrics
-from rlcore.plan import Plan
+from rlcore.plan import REFIT_TASK, Plan
+from rlcore.plan import init_task as init_task_name
 from rlcore.planner import build_plan, choose_transport, selected_roles
-from rlcore.planner import init_task as init_task_name
 from rlcore.refit.sessions import RefitSessions
 from rlcore.trace import TraceRecorder
 from rlcore.waiting import CancelToken, Deadline
@@ -54,8 +54,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SetupResult", "choose_transport", "refit_context", "role_of_task", "run_setup"]
 
-REFIT_TASK = "refit:initial"
-ENDPOINT_EVENT = "generation.endpoint"
 
 
 @dataclass

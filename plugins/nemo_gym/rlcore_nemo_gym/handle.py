@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.context import InitContext
+from rlcore.declarations import ENDPOINT_EVENT
 from rlcore.errors import Cancelled, ConfigError, DeadlineExceeded
 from rlcore.handles import Endpoint, Rollout, RolloutRequest
 from rlcore.waiting import CancelToken, Deadline
@@ -42,7 +43,6 @@ from rlcore_nemo_gym.servers import (
 
 log = logging.getLogger(__name__)
 
-ENDPOINT_EVENT = "generation.endpoint"
 _instances = itertools.count()
 
 
