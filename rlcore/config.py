@@ -418,14 +418,15 @@ def resolve_options(options: Mapping[str, Any], schema: type | None, *, section:
 
     Returns an instance of ``schema`` (or a plain dict when the backend declares no
     schema). Unknown keys and wrong types raise :class:`ConfigError` naming the key,
-    the backend and the closest valid option.
+    the backend and the closest valid option; so do values outside a range the
+    dataclass declares with :func:`bounded` (``timeout_s: float = bounded(300.0, gt=0)``).
     """
     if schema is None:
         return dict(options)
     base = OmegaConf.structured(schema)
     try:
         merged = OmegaConf.merge(base, OmegaConf.create(dict(options)))
-        return OmegaConf.to_object(merged)
+        resolved = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         leaf = str(getattr(err, "full_key", "") or "")
         valid = [f.name for f in dataclasses.fields(schema)]
@@ -442,6 +443,11 @@ def resolve_options(options: Mapping[str, Any], schema: type | None, *, section:
             f"{str(getattr(err, 'msg', err)).splitlines()[0]}",
             key=f"{section}.options.{leaf}",
         ) from None
+    try:
+        check_bounds(resolved, f"{section}.options.")
+    except ConfigError as err:
+        raise ConfigError(f"{err} (an option of backend '{backend}')", key=err.key) from None
+    return resolved
 
 
 def to_plain(cfg: RunConfig) -> dict[str, Any]:

@@ -312,3 +312,46 @@ def test_host_cpus_is_what_the_embedded_cluster_would_count() -> None:
 
 def test_one_line() -> None:
     assert one_line("a.\nb\n\n  c  ") == "a. b; c"
+
+
+def test_every_numeric_config_field_declares_its_range() -> None:
+    """Ranges are declared once, beside the field (rlcore.config.bounded)."""
+    import dataclasses
+    import typing
+
+    from rlcore.config import RunConfig
+
+    def numeric(t: object) -> bool:
+        args = typing.get_args(t) or (t,)
+        return any(a in (int, float) for a in args) or (
+            typing.get_origin(t) is dict and typing.get_args(t)[1] in (int, float)
+        )
+
+    missing = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            t = hints[f.name]
+            if dataclasses.is_dataclass(t):
+                walk(t, f"{prefix}{f.name}.")
+            elif numeric(t) and "bounds" not in f.metadata:
+                missing.append(f"{prefix}{f.name}")
+
+    walk(RunConfig, "")
+    assert not missing, f"numeric config keys without a declared range: {missing}"
+
+
+def test_backend_options_declare_ranges_the_same_way() -> None:
+    from dataclasses import dataclass
+
+    from rlcore.config import bounded, resolve_options
+
+    @dataclass
+    class Options:
+        timeout_s: float = bounded(300.0, gt=0)
+
+    assert resolve_options({"timeout_s": 5}, Options, section="policy", backend="b").timeout_s == 5
+    with pytest.raises(ConfigError, match=r"'policy.options.timeout_s' is 0.0.*backend 'b'") as info:
+        resolve_options({"timeout_s": 0}, Options, section="policy", backend="b")
+    assert info.value.key == "policy.options.timeout_s"
