@@ -69,3 +69,14 @@ def leaks() -> Iterator[LeakCheck]:
     check = LeakCheck()
     yield check
     check.assert_clean()
+
+
+@pytest.fixture
+def no_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if anything tries to start Ray or a worker group (a check ran too late)."""
+
+    def trap(*_a: object, **_k: object) -> None:
+        raise AssertionError("Cluster.start or a WorkerGroup was reached: a check ran after the cluster start")
+
+    monkeypatch.setattr("rlcore.cluster.Cluster.start", trap)
+    monkeypatch.setattr("rlcore.workers.WorkerGroup.__init__", trap)

@@ -72,17 +72,6 @@ def test_backends(tmp_path_factory):
     importlib.invalidate_caches()
 
 
-@pytest.fixture
-def no_cluster(monkeypatch):
-    """Fail the test if anything tries to start Ray or a worker group."""
-
-    def trap(*_a, **_k):
-        raise AssertionError("Cluster.start or a WorkerGroup was reached: a check ran too late")
-
-    monkeypatch.setattr("rlcore.cluster.Cluster.start", trap)
-    monkeypatch.setattr("rlcore.workers.WorkerGroup.__init__", trap)
-
-
 @pytest.mark.parametrize("example", EXAMPLES, ids=[e.stem for e in EXAMPLES])
 def test_every_example_plans(example: Path, capsys) -> None:
     assert main(["plan", str(example)]) == 0, capsys.readouterr().err

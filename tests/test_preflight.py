@@ -182,17 +182,6 @@ def _with_out(args: list[str], tmp_path: Path) -> list[str]:
     return [*args, "--out", str(tmp_path / "run")]
 
 
-@pytest.fixture
-def no_cluster(monkeypatch):
-    """Fail the test if anything tries to start Ray or a worker group."""
-
-    def trap(*_a, **_k):
-        raise AssertionError("a check ran after the cluster start: Cluster.start was called")
-
-    monkeypatch.setattr("rlcore.cluster.Cluster.start", trap)
-    monkeypatch.setattr("rlcore.workers.WorkerGroup.__init__", trap)
-
-
 def test_table_has_every_input_of_the_issue() -> None:
     assert len(CASES) >= 30
     assert len({c[0] for c in CASES}) == len(CASES)
