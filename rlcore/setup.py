@@ -275,6 +275,154 @@ def _task_deadlines(config: RunConfig, plan: Plan) -> dict[str, float]:
     return {t: float(per_task.get(t, config.setup.deadline_s)) for t in plan.names}
 
 
+class _SetupRun:
+    """One setup's state: the selected backends, the event board, the handles started so
+    far, the run's refit channels; it turns the plan's tasks into executor tasks."""
+
+    def __init__(
+        self, config: RunConfig, registry: Registry, plan: Plan | None, run_dir: Path, cancel: CancelToken
+    ) -> None:
+        from rlcore.registry import selected_backends
+
+        self.config, self.registry, self.run_dir = config, registry, Path(run_dir)
+        self.infos = selected_backends(registry, config)
+        self.declarations = {r: i.declaration for r, i in self.infos.items() if i.declaration is not None}
+        self.options = {
+            role: resolve_options(
+                getattr(config, role.value).options, decl.options, section=role.value, backend=decl.name
+            )
+            for role, decl in self.declarations.items()
+        }
+        self.plan = plan if plan is not None else build_plan(config, self.declarations)
+        _check_plan(self.plan, selected_roles(config))
+        self.deadlines = _task_deadlines(config, self.plan)
+        self.transport = self.plan.refit_transport or choose_transport(
+            config, self.declarations[Role.POLICY], self.declarations[Role.GENERATION]
+        )
+        self.cancel = cancel
+        self.board = EventBoard(cancel)
+        self.handles: dict[str, Any] = {}
+        self.capture = _StartedCapture()
+        self.sessions = RefitSessions()
+        self.plugins = {r.value: i for r, i in self.infos.items()}
+
+    def init_task(self, role: Role) -> Callable[[TaskRun], Any]:
+        """``init:<role>``: the selected backend's init hook, with its context."""
+        info, backend = self.infos[role], self.declarations[role].name
+        hook_name = f"rlcore_init_{role.value}"
+        init_hook = self.registry.hook(hook_name, [info])
+        publish_hook = self.registry.hook("rlcore_publish", [info])
+        cache = cache_dir(self.config)
+
+        def run(task: TaskRun) -> Any:
+            ctx = InitContext(
+                role=role,
+                backend=backend,
+                config=self.config,
+                options=self.options[role],
+                cancel=task.cancel,
+                deadline=task.deadline,
+                run_dir=self.run_dir,
+                cache_dir=cache,
+                events=self.board,
+                publish_hook=publish_hook,
+                log=logging.getLogger(f"rlcore.backend.{backend}"),
+                needed_artifacts=frozenset(self.plan.consumed.get(init_task_name(role), ())),
+            )
+            with self.capture.tracking(ctx, task):
+                handle = init_hook(ctx=ctx)
+            if handle is None:
+                raise PluginError(
+                    f"{info.origin()} declares backend '{backend}' for role {role} but "
+                    f"implements no {hook_name} (the hook returned None); implement it and "
+                    "return the started backend's handle",
+                    plugin=info.name,
+                    distribution=info.distribution,
+                )
+            self.handles[role.value] = handle
+            return handle
+
+        return run
+
+    def refit_task(self, task: TaskRun) -> Any:
+        """``refit:initial``: the first weight sync (step 0) over the run's channels."""
+        ctx = refit_context(
+            self.config, step=0, transport=self.transport, cancel=task.cancel,
+            sessions=self.sessions, deadline=task.deadline,
+        )
+        return _refit_once(self.config, self.registry, self.plugins, self.handles, ctx)
+
+    def post_events(self, task_name: str) -> Callable[[Any], None] | None:
+        """After ``task_name``, post the core events the plan says it makes available."""
+        events = tuple(self.plan.posts.get(task_name, ()))
+        awaited = {w.target for w in self.plan.waits if w.kind == "event"}
+        if not events:
+            return None
+
+        def on_done(_result: Any) -> None:
+            for event in events:
+                value = None
+                if event == ENDPOINT_EVENT:
+                    value = getattr(self.handles.get(Role.GENERATION.value), "endpoint", None)
+                    if value is None and event in awaited:
+                        gen = self.infos[Role.GENERATION]
+                        raise PluginError(
+                            f"{gen.origin()}: generation backend "
+                            f"'{self.declarations[Role.GENERATION].name}' declares an OpenAI-"
+                            "compatible endpoint, but its handle has no 'endpoint' "
+                            "(rlcore.handles.Endpoint) for the tasks that wait for it",
+                            plugin=gen.name,
+                            distribution=gen.distribution,
+                        )
+                log.debug("%s posts event %s", task_name, event)
+                self.board.post(event, value)
+
+        return on_done
+
+    def task_specs(self) -> list[TaskSpec]:
+        """The plan's tasks as executor tasks."""
+        pair = f"{self.declarations[Role.POLICY].name} -> {self.declarations[Role.GENERATION].name}"
+        specs = []
+        for task in self.plan.tasks:
+            role = role_of_task(task.name)
+            specs.append(TaskSpec(
+                name=task.name,
+                deps=self.plan.predecessors(task.name),
+                run=self.refit_task if role is None else self.init_task(role),
+                shutdown=None if role is None else _shutdown_handle,
+                deadline_s=self.deadlines[task.name],
+                on_done=self.post_events(task.name),
+                # A refit involves both backends: name them both in errors.
+                label={"backend": task.backend or pair, "role": task.role},
+            ))
+        return specs
+
+    def result(self, execution: ExecutionResult) -> SetupResult:
+        """The finished setup, with its metrics (the first refit's time and channel init)."""
+        report = execution.results.get(REFIT_TASK)
+        metrics = setup_metrics(self.plan, execution)
+        for key, attr in (
+            ("weight_sync_time_s", "weight_sync_time_s"),
+            ("collective_init_time_s", "channel_init_time_s"),
+        ):
+            value = getattr(report, attr, None)
+            if isinstance(value, int | float):
+                metrics[f"{PREFIX}{key}"] = float(value)
+        return SetupResult(
+            plan=self.plan,
+            handles=self.handles,
+            execution=execution,
+            metrics=metrics,
+            trace_events=TraceRecorder.from_execution(execution, self.plan).events,
+            plugins=self.plugins,
+            transport=self.transport,
+            refit_report=report,
+            config=self.config,
+            registry=self.registry,
+            refit_sessions=self.sessions,
+        )
+
+
 def run_setup(
     config: RunConfig,
     registry: Registry,
@@ -306,166 +454,21 @@ def run_setup(
             backends have been shut down. It carries ``.execution`` and ``.plan``.
         BackendNotFoundError, ConfigError, PlanError: before anything started.
     """
-    from rlcore.registry import selected_backends
-
-    roles = selected_roles(config)
-    infos = selected_backends(registry, config)
-    options: dict[Role, Any] = {}
-    for role, info in infos.items():
-        section = getattr(config, role.value)
-        assert info.declaration is not None
-        options[role] = resolve_options(
-            section.options,
-            info.declaration.options,
-            section=role.value,
-            backend=info.declaration.name,
-        )
-    declarations = {r: i.declaration for r, i in infos.items() if i.declaration is not None}
-    if plan is None:
-        plan = build_plan(config, declarations)
-    _check_plan(plan, roles)
-    deadlines = _task_deadlines(config, plan)
-    transport = plan.refit_transport or choose_transport(
-        config, declarations[Role.POLICY], declarations[Role.GENERATION]
-    )
-
-    cancel = cancel or CancelToken()
-    board = EventBoard(cancel)
-    cache = cache_dir(config)
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    handles: dict[str, Any] = {}
-    capture = _StartedCapture()
-    awaited = {w.target for w in plan.waits if w.kind == "event"}
-
-    def init_task(role: Role) -> Callable[[TaskRun], Any]:
-        info = infos[role]
-        backend = declarations[role].name
-        hook_name = f"rlcore_init_{role.value}"
-        init_hook = registry.hook(hook_name, [info])
-        publish_hook = registry.hook("rlcore_publish", [info])
-
-        def run(task: TaskRun) -> Any:
-            ctx = InitContext(
-                role=role,
-                backend=backend,
-                config=config,
-                options=options[role],
-                cancel=task.cancel,
-                deadline=task.deadline,
-                run_dir=run_dir,
-                cache_dir=cache,
-                events=board,
-                publish_hook=publish_hook,
-                log=logging.getLogger(f"rlcore.backend.{backend}"),
-                needed_artifacts=frozenset(plan.consumed.get(init_task_name(role), ())),
-            )
-            with capture.tracking(ctx, task):
-                handle = init_hook(ctx=ctx)
-            if handle is None:
-                raise PluginError(
-                    f"{info.origin()} declares backend '{backend}' for role {role} but "
-                    f"implements no {hook_name} (the hook returned None); implement it and "
-                    "return the started backend's handle",
-                    plugin=info.name,
-                    distribution=info.distribution,
-                )
-            handles[role.value] = handle
-            return handle
-
-        return run
-
-    sessions = RefitSessions()
-    plugins = {r.value: i for r, i in infos.items()}
-
-    def refit_task(task: TaskRun) -> Any:
-        ctx = refit_context(
-            config, step=0, transport=transport, cancel=task.cancel, sessions=sessions,
-            deadline=task.deadline,
-        )
-        return _refit_once(config, registry, plugins, handles, ctx)
-
-    def post_events(task_name: str) -> Callable[[Any], None] | None:
-        events = tuple(plan.posts.get(task_name, ()))
-        if not events:
-            return None
-
-        def on_done(_result: Any) -> None:
-            for event in events:
-                value = None
-                if event == ENDPOINT_EVENT:
-                    value = getattr(handles.get(Role.GENERATION.value), "endpoint", None)
-                    if value is None and event in awaited:
-                        gen = infos[Role.GENERATION]
-                        raise PluginError(
-                            f"{gen.origin()}: generation backend "
-                            f"'{declarations[Role.GENERATION].name}' declares an OpenAI-compatible "
-                            "endpoint, but its handle has no 'endpoint' (rlcore.handles.Endpoint) "
-                            "for the tasks that wait for it",
-                            plugin=gen.name,
-                            distribution=gen.distribution,
-                        )
-                log.debug("%s posts event %s", task_name, event)
-                board.post(event, value)
-
-        return on_done
-
-    specs: list[TaskSpec] = []
-    for task in plan.tasks:
-        role = role_of_task(task.name)
-        specs.append(
-            TaskSpec(
-                name=task.name,
-                deps=plan.predecessors(task.name),
-                run=refit_task if role is None else init_task(role),
-                shutdown=None if role is None else _shutdown_handle,
-                deadline_s=deadlines[task.name],
-                on_done=post_events(task.name),
-                label={
-                    # A refit involves both backends: name them both in errors.
-                    "backend": task.backend
-                    or f"{declarations[Role.POLICY].name} -> {declarations[Role.GENERATION].name}",
-                    "role": task.role,
-                },
-            )
-        )
-
+    run = _SetupRun(config, registry, plan, run_dir, cancel or CancelToken())
+    run.run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        with _registered(registry, capture):
+        with _registered(registry, run.capture):
             execution = execute(
-                specs,
-                cancel=cancel,
+                run.task_specs(),
+                cancel=run.cancel,
                 deadline=Deadline(config.setup.deadline_s, "setup"),
                 grace_s=grace_s,
                 shutdown_timeout_s=config.setup.shutdown_timeout_s,
                 on_event=progress,
-                on_cancel=lambda _reason: board.wake_all(),
+                on_cancel=lambda _reason: run.board.wake_all(),
             )
     except BaseException as err:
-        sessions.close()
-        err.plan = plan  # type: ignore[attr-defined]
+        run.sessions.close()
+        err.plan = run.plan  # type: ignore[attr-defined]
         raise
-
-    report = execution.results.get(REFIT_TASK)
-    metrics = setup_metrics(plan, execution)
-    if report is not None:
-        for key, attr in (
-            ("weight_sync_time_s", "weight_sync_time_s"),
-            ("collective_init_time_s", "channel_init_time_s"),
-        ):
-            value = getattr(report, attr, None)
-            if isinstance(value, int | float):
-                metrics[f"{PREFIX}{key}"] = float(value)
-    return SetupResult(
-        plan=plan,
-        handles=handles,
-        execution=execution,
-        metrics=metrics,
-        trace_events=TraceRecorder.from_execution(execution, plan).events,
-        plugins=plugins,
-        transport=transport,
-        refit_report=report,
-        config=config,
-        registry=registry,
-        refit_sessions=sessions,
-    )
+    return run.result(execution)
