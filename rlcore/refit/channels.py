@@ -53,11 +53,11 @@ IN_FLIGHT_BYTES = 1 << 30
 class ChannelSpec:
     """Everything a worker needs to open its end of a refit channel."""
 
-    transport: str  # collective | disk | shared_memory
+    transport: str  # collective | cuda_ipc | disk | shared_memory
     key: str  # unique per policy/generation pair
     world_size: int  # 1 sender + N receivers
-    addr: str | None = None  # collective: rendezvous host (the sender's node)
-    port: int | None = None  # collective: rendezvous port
+    addr: str | None = None  # collective, cuda_ipc: rendezvous host (the sender's node)
+    port: int | None = None  # collective, cuda_ipc: rendezvous port
     backend: str = "gloo"  # collective: gloo or nccl
     root: str | None = None  # file transports: parent directory of per-step dirs
     timeout_s: float = 300.0
@@ -159,11 +159,19 @@ _open: dict[str, _Collective] = {}
 
 def open_channel(spec: ChannelSpec, rank: int) -> None:
     """Open this process's end of ``spec`` (collective: joins the group; all ranks at once)."""
+    if spec.transport == "cuda_ipc":
+        from rlcore.refit import cuda_ipc
+
+        cuda_ipc.open_channel(spec, rank)
     if spec.transport == "collective" and spec.key not in _open:
         _open[spec.key] = _Collective(spec, rank)
 
 
 def close_channel(spec: ChannelSpec) -> None:
+    if spec.transport == "cuda_ipc":
+        from rlcore.refit import cuda_ipc
+
+        cuda_ipc.close_channel(spec)
     ch = _open.pop(spec.key, None)
     if ch is not None:
         ch.close()
@@ -272,6 +280,10 @@ def send_weights(
 ) -> int:
     """Send a (name, tensor) stream bucket by bucket; returns bytes sent."""
     sent = 0
+    if spec.transport == "cuda_ipc":
+        from rlcore.refit import cuda_ipc
+
+        return cuda_ipc.send_weights(spec, named, buckets)
     if spec.transport == "collective":
         ch = _open.get(spec.key)
         if ch is None:
@@ -300,7 +312,13 @@ def send_weights(
 def receive_weights(
     spec: ChannelSpec, rank: int, step: int, buckets: Sequence[Sequence[TensorSpec]], *, device: Any = None
 ) -> Iterator[tuple[str, Any]]:
-    """Yield (name, tensor) as buckets arrive, in plan order."""
+    """Yield (name, tensor) as buckets arrive, in plan order (cuda_ipc: views of the
+    sender's memory, valid until the generator ends: :func:`rlcore.refit.cuda_ipc.receive_weights`)."""
+    if spec.transport == "cuda_ipc":
+        from rlcore.refit import cuda_ipc
+
+        yield from cuda_ipc.receive_weights(spec, buckets)
+        return
     if spec.transport == "collective":
         import torch
 
@@ -359,6 +377,10 @@ def ceiling(spec: ChannelSpec, rank: int, step: int, nbytes: int) -> float:
 
     import torch
 
+    if spec.transport == "cuda_ipc":  # one device-to-device copy through shared memory
+        from rlcore.refit import cuda_ipc
+
+        return cuda_ipc.ceiling(spec, rank, nbytes)
     t0 = time.monotonic()
     if spec.transport == "collective":
         ch = _open.get(spec.key)

@@ -1,0 +1,629 @@
+"""The ``cuda_ipc`` refit transport: policy and generation colocated on one GPU.
+
+No byte of the weights crosses a wire. The sender (channel rank 0) shares GPU
+memory with the receivers through CUDA IPC handles (torch's CUDA tensor sharing,
+:func:`torch.multiprocessing.reductions.reduce_tensor`); each receiver opens a
+handle once per channel and reads the sender's memory in place: the tensors it
+yields are views of the sender's memory, and the consumer's copy into its live
+model is the only copy of a refit.
+
+What is shared, once per channel:
+
+* **persistent storages**: memory the sender registers with
+  :func:`register_persistent` (its parameters) before a refit. A streamed tensor
+  that is a view of one of them (a Megatron weight exported as is) is passed as
+  ``(storage, offset, stride)``: nothing is copied on the sender's side;
+* **a staging buffer** for every other tensor (gathered, converted or cast by the
+  export, or on another device): packed into one buffer on the sender's GPU at a
+  fixed offset per tensor, reused from one refit to the next (grown, and shared
+  again, only when a refit stages more than the last).
+
+Side channel: a :class:`torch.distributed.TCPStore` hosted by the sender, the
+same rendezvous the collective transport uses (``addr``/``port`` of
+:class:`~rlcore.refit.channels.ChannelSpec`). It reaches Ray actors that are not
+each other's parent or child (a ``multiprocessing`` connection would need one side
+to listen and pass an authentication key around), every wait has the channel's
+timeout, and a dead sender takes the store down with it, so receivers fail at once
+instead of waiting. Messages are a few kilobytes of pickled metadata.
+
+Protocol (``seq`` counts the channel's refits on every rank):
+
+1. open: the sender puts its GPU's UUID; each receiver refuses unless its current
+   GPU has the same UUID (indices differ between processes with their own
+   ``CUDA_VISIBLE_DEVICES``; UUIDs name the physical device) and answers
+   ``joined/<rank>``; the sender fails too when one refuses.
+2. refit: the sender walks the plan (:func:`rlcore.refit.channels._buckets_in_order`
+   checks every name, shape and dtype), stages what must be staged, waits for its
+   device (``synchronize``: the export and the packs are done) and puts one message
+   ``m/<seq>``: an entry per tensor and the handles not shared before. If its stream
+   fails or leaves the plan, it puts an abort message instead, so no receiver
+   writes a byte of a refit that failed on the sender's side.
+3. each receiver opens the new handles, checks every entry against the plan
+   (bounds in the shared memory included) before it yields the first tensor,
+   yields views, waits for its device once the consumer is done (its copies are
+   finished), and answers ``a/<seq>/<rank>`` (``ok`` or the error). The sender
+   returns once every receiver answered: until then nothing it shares may change.
+
+Shutdown (:func:`close_channel`): receivers drop every view and opened handle (their
+mappings close); the sender drops its references to shared memory and calls
+``torch.cuda.ipc_collect`` (memory a receiver still had open when the sender
+freed it is released then). A failed refit keeps no handle beyond the channel's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from rlcore.errors import RefitError
+from rlcore.refit.specs import TensorSpec
+
+if TYPE_CHECKING:
+    from rlcore.refit.channels import ChannelSpec
+    from rlcore.refit.transports import ChannelRequest
+
+log = logging.getLogger(__name__)
+
+#: Alignment (bytes) of every tensor in the staging buffer.
+ALIGN = 256
+#: Entry ``sid`` of an empty tensor (nothing shared).
+_EMPTY = -1
+
+
+class IpcLayer(Protocol):
+    """What the transport needs from the device: CUDA in :class:`CudaIpc`; tests may pass
+    a double on machines without CUDA."""
+
+    def device(self) -> Any:
+        """The torch device this process's end works on."""
+
+    def device_uuid(self) -> str:
+        """The physical device's UUID."""
+
+    def share(self, flat: Any) -> Any:
+        """A picklable handle to ``flat`` (a uint8 tensor over a whole storage)."""
+
+    def open(self, handle: Any) -> Any:
+        """The tensor behind ``handle``, in this process (the receiver's side)."""
+
+    def synchronize(self) -> None:
+        """Wait until this process's work on the device is done."""
+
+    def collect(self) -> None:
+        """Release shared memory no receiver holds any more (sender, after close)."""
+
+
+class CudaIpc:
+    """:class:`IpcLayer` over torch's CUDA tensor sharing, on the current CUDA device."""
+
+    def device(self) -> Any:
+        import torch
+
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def device_uuid(self) -> str:
+        import torch
+
+        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+    def share(self, flat: Any) -> Any:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        rebuild, args = reduce_tensor(flat)
+        return rebuild.__name__, args
+
+    def open(self, handle: Any) -> Any:
+        import torch
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        name, args = handle
+        if name != rebuild_cuda_tensor.__name__ or not isinstance(args[6], int):
+            raise RefitError(f"cuda_ipc: not a CUDA tensor handle ({name}); sender and receiver run other torch versions?")
+        # args[6] is the sender's device index; the UUID check at open made sure the
+        # receiver's current device is the same GPU, whatever its index is here.
+        args = (*args[:6], torch.cuda.current_device(), *args[7:])
+        return rebuild_cuda_tensor(*args)
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+
+    def collect(self) -> None:
+        import torch
+
+        torch.cuda.ipc_collect()
+
+
+def _flat(t: Any) -> Any:
+    """A uint8 tensor over the whole storage of ``t``."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+class _End:
+    """What both ends hold: the store, the sequence number, waits with a deadline."""
+
+    def __init__(self, spec: ChannelSpec, rank: int, ipc: IpcLayer) -> None:
+        import torch.distributed as dist
+
+        if spec.addr is None or spec.port is None:
+            raise RefitError(f"cuda_ipc channel {spec.key} has no rendezvous address (addr/port)")
+        self.spec, self.rank, self.ipc = spec, rank, ipc
+        self.timeout_s = float(spec.timeout_s)
+        store = dist.TCPStore(
+            spec.addr, spec.port, spec.world_size, rank == 0,
+            timeout=datetime.timedelta(seconds=self.timeout_s),
+        )
+        self.store = dist.PrefixStore(f"rlcore-ipc-{spec.key}", store)
+        self._tcp = store  # keep the server (rank 0) alive as long as the channel
+        self.seq = 0
+        self.waiting: str | None = None  # the key a wait is blocked on
+        self.closed = threading.Event()
+        self.broken: str | None = None
+
+    def get(self, key: str, what: str) -> bytes:
+        """The value of ``key`` once some rank puts it: bounded by the channel's timeout,
+        ended at once by :meth:`wake` (close), failing at once when the store's host is gone."""
+        import torch.distributed as dist
+
+        if self.closed.is_set():
+            raise RefitError(f"cuda_ipc channel {self.spec.key} was closed before waiting for {what}")
+        self.waiting = key
+        try:
+            value = bytes(self.store.get(key))
+        except dist.DistStoreError as err:
+            timed_out = "timeout" in str(err).lower()
+            self.broken = f"timed out waiting for {what}" if timed_out else f"store failed: {err}"
+            if timed_out:
+                raise RefitError(
+                    f"cuda_ipc channel {self.spec.key}: rank {self.rank} waited {self.timeout_s:.0f}s for {what} "
+                    "(refit.timeout_s); the other side is stuck or gone"
+                ) from err
+            raise RefitError(
+                f"cuda_ipc channel {self.spec.key}: rank {self.rank} lost the side channel waiting for {what} "
+                f"(the sender's process is gone?): {err}"
+            ) from err
+        except (RuntimeError, OSError) as err:  # DistNetworkError and friends: the host died
+            self.broken = f"store failed: {err}"
+            raise RefitError(
+                f"cuda_ipc channel {self.spec.key}: rank {self.rank} lost the side channel waiting for {what} "
+                f"(the sender's process is gone?): {err}"
+            ) from err
+        finally:
+            self.waiting = None
+        if self.closed.is_set():
+            raise RefitError(f"cuda_ipc channel {self.spec.key} was closed while waiting for {what}")
+        return value
+
+    def wake(self) -> None:
+        """Closing: mark the end closed and end a wait in progress (its key is set)."""
+        import torch.distributed as dist
+
+        self.closed.set()
+        key = self.waiting
+        if key is not None:
+            try:  # a client of its own: the end's client is blocked in the wait
+                client = dist.TCPStore(
+                    self.spec.addr, self.spec.port, None, False,  # type: ignore[arg-type]
+                    timeout=datetime.timedelta(seconds=10), wait_for_workers=False,
+                )
+                dist.PrefixStore(f"rlcore-ipc-{self.spec.key}", client).set(
+                    key, pickle.dumps({"abort": "the channel was closed"})
+                )
+            except Exception as err:  # the store is gone: the wait ends by itself
+                log.debug("cuda_ipc %s: waking a wait failed: %s", self.spec.key, err)
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise RefitError(
+                f"cuda_ipc channel {self.spec.key} is broken ({self.broken}); close it and open a new one"
+            )
+
+
+class SenderEnd(_End):
+    """Channel rank 0: shares persistent storages and a staging buffer (see the module doc)."""
+
+    def __init__(self, spec: ChannelSpec, ipc: IpcLayer) -> None:
+        super().__init__(spec, 0, ipc)
+        self.device = ipc.device()
+        #: storage data_ptr -> (sid, flat tensor): shared with the receivers
+        self.shared: dict[int, tuple[int, Any]] = {}
+        #: storage data_ptr -> flat tensor: registered, shared at its first use
+        self.persistent: dict[int, Any] = {}
+        self.next_sid = 0
+        self.staging: tuple[int, Any] | None = None  # (sid, buffer)
+        self.slots: dict[int, int] = {}  # plan index -> byte offset in the staging buffer
+        self.release_next: list[int] = []  # sids the receivers drop at the next message
+        self.store.set("uuid", ipc.device_uuid())
+        refused = []
+        for r in range(1, spec.world_size):
+            answer = self.get(f"joined/{r}", f"receiver rank {r} to join")
+            if answer != b"ok":
+                refused.append(answer.decode(errors="replace"))
+        if refused:
+            raise RefitError("cuda_ipc channel refused: " + "; ".join(refused))
+
+    def register(self, tensors: Iterable[Any]) -> int:
+        """Remember the storages of ``tensors`` (on this end's device) as persistent."""
+        n = 0
+        for t in tensors:
+            if t.device == self.device and t.numel():
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in self.persistent and storage.data_ptr() not in self.shared:
+                    self.persistent[storage.data_ptr()] = _flat(t)
+                    n += 1
+        return n
+
+    def _share(self, flat: Any, handles: dict[int, Any]) -> int:
+        sid, self.next_sid = self.next_sid, self.next_sid + 1
+        handles[sid] = self.ipc.share(flat)
+        return sid
+
+    def send(self, named: Iterable[tuple[str, Any]], buckets: Sequence[Sequence[TensorSpec]]) -> int:
+        self.check_usable()
+        seq, self.seq = self.seq, self.seq + 1
+        new: list[int] = []  # storages first used now: shared only once the stream went through
+        try:
+            message, pending = self._collect(named, buckets, new)
+        except BaseException as err:
+            for ptr in new:  # never shared: no handle exists, nothing to release
+                self.persistent[ptr] = self.shared.pop(ptr)[1]
+            self._abort(seq, err)
+            raise
+        try:
+            for ptr in new:
+                sid, flat = self.shared[ptr]
+                message["handles"][sid] = self.ipc.share(flat)
+            self._stage(message, pending)
+            self.ipc.synchronize()  # the export and the packs are done before anyone reads
+        except BaseException as err:
+            self.broken = f"refit message {seq} failed after sharing memory: {err}"
+            self._abort(seq, err)
+            raise
+        self.store.set(f"m/{seq}", pickle.dumps(message))
+        errors = []
+        for r in range(1, self.spec.world_size):
+            answer = self.get(f"a/{seq}/{r}", f"receiver rank {r} to finish refit message {seq}")
+            if answer != b"ok":
+                errors.append(f"rank {r}: {answer.decode(errors='replace')}")
+            self.store.delete_key(f"a/{seq}/{r}")
+        self.store.delete_key(f"m/{seq}")
+        if message["release"]:  # every receiver dropped them before answering
+            self.ipc.collect()
+        if errors:
+            raise RefitError(f"cuda_ipc refit failed on the receiving side: {'; '.join(errors)}")
+        return sum(s.nbytes for bucket in buckets for s in bucket)
+
+    def _abort(self, seq: int, err: BaseException) -> None:
+        """Tell the receivers that message ``seq`` will not come (they write nothing)."""
+        self.store.set(f"m/{seq}", pickle.dumps({"abort": f"{type(err).__name__}: {err}"}))
+
+    def _collect(
+        self, named: Iterable[tuple[str, Any]], buckets: Sequence[Sequence[TensorSpec]], new: list[int]
+    ) -> tuple[dict[str, Any], list[tuple[int, Any]]]:
+        """Walk the stream in plan order: one entry per tensor (staged ones filled in by
+        :meth:`_stage`) and the tensors still to stage; ``new`` gets the persistent
+        storages used for the first time."""
+        from rlcore.refit.channels import _buckets_in_order
+
+        entries: list[tuple[int, int, tuple[int, ...]]] = []
+        pending: list[tuple[int, Any]] = []  # (plan index, tensor) without a staging slot
+        stage_now: list[tuple[Any, Any]] = []  # (slot view, tensor), copied in one batch
+        index = 0
+        for _, tensors in _buckets_in_order(named, buckets):
+            for t in tensors:
+                entry = self._direct(t, new)
+                if entry is None:
+                    off = self.slots.get(index)
+                    if t.numel() == 0:
+                        entry = (_EMPTY, 0, ())
+                    elif off is not None and self.staging is not None:
+                        view = self.staging[1][off : off + t.numel() * t.element_size()]
+                        stage_now.append((view.view(t.dtype).view(t.shape), t))
+                        entry = (self.staging[0], off // t.element_size(), _contiguous_stride(t.shape))
+                    else:
+                        pending.append((index, t))
+                entries.append(entry)
+                index += 1
+            _copy_batch(stage_now)
+            stage_now.clear()
+        release, self.release_next = self.release_next, []
+        return {"entries": entries, "handles": {}, "release": release}, pending
+
+    def _direct(self, t: Any, new: list[int]) -> tuple[int, int, tuple[int, ...]] | None:
+        if t.device != self.device or t.numel() == 0:
+            return None
+        ptr = t.untyped_storage().data_ptr()
+        found = self.shared.get(ptr)
+        if found is None:
+            flat = self.persistent.pop(ptr, None)
+            if flat is None:
+                return None
+            found = self.shared[ptr] = (self.next_sid, flat)
+            self.next_sid += 1
+            new.append(ptr)
+        return found[0], int(t.storage_offset()), tuple(int(s) for s in t.stride())
+
+    def _stage(self, message: dict[str, Any], pending: list[tuple[int, Any]]) -> None:
+        """Give the tensors without a slot one (growing the staging buffer: the old one's
+        contents are carried over, the new one shared, the old one released)."""
+        import torch
+
+        if not pending:
+            return
+        size = self.staging[1].numel() if self.staging else 0
+        for index, t in pending:
+            size = -(-size // ALIGN) * ALIGN
+            self.slots[index] = size
+            size += t.numel() * t.element_size()
+        buf = torch.empty(-(-size // ALIGN) * ALIGN, dtype=torch.uint8, device=self.device)
+        old = self.staging
+        if old is not None:
+            buf[: old[1].numel()].copy_(old[1])
+            message["release"].append(old[0])
+            self.shared.pop(old[1].data_ptr(), None)
+        sid = self._share(buf, message["handles"])
+        self.staging = (sid, buf)
+        self.shared[buf.data_ptr()] = (sid, buf)
+        entries = message["entries"]
+        for i, entry in enumerate(entries):  # earlier slots now live in the new buffer
+            if old is not None and entry is not None and entry[0] == old[0]:
+                entries[i] = (sid, entry[1], entry[2])
+        batch = []
+        for index, t in pending:
+            off = self.slots[index]
+            view = buf[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            batch.append((view, t))
+            entries[index] = (sid, off // t.element_size(), _contiguous_stride(t.shape))
+        _copy_batch(batch)
+
+    def close(self) -> None:
+        self.wake()
+        self.shared.clear()
+        self.persistent.clear()
+        self.staging = None
+        self.slots.clear()
+        try:
+            self.ipc.synchronize()
+            self.ipc.collect()
+        except Exception as err:  # closing must not raise
+            log.debug("cuda_ipc %s: collecting shared memory failed: %s", self.spec.key, err)
+        self._tcp = self.store = None  # type: ignore[assignment]
+
+
+class ReceiverEnd(_End):
+    """Channel ranks 1..N: opens handles once, yields checked views of the sender's memory."""
+
+    def __init__(self, spec: ChannelSpec, rank: int, ipc: IpcLayer) -> None:
+        super().__init__(spec, rank, ipc)
+        self.opened: dict[int, Any] = {}
+        sender = self.get("uuid", "the sender's device").decode()
+        mine = ipc.device_uuid()
+        if sender != mine:
+            reason = (
+                f"receiver rank {rank} is on GPU {mine}, the sender on GPU {sender}: cuda_ipc needs both on "
+                "the same physical device (placement.colocated with the same GPUs); use "
+                "refit.transport: collective"
+            )
+            self.store.set(f"joined/{rank}", reason)
+            raise RefitError(f"cuda_ipc channel {spec.key} refused: {reason}")
+        self.store.set(f"joined/{rank}", "ok")
+
+    def receive(self, buckets: Sequence[Sequence[TensorSpec]]) -> Iterator[tuple[str, Any]]:
+        self.check_usable()
+        seq, self.seq = self.seq, self.seq + 1
+        answer = "ok"
+        try:
+            message = pickle.loads(self.get(f"m/{seq}", f"refit message {seq} from the sender"))
+            if "abort" in message:
+                raise RefitError(f"the sender aborted the refit before any byte was written: {message['abort']}")
+            views: Any = self._views(message, buckets)
+            for bucket, bucket_views in zip(buckets, views, strict=True):
+                yield from zip((s.name for s in bucket), bucket_views, strict=True)
+            views = bucket_views = None
+        except BaseException as err:
+            answer = "the receiver stopped reading" if isinstance(err, GeneratorExit) else f"{type(err).__name__}: {err}"
+            raise
+        finally:
+            if self.broken is None and self.store is not None:
+                try:
+                    # the consumer's copies from the sender's memory are done before it may change
+                    self.ipc.synchronize()
+                    self.store.set(f"a/{seq}/{self.rank}", answer)
+                except Exception as err:  # the sender is gone: nothing to tell
+                    log.debug("cuda_ipc %s: answering failed: %s", self.spec.key, err)
+
+    def _views(self, message: dict[str, Any], buckets: Sequence[Sequence[TensorSpec]]) -> list[list[Any]]:
+        """Every tensor of the plan as a view of shared memory, checked before any is yielded."""
+        import torch
+
+        for sid in message["release"]:
+            self.opened.pop(sid, None)
+        for sid, handle in message["handles"].items():
+            self.opened[sid] = self.ipc.open(handle)
+        entries = message["entries"]
+        n = sum(len(b) for b in buckets)
+        if len(entries) != n:
+            raise RefitError(f"cuda_ipc: the sender's message has {len(entries)} tensors, the plan {n}")
+        out: list[list[Any]] = []
+        it = iter(entries)
+        for bucket in buckets:
+            views = []
+            for s in bucket:
+                sid, offset, stride = next(it)
+                dtype = getattr(torch, s.dtype)
+                if sid == _EMPTY:
+                    if s.numel:
+                        raise RefitError(f"cuda_ipc: '{s.name}' arrived empty, the plan says {s.shape}")
+                    views.append(torch.empty(s.shape, dtype=dtype, device=self.ipc.device()))
+                    continue
+                base = self.opened.get(sid)
+                if base is None:
+                    raise RefitError(f"cuda_ipc: '{s.name}' is in shared memory {sid}, which this receiver never opened")
+                if len(stride) != len(s.shape):
+                    raise RefitError(f"cuda_ipc: '{s.name}' has strides {stride} for shape {s.shape}")
+                extent = offset + 1 + sum((d - 1) * st for d, st in zip(s.shape, stride, strict=True))
+                if offset < 0 or min(stride, default=0) < 0 or extent * dtype.itemsize > base.numel():
+                    raise RefitError(
+                        f"cuda_ipc: '{s.name}' reaches byte {extent * dtype.itemsize} of shared memory {sid} "
+                        f"({base.numel()} bytes)"
+                    )
+                view = torch.empty(0, dtype=dtype, device=base.device)
+                views.append(view.set_(base.untyped_storage(), offset, s.shape, stride))
+            out.append(views)
+        return out
+
+    def close(self) -> None:
+        self.wake()
+        self.opened.clear()
+        try:
+            self.ipc.synchronize()
+        except Exception as err:  # closing must not raise
+            log.debug("cuda_ipc %s: synchronize at close failed: %s", self.spec.key, err)
+        self._tcp = self.store = None  # type: ignore[assignment]
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(d), 1)
+    return tuple(reversed(stride))
+
+
+def _copy_batch(pairs: Sequence[tuple[Any, Any]]) -> None:
+    """``dst.copy_(src)`` for every pair, batched (``torch._foreach_copy_``) where possible."""
+    import torch
+
+    if not pairs:
+        return
+    same = [(d, s) for d, s in pairs if s.device == d.device]
+    other = [(d, s) for d, s in pairs if s.device != d.device]
+    if same:
+        torch._foreach_copy_([d for d, _ in same], [s for _, s in same])
+    for d, s in other:
+        d.copy_(s, non_blocking=False)
+
+
+def channel_spec(req: ChannelRequest) -> ChannelSpec:
+    """The driver's side: the spec of a cuda_ipc channel. Its side channel's store listens
+    on the sender's node (``refit_address``, as the collective's rendezvous does)."""
+    from rlcore.refit.channels import ChannelSpec
+
+    addr, port = req.policy.refit_address()
+    return ChannelSpec("cuda_ipc", req.key, req.world_size, addr=addr, port=port, timeout_s=req.ctx.timeout_s)
+
+
+_ends: dict[str, _End] = {}
+_pending_persistent: dict[str, list[Any]] = {}
+_lock = threading.Lock()
+
+
+def default_ipc() -> IpcLayer:
+    """The IPC layer channels use (:class:`CudaIpc`); tests without CUDA replace it."""
+    return CudaIpc()
+
+
+def open_channel(spec: ChannelSpec, rank: int, ipc: IpcLayer | None = None) -> None:
+    """Open this process's end of ``spec`` as ``rank`` (all ranks at once: the sender waits
+    for every receiver's device check). Idempotent per channel key."""
+    if spec.key in _ends:
+        return
+    layer = ipc if ipc is not None else default_ipc()
+    end: _End = SenderEnd(spec, layer) if rank == 0 else ReceiverEnd(spec, rank, layer)
+    with _lock:
+        _ends[spec.key] = end
+        pending = _pending_persistent.pop(spec.key, None)
+    if pending and isinstance(end, SenderEnd):
+        end.register(pending)
+
+
+def register_persistent(spec: ChannelSpec, tensors: Iterable[Any]) -> None:
+    """Sender: storages of ``tensors`` stay allocated, at the same address, for the
+    channel's life (a model's parameters, updated in place): a streamed tensor that is a
+    view of one is shared without a copy. Anything else the stream yields is staged.
+    Call it before or after :func:`open_channel`."""
+    tensors = list(tensors)
+    with _lock:
+        end = _ends.get(spec.key)
+        if end is None:
+            _pending_persistent.setdefault(spec.key, []).extend(tensors)
+            return
+    if not isinstance(end, SenderEnd):
+        raise RefitError(f"cuda_ipc channel {spec.key}: only the sender (rank 0) registers persistent storages")
+    end.register(tensors)
+
+
+def _end(spec: ChannelSpec, kind: type, who: str) -> Any:
+    end = _ends.get(spec.key)
+    if not isinstance(end, kind):
+        raise RefitError(f"cuda_ipc channel {spec.key} is not open on the {who}")
+    return end
+
+
+def send_weights(spec: ChannelSpec, named: Iterable[tuple[str, Any]], buckets: Sequence[Sequence[TensorSpec]]) -> int:
+    """Share the stream (plan order) with the receivers; returns once every receiver has
+    copied what it needs. Bytes described."""
+    return int(_end(spec, SenderEnd, "sender").send(named, buckets))
+
+
+def receive_weights(spec: ChannelSpec, buckets: Sequence[Sequence[TensorSpec]]) -> Iterator[tuple[str, Any]]:
+    """Yield ``(name, view of the sender's memory)`` in plan order, all checked first.
+
+    The views are valid until the generator finishes: copy them, do not keep them
+    (the sender's next optimizer step writes that memory). Iterate to the end: the
+    sender waits for this receiver's answer, which is sent when the generator ends.
+    """
+    return _end(spec, ReceiverEnd, "receiver").receive(buckets)
+
+
+def close_channel(spec: ChannelSpec) -> None:
+    """Close this process's end: drop every view, handle and shared buffer."""
+    with _lock:
+        end = _ends.pop(spec.key, None)
+        _pending_persistent.pop(spec.key, None)
+    if end is not None:
+        end.close()  # type: ignore[attr-defined]
+
+
+def ceiling(spec: ChannelSpec, rank: int, nbytes: int) -> float:
+    """One device-to-device copy of ``nbytes`` from the sender's memory into the receiver's
+    over this channel (handles opened first, not timed on the receiver); seconds.
+
+    The sender shares a fresh buffer (released afterwards) and returns the whole
+    exchange's time; a receiver times its copy alone, between two device waits.
+    """
+    import torch
+
+    name = "raw"
+    plan = [[TensorSpec(name, (nbytes,), "uint8")]]
+    t0 = time.monotonic()
+    if rank == 0:
+        end = _end(spec, SenderEnd, "sender")
+        buf = torch.ones(nbytes, dtype=torch.uint8, device=end.device)
+        end.register([buf])
+        try:
+            end.send([(name, buf)], plan)
+        finally:
+            shared = end.shared.pop(buf.untyped_storage().data_ptr(), None)
+            if shared is not None:
+                end.release_next.append(shared[0])
+            del buf, shared
+        return time.monotonic() - t0
+    end = _end(spec, ReceiverEnd, "receiver")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=end.ipc.device())
+    elapsed = 0.0
+    for _, view in end.receive(plan):
+        end.ipc.synchronize()
+        t1 = time.monotonic()
+        dst.copy_(view)
+        end.ipc.synchronize()
+        elapsed = time.monotonic() - t1
+    return elapsed

@@ -1,0 +1,409 @@
+"""The cuda_ipc refit transport's protocol, on CPU.
+
+CUDA IPC handles cannot be opened by the process that made them, and this
+machine has no GPU: the IPC layer alone is a test double (:class:`ThreadIpc`:
+sender and receivers are threads of this process sharing CPU tensors, so a
+"shared" tensor is the sender's very memory). Everything else is the real
+transport: the TCPStore side channel, the messages, the plan checks, staging,
+timeouts, aborts and cleanup. The real CUDA IPC layer is exercised on a GPU by
+``plugins/megatron/tests/test_megatron_colocated_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from rlcore.errors import RefitError
+from rlcore.refit import channels, cuda_ipc
+from rlcore.refit.channels import ChannelSpec
+from rlcore.refit.specs import plan_buckets, spec_of
+from rlcore.workers import free_port
+
+
+class ThreadIpc:
+    """The IPC layer between threads of one process: handles are ids in a shared registry."""
+
+    def __init__(self, registry: dict[int, Any], uuid: str = "GPU-test-0") -> None:
+        self.registry, self.uuid = registry, uuid
+        self.shared = 0
+        self.opened = 0
+        self.collected = 0
+
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def device_uuid(self) -> str:
+        return self.uuid
+
+    def share(self, flat: torch.Tensor) -> Any:
+        self.shared += 1
+        handle = len(self.registry)
+        self.registry[handle] = weakref.ref(flat)  # the sender keeps what it shares alive
+        return handle
+
+    def open(self, handle: Any) -> torch.Tensor:
+        self.opened += 1
+        flat = self.registry[handle]()
+        assert flat is not None, "a handle was opened after the sender freed its memory"
+        return flat
+
+    def synchronize(self) -> None:
+        pass
+
+    def collect(self) -> None:
+        self.collected += 1
+
+
+def _spec(world: int = 2, timeout_s: float = 30.0) -> ChannelSpec:
+    return ChannelSpec("cuda_ipc", f"t{free_port()}", world, addr="127.0.0.1", port=free_port(), timeout_s=timeout_s)
+
+
+def _model() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "embed": torch.randn(16, 8, generator=g),
+        "w1": torch.randn(8, 8, generator=g),
+        "fused": torch.randn(12, 8, generator=g),  # streamed as two views: a[:4], a[4:]
+        "norm": torch.randn(8, generator=g),
+    }
+
+
+def _stream(model: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """What an export yields: views of parameters, a computed tensor and a cast."""
+    yield "embed", model["embed"]
+    yield "w1.t", model["w1"].t()  # a non-contiguous view
+    yield "fused.a", model["fused"][:4]
+    yield "fused.b", model["fused"][4:]
+    yield "w1.double", model["w1"] * 2  # computed: staged
+    yield "norm.half", model["norm"].to(torch.bfloat16)  # cast: staged
+
+
+class Pair:
+    """A sender and ``n`` receivers of one channel, each end in its own thread (ends are
+    made directly: :func:`cuda_ipc.open_channel` keeps one end per channel per process)."""
+
+    def __init__(self, receivers: int = 1, uuids: tuple[str, ...] = (), timeout_s: float = 30.0) -> None:
+        self.registry: dict[int, Any] = {}
+        self.spec = _spec(1 + receivers, timeout_s)
+        self.ipcs = [
+            ThreadIpc(self.registry, uuids[i] if i < len(uuids) else "GPU-test-0") for i in range(1 + receivers)
+        ]
+        self.ends: list[Any] = [None] * (1 + receivers)
+
+        def make(r: int) -> None:
+            end = cuda_ipc.SenderEnd(self.spec, self.ipcs[0]) if r == 0 else cuda_ipc.ReceiverEnd(self.spec, r, self.ipcs[r])
+            self.ends[r] = end
+
+        self.open_errors = self.run([lambda r=r: make(r) for r in range(1 + receivers)])
+
+    def run(self, fns: list[Callable[[], Any]], timeout: float = 60.0) -> list[BaseException | None]:
+        errors: list[BaseException | None] = [None] * len(fns)
+        self.results: list[Any] = [None] * len(fns)
+
+        def call(i: int) -> None:
+            try:
+                self.results[i] = fns[i]()
+            except BaseException as err:
+                errors[i] = err
+
+        threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(len(fns))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+            assert not t.is_alive(), "a channel end hung"
+        return errors
+
+    def refit(
+        self,
+        stream: Iterator[tuple[str, torch.Tensor]],
+        buckets: Any,
+        sinks: list[dict[str, torch.Tensor]],
+        consume: Callable[[Iterator[tuple[str, torch.Tensor]], dict[str, torch.Tensor]], None] | None = None,
+    ) -> list[BaseException | None]:
+        def load(rank: int) -> None:
+            it = self.ends[rank].receive(buckets)
+            if consume is not None:
+                consume(it, sinks[rank - 1])
+                return
+            for name, t in it:
+                sinks[rank - 1][name].copy_(t)
+
+        fns: list[Callable[[], Any]] = [lambda: self.ends[0].send(stream, buckets)]
+        fns += [lambda r=r: load(r) for r in range(1, self.spec.world_size)]
+        return self.run(fns)
+
+    @property
+    def sender(self) -> Any:
+        return self.ends[0]
+
+    def close(self) -> None:
+        for end in reversed(self.ends):
+            if end is not None:
+                end.close()
+
+
+@pytest.fixture
+def model() -> dict[str, torch.Tensor]:
+    return _model()
+
+
+def _sink(model: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: torch.zeros_like(t) for name, t in _stream(model)}
+
+
+def _expected(model: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in _stream(model)}
+
+
+def test_round_trip_exact_and_handles_opened_once(model: dict[str, torch.Tensor]) -> None:
+    """Two receivers get every tensor bit for bit; the parameters are shared in place (a
+    view of the sender's memory, no copy), computed tensors staged; the second refit
+    shares nothing new, and the receivers see the sender's in-place update."""
+    pair = Pair(receivers=2)
+    try:
+        assert pair.open_errors == [None, None, None]
+        pair.sender.register(model.values())
+        specs = [spec_of(n, t) for n, t in _stream(model)]
+        buckets = plan_buckets(specs, 300)
+        assert len(buckets) > 1
+        seen: dict[str, int] = {}
+
+        def consume(it: Iterator[tuple[str, torch.Tensor]], sink: dict[str, torch.Tensor]) -> None:
+            for name, t in it:
+                seen[name] = t.data_ptr()
+                sink[name].copy_(t)
+
+        sinks = [_sink(model), _sink(model)]
+        assert pair.refit(_stream(model), buckets, sinks, consume) == [None, None, None]
+        for sink in sinks:
+            for name, t in _expected(model).items():
+                assert torch.equal(sink[name], t), name
+        # parameters: the receiver read the sender's memory itself
+        assert seen["embed"] == model["embed"].data_ptr()
+        assert seen["fused.b"] == model["fused"][4:].data_ptr()
+        assert seen["w1.double"] not in {t.data_ptr() for t in model.values()}
+        shared_once = pair.ipcs[0].shared
+        assert shared_once == 4  # embed, w1, fused (norm is only cast) + the staging buffer
+        assert pair.ipcs[1].opened == pair.ipcs[2].opened == shared_once
+
+        with torch.no_grad():  # an optimizer step: in place
+            for t in model.values():
+                t.add_(1.0)
+        assert pair.refit(_stream(model), buckets, sinks, consume) == [None, None, None]
+        for sink in sinks:
+            for name, t in _expected(model).items():
+                assert torch.equal(sink[name], t), name
+        assert pair.ipcs[0].shared == shared_once
+        assert pair.results[0] == sum(s.nbytes for s in specs)
+    finally:
+        pair.close()
+
+
+def test_staging_grows_and_releases_the_old_buffer(model: dict[str, torch.Tensor]) -> None:
+    """A refit that stages more than the last shares a larger buffer, carries the old slots
+    over and tells the receiver to drop the old one; nothing stays registered."""
+    pair = Pair()
+    try:
+        pair.sender.register([model["embed"], model["fused"]])  # w1 is not persistent
+        specs = [spec_of(n, t) for n, t in _stream(model)]
+        buckets = plan_buckets(specs, 1 << 20)
+        sink = _sink(model)
+        assert pair.refit(_stream(model), buckets, [sink]) == [None, None]
+        sender = pair.sender
+        first = weakref.ref(sender.staging[1])
+        size = sender.staging[1].numel()
+
+        def more(m: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in _stream(m):  # now "embed" arrives as a copy: staged
+                yield name, (t.clone() if name == "embed" else t)
+
+        assert pair.refit(more(model), buckets, [sink]) == [None, None]
+        for name, t in _expected(model).items():
+            assert torch.equal(sink[name], t), name
+        assert sender.staging[1].numel() > size
+        assert first() is None  # the old staging buffer is gone on both sides
+        assert pair.ipcs[0].collected >= 1
+    finally:
+        pair.close()
+    assert not sender.shared and sender.staging is None
+
+
+def test_other_gpu_refused_on_both_sides() -> None:
+    """A receiver on another physical device (another UUID) refuses; the sender fails too,
+    and both messages name the UUIDs and the fix."""
+    pair = Pair(uuids=("GPU-aaaa", "GPU-bbbb"))
+    try:
+        sender_err, receiver_err = pair.open_errors
+        assert isinstance(receiver_err, RefitError) and isinstance(sender_err, RefitError)
+        for err in (sender_err, receiver_err):
+            assert "GPU-aaaa" in str(err) and "GPU-bbbb" in str(err)
+            assert "refit.transport: collective" in str(err)
+    finally:
+        pair.close()
+
+
+def test_sender_failure_mid_stream_writes_nothing(model: dict[str, torch.Tensor]) -> None:
+    """The sender's stream breaks half-way (an error, then a tensor off the plan): the
+    receiver raises before yielding a single tensor, its weights stay as they were, and
+    the channel stays usable for the next refit."""
+    pair = Pair()
+    try:
+        pair.sender.register(model.values())
+        buckets = plan_buckets([spec_of(n, t) for n, t in _stream(model)], 200)
+        sink = _sink(model)
+        before = {n: t.clone() for n, t in sink.items()}
+        pulled = []
+
+        def consume(it: Iterator[tuple[str, torch.Tensor]], s: dict[str, torch.Tensor]) -> None:
+            for name, t in it:
+                pulled.append(name)
+                s[name].copy_(t)
+
+        def broken() -> Iterator[tuple[str, torch.Tensor]]:
+            for i, item in enumerate(_stream(model)):
+                if i == 3:
+                    raise ValueError("export failed")
+                yield item
+
+        def off_plan() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in _stream(model):
+                yield name, (t[:1] if name == "w1.double" else t)
+
+        for stream, words in ((broken(), "export failed"), (off_plan(), "the plan says")):
+            errors = pair.refit(stream, buckets, [sink], consume)
+            assert words in str(errors[0])
+            assert isinstance(errors[1], RefitError) and "before any byte was written" in str(errors[1])
+            assert words in str(errors[1])
+            assert pulled == []
+            assert all(torch.equal(sink[n], before[n]) for n in sink)
+        assert pair.refit(_stream(model), buckets, [sink]) == [None, None]
+        assert all(torch.equal(sink[n], t) for n, t in _expected(model).items())
+    finally:
+        pair.close()
+
+
+def test_receiver_failure_reaches_the_sender(model: dict[str, torch.Tensor]) -> None:
+    """A receiver whose load fails (and closes the stream) answers at once: the sender's
+    refit fails naming the rank instead of waiting out the channel's timeout (600 s here;
+    the threads must end within 60), and the next refit works."""
+    pair = Pair(timeout_s=600.0)
+    try:
+        buckets = plan_buckets([spec_of(n, t) for n, t in _stream(model)], 1 << 20)
+
+        def consume(it: Iterator[tuple[str, torch.Tensor]], s: dict[str, torch.Tensor]) -> None:
+            with contextlib.closing(it):  # a consumer that fails closes (or drains) the stream
+                for name, _ in it:
+                    if name == "fused.a":
+                        raise KeyError("no such parameter in the engine")
+
+        errors = pair.refit(_stream(model), buckets, [_sink(model)], consume)
+        assert isinstance(errors[0], RefitError) and "rank 1: the receiver stopped reading" in str(errors[0])
+        assert isinstance(errors[1], KeyError)
+        sink = _sink(model)
+        assert pair.refit(_stream(model), buckets, [sink]) == [None, None]
+        assert all(torch.equal(sink[n], t) for n, t in _expected(model).items())
+    finally:
+        pair.close()
+
+
+def test_bounded_wait_then_broken(model: dict[str, torch.Tensor]) -> None:
+    """A receiver whose sender never sends gives up after the channel's timeout, and the
+    channel then refuses further use with a message saying to reopen it."""
+    pair = Pair(timeout_s=1.5)
+    try:
+        buckets = plan_buckets([spec_of(n, t) for n, t in _stream(model)], 1 << 20)
+        errors = pair.run([lambda: list(pair.ends[1].receive(buckets))], timeout=30)
+        assert isinstance(errors[0], RefitError) and "waited 2s" in str(errors[0]) and "refit.timeout_s" in str(errors[0])
+        errors = pair.run([lambda: list(pair.ends[1].receive(buckets))], timeout=30)
+        assert isinstance(errors[0], RefitError) and "is broken" in str(errors[0])
+    finally:
+        pair.close()
+
+
+def test_close_stops_a_waiting_receiver(model: dict[str, torch.Tensor]) -> None:
+    """Closing the channel (teardown, cancellation) ends a receiver's wait long before the
+    timeout, and leaves nothing registered."""
+    pair = Pair(timeout_s=600.0)
+    buckets = plan_buckets([spec_of(n, t) for n, t in _stream(model)], 1 << 20)
+    receiver = pair.ends[1]
+    box: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            list(receiver.receive(buckets))
+        except BaseException as err:
+            box.append(err)
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    receiver.close()
+    t.join(30)
+    pair.close()
+    assert not t.is_alive()
+    assert isinstance(box[0], RefitError) and "closed" in str(box[0])
+    assert not receiver.opened
+
+
+def test_channels_dispatch(monkeypatch: pytest.MonkeyPatch, model: dict[str, torch.Tensor]) -> None:
+    """channels.open_channel/send_weights/close_channel reach this process's cuda_ipc end
+    (here the sender; the receiver is an end made directly in a thread); close leaves no
+    end, no registered storage and no staging buffer."""
+    registry: dict[int, Any] = {}
+    monkeypatch.setattr(cuda_ipc, "default_ipc", lambda: ThreadIpc(registry))
+    spec = _spec()
+    pair = Pair.__new__(Pair)
+    pair.spec = spec
+    box: list[Any] = []
+    errors = pair.run([
+        lambda: channels.open_channel(spec, 0),
+        lambda: box.append(cuda_ipc.ReceiverEnd(spec, 1, ThreadIpc(registry))),
+    ])
+    assert errors == [None, None]
+    receiver = box[0]
+    cuda_ipc.register_persistent(spec, model.values())
+    sender = cuda_ipc._ends[spec.key]
+    assert isinstance(sender, cuda_ipc.SenderEnd) and len(sender.persistent) == len(model)
+    buckets = plan_buckets([spec_of(n, t) for n, t in _stream(model)], 1 << 20)
+    sink = _sink(model)
+
+    def load() -> None:
+        for name, t in receiver.receive(buckets):
+            sink[name].copy_(t)
+
+    errors = pair.run([lambda: channels.send_weights(spec, 0, _stream(model), buckets), load])
+    assert errors == [None, None]
+    assert all(torch.equal(sink[n], t) for n, t in _expected(model).items())
+    assert pair.results[0] == sum(s.nbytes for b in buckets for s in b)
+    staging = weakref.ref(sender.staging[1])
+    receiver.close()
+    channels.close_channel(spec)
+    assert spec.key not in cuda_ipc._ends
+    assert not sender.shared and not sender.persistent and staging() is None
+    assert not receiver.opened
+
+
+def test_channel_spec_uses_the_senders_address() -> None:
+    """The driver's side: the side channel's rendezvous is the sender's refit address."""
+
+    class Policy:
+        def refit_address(self) -> tuple[str, int]:
+            return "10.0.0.7", 29555
+
+    class Ctx:
+        timeout_s = 42.0
+
+    class Req:
+        key, world_size, policy, ctx = "k", 3, Policy(), Ctx()
+
+    spec = cuda_ipc.channel_spec(Req())  # type: ignore[arg-type]
+    assert (spec.transport, spec.key, spec.world_size, spec.addr, spec.port, spec.timeout_s) == (
+        "cuda_ipc", "k", 3, "10.0.0.7", 29555, 42.0,
+    )
