@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -293,10 +293,142 @@ class BackendDeclaration:
 VIEW_KEYS: frozenset[str] = frozenset({"refit_fed", "colocated", "workers", "role"})
 
 
+def _name(d: BackendDeclaration) -> Iterator[str]:
+    if not _NAME_RE.match(d.name or ""):
+        yield f"name {d.name!r} must be lower case letters, digits, '_' or '-', starting with a letter"
+
+
+def _roles(d: BackendDeclaration) -> Iterator[str]:
+    if not d.roles:
+        yield "roles is empty: a backend serves at least one of policy, generation, env"
+
+
+def _overlap(d: BackendDeclaration) -> Iterator[str]:
+    if d.overlap.colocated and not d.overlap.non_colocated:
+        yield (
+            "overlap: safe when colocated but not when non-colocated is contradictory "
+            "(sharing devices is the harder case)"
+        )
+
+
+def _generation_only(d: BackendDeclaration) -> Iterator[str]:
+    if Role.GENERATION not in d.roles:
+        for field_name in ("refit_fed", "openai_endpoint"):
+            if getattr(d, field_name):
+                yield f"{field_name} is only meaningful for a backend that serves generation"
+        if d.receive_transports:
+            yield "receive_transports given but the backend does not serve generation"
+
+
+def _refit_fed(d: BackendDeclaration) -> Iterator[str]:
+    if d.refit_fed and not d.receive_transports:
+        yield "refit_fed needs at least one receive transport to get its first weights"
+
+
+def _endpoint_conditions(d: BackendDeclaration) -> Iterator[str]:
+    if d.openai_endpoint_when and not d.openai_endpoint:
+        yield "openai_endpoint_when given but openai_endpoint is False"
+
+
+def _contract_version(d: BackendDeclaration) -> Iterator[str]:
+    try:
+        parse_contract_version(d.contract_version)
+    except ValueError as err:
+        yield str(err)
+
+
+def _transports(d: BackendDeclaration) -> Iterator[str]:
+    pol, gen = Role.POLICY in d.roles, Role.GENERATION in d.roles
+    if d.send_transports and not pol:
+        yield "send_transports given but the backend does not serve policy"
+    if pol and not d.send_transports:
+        yield "a policy backend must declare at least one send transport (disk always works)"
+    if gen and not d.receive_transports:
+        yield "a generation backend must declare at least one receive transport (disk always works)"
+
+
+def _options(d: BackendDeclaration) -> Iterator[str]:
+    if d.options is not None and not dataclasses.is_dataclass(d.options):
+        yield f"options must be a dataclass type, got {d.options!r}"
+
+
+def _condition_problems(d: BackendDeclaration, where: str, conditions: tuple[Condition, ...]) -> Iterator[str]:
+    """Each condition tests a key of the role view, or an option the options dataclass has."""
+    option_names = set(d.option_names() or []) if dataclasses.is_dataclass(d.options) else None
+    for c in conditions:
+        if not isinstance(c, Condition):
+            yield f"{where}: condition {c!r} is not a Condition"
+            continue
+        head, _, rest = c.key.partition(".")
+        if head == "options":
+            if not rest:
+                yield f"{where}: condition key 'options' needs an option name"
+            elif option_names is not None and rest.split(".")[0] not in option_names:
+                yield (
+                    f"{where}: condition tests option '{rest}', which the options "
+                    f"dataclass {d.options.__name__} does not define"  # type: ignore[union-attr]
+                )
+        elif c.key not in VIEW_KEYS:
+            yield f"{where}: condition key '{c.key}' is not one of {sorted(VIEW_KEYS)} or options.<name>"
+
+
+def _role_served(d: BackendDeclaration, where: str, role: Role | None) -> Iterator[str]:
+    if role is not None and role not in d.roles:
+        yield f"{where} is for role '{role}', which the backend does not serve"
+
+
+def _artifacts(d: BackendDeclaration) -> Iterator[str]:
+    yield from _condition_problems(d, "openai_endpoint_when", d.openai_endpoint_when)
+    for a in d.produces:
+        if not isinstance(a, Artifact):
+            yield f"produces entry {a!r} is not an Artifact"
+            continue
+        if not _ARTIFACT_RE.match(a.name or ""):
+            yield f"artifact name {a.name!r} must be lower case, e.g. 'megatron.checkpoint'"
+        yield from _role_served(d, f"artifact '{a.name}'", a.role)
+        yield from _condition_problems(d, f"artifact '{a.name}'", a.when)
+
+
+def _waits_for_itself(d: BackendDeclaration, n: Need) -> bool:
+    return any(
+        isinstance(a, Artifact)
+        and a.name == n.name
+        and (a.role is None or n.role is None or a.role == n.role)
+        and not a.when
+        and not n.when
+        for a in d.produces
+    )
+
+
+def _needs(d: BackendDeclaration) -> Iterator[str]:
+    for n in d.needs:
+        if not isinstance(n, Need):
+            yield f"needs entry {n!r} is not a Need"
+            continue
+        if n.kind not in ("artifact", "event"):
+            yield f"need '{n.name}': kind must be 'artifact' or 'event', got {n.kind!r}"
+        if n.kind == "event" and n.name not in CORE_EVENTS:
+            yield f"need '{n.name}': unknown core event; known events: {sorted(CORE_EVENTS)}"
+        yield from _role_served(d, f"need '{n.name}'", n.role)
+        yield from _condition_problems(d, f"need '{n.name}'", n.when)
+        if n.kind == "artifact" and _waits_for_itself(d, n):
+            yield (
+                f"artifact '{n.name}' is both produced and needed in the same role: "
+                "the backend would wait for itself"
+            )
+
+
+#: One check per rule a declaration must keep; each yields what it finds wrong.
+_RULES: tuple[Callable[[BackendDeclaration], Iterator[str]], ...] = (
+    _name, _roles, _overlap, _generation_only, _refit_fed, _endpoint_conditions,
+    _contract_version, _transports, _options, _artifacts, _needs,
+)
+
+
 def validate_declaration(
     decl: object, *, plugin: str, distribution: str | None
 ) -> BackendDeclaration:
-    """Check a declaration for type errors and contradictions.
+    """Check a declaration for type errors and contradictions (every rule of :data:`_RULES`).
 
     Returns the declaration; raises :class:`DeclarationError` naming the plugin,
     its distribution and every problem found.
@@ -308,104 +440,7 @@ def validate_declaration(
             plugin=plugin,
             distribution=distribution,
         )
-    problems: list[str] = []
-    if not _NAME_RE.match(decl.name or ""):
-        problems.append(
-            f"name {decl.name!r} must be lower case letters, digits, '_' or '-', starting with a letter"
-        )
-    if not decl.roles:
-        problems.append("roles is empty: a backend serves at least one of policy, generation, env")
-    gen = Role.GENERATION in decl.roles
-    pol = Role.POLICY in decl.roles
-    if decl.overlap.colocated and not decl.overlap.non_colocated:
-        problems.append(
-            "overlap: safe when colocated but not when non-colocated is contradictory "
-            "(sharing devices is the harder case)"
-        )
-    if decl.refit_fed and not gen:
-        problems.append("refit_fed is only meaningful for a backend that serves generation")
-    if decl.refit_fed and not decl.receive_transports:
-        problems.append("refit_fed needs at least one receive transport to get its first weights")
-    if decl.openai_endpoint and not gen:
-        problems.append("openai_endpoint is only meaningful for a backend that serves generation")
-    if decl.openai_endpoint_when and not decl.openai_endpoint:
-        problems.append("openai_endpoint_when given but openai_endpoint is False")
-    try:
-        parse_contract_version(decl.contract_version)
-    except ValueError as err:
-        problems.append(str(err))
-    if decl.send_transports and not pol:
-        problems.append("send_transports given but the backend does not serve policy")
-    if decl.receive_transports and not gen:
-        problems.append("receive_transports given but the backend does not serve generation")
-    if pol and not decl.send_transports:
-        problems.append("a policy backend must declare at least one send transport (disk always works)")
-    if gen and not decl.receive_transports:
-        problems.append(
-            "a generation backend must declare at least one receive transport (disk always works)"
-        )
-    if decl.options is not None and not dataclasses.is_dataclass(decl.options):
-        problems.append(f"options must be a dataclass type, got {decl.options!r}")
-    option_names = set(decl.option_names() or []) if dataclasses.is_dataclass(decl.options) else None
-
-    def check_role(where: str, role: Role | None) -> None:
-        if role is not None and role not in decl.roles:
-            problems.append(f"{where} is for role '{role}', which the backend does not serve")
-
-    def check_conditions(where: str, conditions: tuple[Condition, ...]) -> None:
-        for c in conditions:
-            if not isinstance(c, Condition):
-                problems.append(f"{where}: condition {c!r} is not a Condition")
-                continue
-            head, _, rest = c.key.partition(".")
-            if head == "options":
-                if not rest:
-                    problems.append(f"{where}: condition key 'options' needs an option name")
-                elif option_names is not None and rest.split(".")[0] not in option_names:
-                    problems.append(
-                        f"{where}: condition tests option '{rest}', which the options "
-                        f"dataclass {decl.options.__name__} does not define"  # type: ignore[union-attr]
-                    )
-            elif c.key not in VIEW_KEYS:
-                problems.append(
-                    f"{where}: condition key '{c.key}' is not one of "
-                    f"{sorted(VIEW_KEYS)} or options.<name>"
-                )
-
-    check_conditions("openai_endpoint_when", decl.openai_endpoint_when)
-    for a in decl.produces:
-        if not isinstance(a, Artifact):
-            problems.append(f"produces entry {a!r} is not an Artifact")
-            continue
-        if not _ARTIFACT_RE.match(a.name or ""):
-            problems.append(f"artifact name {a.name!r} must be lower case, e.g. 'megatron.checkpoint'")
-        check_role(f"artifact '{a.name}'", a.role)
-        check_conditions(f"artifact '{a.name}'", a.when)
-    for n in decl.needs:
-        if not isinstance(n, Need):
-            problems.append(f"needs entry {n!r} is not a Need")
-            continue
-        if n.kind not in ("artifact", "event"):
-            problems.append(f"need '{n.name}': kind must be 'artifact' or 'event', got {n.kind!r}")
-        if n.kind == "event" and n.name not in CORE_EVENTS:
-            problems.append(
-                f"need '{n.name}': unknown core event; known events: {sorted(CORE_EVENTS)}"
-            )
-        check_role(f"need '{n.name}'", n.role)
-        check_conditions(f"need '{n.name}'", n.when)
-        if n.kind == "artifact":
-            for a in decl.produces:
-                if (
-                    isinstance(a, Artifact)
-                    and a.name == n.name
-                    and (a.role is None or n.role is None or a.role == n.role)
-                    and not a.when
-                    and not n.when
-                ):
-                    problems.append(
-                        f"artifact '{n.name}' is both produced and needed in the same role: "
-                        "the backend would wait for itself"
-                    )
+    problems = [p for rule in _RULES for p in rule(decl)]
     if problems:
         raise DeclarationError(
             f"plugin '{plugin}' (distribution {distribution or 'unknown'}) declares backend "
