@@ -166,6 +166,14 @@ def _closest(name: str, candidates: Iterable[str]) -> str | None:
     return match[0] if match else None
 
 
+class _Refused(Exception):
+    """A registration stage refused a plugin (turned into a :class:`PluginFailure`)."""
+
+    def __init__(self, stage: str, message: str, backend: str | None = None) -> None:
+        super().__init__(message)
+        self.stage, self.message, self.backend = stage, message, backend
+
+
 class Registry:
     """The loaded plugins of one process.
 
@@ -217,116 +225,108 @@ class Registry:
             )
             return existing
         who = _origin(name, distribution, version)
-
-        holder = self._info_named(name)
-        if holder is not None or self.pm.has_plugin(name):
-            other = holder.origin() if holder is not None else f"plugin '{name}'"
-            return self._fail(
-                plugin,
-                name,
-                distribution,
-                "duplicate",
-                f"{who}: the plugin name '{name}' is already taken by {other}, so this one "
-                "was skipped. Uninstall one of the two distributions, or load only one of "
-                f"them ({_ALLOW_HINT}).",
-            )
-
         try:
-            self.pm.register(plugin, name=name)
-        except pluggy.PluginValidationError as err:
+            self._admit(plugin, name, who)
+            decl_obj = self._declared(plugin, who)
+            if decl_obj is None:
+                problem = self._wrapper_problem(plugin)
+                if problem:
+                    raise _Refused("validate", f"{who}: {problem}")
+                info = PluginInfo(name, distribution, version, None, plugin)
+                self.wrappers.append(info)
+                logger.debug("registered wrapper %s", info.origin())
+                return info
+            decl = self._accepted(decl_obj, name, distribution, who)
+        except _Refused as refused:
             return self._fail(
-                plugin,
-                name,
-                distribution,
-                "validate",
-                f"{who}: a hook implementation does not match rlcore's hook specification: "
-                f"{'; '.join(str(err).splitlines())}. An implementation may take any subset "
-                "of its spec's arguments and no others; see the docstrings in rlcore.hookspecs.",
+                plugin, name, distribution, refused.stage, refused.message, backend=refused.backend
             )
-        except Exception as err:  # noqa: BLE001 - a plugin must never take the core down
-            return self._fail(
-                plugin,
-                name,
-                distribution,
-                "validate",
-                f"{who}: pluggy could not register it: {type(err).__name__}: {err}",
-            )
-
-        problem = self._unknown_hooks(plugin)
-        if problem:
-            return self._fail(plugin, name, distribution, "validate", f"{who}: {problem}")
-        self._warn_unmarked(plugin, who)
-
-        try:
-            decl_obj = self._call_declare(plugin)
-        except Exception as err:  # noqa: BLE001
-            return self._fail(
-                plugin,
-                name,
-                distribution,
-                "declare",
-                f"{who}: rlcore_declare_backend failed: {type(err).__name__}: {err}. "
-                "It must build and return a BackendDeclaration cheaply, without importing "
-                "the backend's engine.",
-            )
-
-        if decl_obj is None:
-            problem = self._wrapper_problem(plugin)
-            if problem:
-                return self._fail(plugin, name, distribution, "validate", f"{who}: {problem}")
-            info = PluginInfo(name, distribution, version, None, plugin)
-            self.wrappers.append(info)
-            logger.debug("registered wrapper %s", info.origin())
-            return info
-
-        try:
-            decl = validate_declaration(decl_obj, plugin=name, distribution=distribution)
-        except DeclarationError as err:
-            return self._fail(
-                plugin,
-                name,
-                distribution,
-                "declare",
-                f"{err}\nFix the declaration returned by rlcore_declare_backend "
-                "(see rlcore.declarations.BackendDeclaration).",
-                backend=getattr(decl_obj, "name", None),
-            )
-
-        if not contract_compatible(decl.contract_version):
-            from rlcore import __version__
-
-            return self._fail(
-                plugin,
-                name,
-                distribution,
-                "contract",
-                f"{who} declares backend '{decl.name}' for rlcore contract "
-                f"{decl.contract_version}, but this rlcore ({__version__}) implements contract "
-                f"{CONTRACT_VERSION}: install a release of {distribution or 'the plugin'} built "
-                f"for contract {CONTRACT_VERSION.split('.')[0]}.x, or an rlcore whose contract "
-                f"it targets.",
-                backend=decl.name,
-            )
-
-        owner = self.backends.get(decl.name)
-        if owner is not None:
-            return self._fail(
-                plugin,
-                name,
-                distribution,
-                "duplicate",
-                f"{who} declares backend '{decl.name}', which {owner.origin()} already "
-                f"provides; this one was skipped and '{decl.name}' stays with plugin "
-                f"'{owner.name}'. Uninstall one of the two distributions, or load only one "
-                f"of them ({_ALLOW_HINT}).",
-                backend=decl.name,
-            )
-
         info = PluginInfo(name, distribution, version, decl, plugin)
         self.backends[decl.name] = info
         self._warn_role_hooks(info)
         logger.debug("registered backend '%s' from %s", decl.name, info.origin())
         return info
+
+    def _admit(self, plugin: object, name: str, who: str) -> None:
+        """Stages 'duplicate' (the plugin name) and 'validate': pluggy checks every
+        implementation against its spec; unknown ``rlcore_*`` hooks are refused."""
+        holder = self._info_named(name)
+        if holder is not None or self.pm.has_plugin(name):
+            other = holder.origin() if holder is not None else f"plugin '{name}'"
+            raise _Refused(
+                "duplicate",
+                f"{who}: the plugin name '{name}' is already taken by {other}, so this one "
+                "was skipped. Uninstall one of the two distributions, or load only one of "
+                f"them ({_ALLOW_HINT}).",
+            )
+        try:
+            self.pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as err:
+            raise _Refused(
+                "validate",
+                f"{who}: a hook implementation does not match rlcore's hook specification: "
+                f"{'; '.join(str(err).splitlines())}. An implementation may take any subset "
+                "of its spec's arguments and no others; see the docstrings in rlcore.hookspecs.",
+            ) from None
+        except Exception as err:  # noqa: BLE001 - a plugin must never take the core down
+            raise _Refused(
+                "validate", f"{who}: pluggy could not register it: {type(err).__name__}: {err}"
+            ) from None
+        problem = self._unknown_hooks(plugin)
+        if problem:
+            raise _Refused("validate", f"{who}: {problem}")
+        self._warn_unmarked(plugin, who)
+
+    def _declared(self, plugin: object, who: str) -> object | None:
+        """Stage 'declare': what ``rlcore_declare_backend`` returns (None: a wrapper)."""
+        try:
+            return self._call_declare(plugin)
+        except Exception as err:  # noqa: BLE001
+            raise _Refused(
+                "declare",
+                f"{who}: rlcore_declare_backend failed: {type(err).__name__}: {err}. "
+                "It must build and return a BackendDeclaration cheaply, without importing "
+                "the backend's engine.",
+            ) from None
+
+    def _accepted(
+        self, decl_obj: object, name: str, distribution: str | None, who: str
+    ) -> BackendDeclaration:
+        """Stages 'declare' (a valid declaration), 'contract' (a contract version this
+        core implements) and 'duplicate' (the backend name is free)."""
+        backend = getattr(decl_obj, "name", None)
+        try:
+            decl = validate_declaration(decl_obj, plugin=name, distribution=distribution)
+        except DeclarationError as err:
+            raise _Refused(
+                "declare",
+                f"{err}\nFix the declaration returned by rlcore_declare_backend "
+                "(see rlcore.declarations.BackendDeclaration).",
+                backend,
+            ) from None
+        if not contract_compatible(decl.contract_version):
+            from rlcore import __version__
+
+            raise _Refused(
+                "contract",
+                f"{who} declares backend '{decl.name}' for rlcore contract "
+                f"{decl.contract_version}, but this rlcore ({__version__}) implements contract "
+                f"{CONTRACT_VERSION}: install a release of {distribution or 'the plugin'} built "
+                f"for contract {CONTRACT_VERSION.split('.')[0]}.x, or an rlcore whose contract "
+                "it targets.",
+                decl.name,
+            )
+        owner = self.backends.get(decl.name)
+        if owner is not None:
+            raise _Refused(
+                "duplicate",
+                f"{who} declares backend '{decl.name}', which {owner.origin()} already "
+                f"provides; this one was skipped and '{decl.name}' stays with plugin "
+                f"'{owner.name}'. Uninstall one of the two distributions, or load only one "
+                f"of them ({_ALLOW_HINT}).",
+                decl.name,
+            )
+        return decl
 
     def _register_core(self, plugin: object, name: str) -> PluginInfo:
         """Register one of the core's own plugins; a failure here is a bug in rlcore."""
