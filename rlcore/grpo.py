@@ -83,6 +83,35 @@ def check_divergence(err: float, limit: float | None, *, step: int, policy: str,
         )
 
 
+def _step_metrics(
+    step: int,
+    rewards: list[list[float]],
+    train: dict[str, float],
+    gen_lp: list[list[float]],
+    old_lp: list[list[float]],
+    report: Any,
+    probe_err: float,
+    phases: dict[str, float],
+) -> dict[str, Any]:
+    """One step's metrics: rewards, train step, generation vs policy, refit, phase times."""
+    flat_rewards = [r for g in rewards for r in g]
+    return {
+        "step": step,
+        "reward/mean": statistics.fmean(flat_rewards),
+        "reward/max": max(flat_rewards),
+        "reward/exact": statistics.fmean(1.0 if r >= 1.0 else 0.0 for r in flat_rewards),
+        "train/loss": train.get("loss"),
+        "train/grad_norm": train.get("grad_norm"),
+        "train/gen_vs_policy_mult_prob_error": token_mult_prob_error(gen_lp, old_lp),
+        "refit/weight_sync_time_s": report.weight_sync_time_s,
+        "refit/bytes": report.bytes,
+        "refit/throughput_gib_s": report.throughput_gib_s,
+        "refit/transport": report.transport,
+        "refit/token_mult_prob_error": probe_err,
+        **{f"timing/{k}_time_s": v for k, v in phases.items()},
+    }
+
+
 def run_grpo(
     *,
     cfg: GRPOConfig,
@@ -156,23 +185,8 @@ def run_grpo(
         probe_err = token_mult_prob_error(generation.logprobs(probe), policy.logprobs(probe))
         phase("probe", t0)
 
-        flat_rewards = [r for g in rewards for r in g]
-        metrics: dict[str, Any] = {
-            "step": step,
-            "reward/mean": statistics.fmean(flat_rewards),
-            "reward/max": max(flat_rewards),
-            "reward/exact": statistics.fmean(1.0 if r >= 1.0 else 0.0 for r in flat_rewards),
-            "train/loss": train.get("loss"),
-            "train/grad_norm": train.get("grad_norm"),
-            "train/gen_vs_policy_mult_prob_error": token_mult_prob_error(gen_lp, old_lp),
-            "refit/weight_sync_time_s": report.weight_sync_time_s,
-            "refit/bytes": report.bytes,
-            "refit/throughput_gib_s": report.throughput_gib_s,
-            "refit/transport": report.transport,
-            "refit/token_mult_prob_error": probe_err,
-            "timing/step_time_s": time.monotonic() - t_step,
-            **{f"timing/{k}_time_s": v for k, v in phases.items()},
-        }
+        metrics = _step_metrics(step, rewards, train, gen_lp, old_lp, report, probe_err, phases)
+        metrics["timing/step_time_s"] = time.monotonic() - t_step
         history.append(metrics)
         on_step(metrics)
         check_divergence(
