@@ -278,7 +278,7 @@ class WorkerGroup:
         self.cancel = cancel
         self.timeout_s = timeout_s
         self.actors: list[Any] = []
-        self._processes = []
+        self._processes: list[tuple[str, int]] = []  # (Ray node id, pid) per rank
         self.start_time_s = 0.0
         t0 = time.monotonic()
         _check_fits(name, world_size, num_cpus, num_gpus)
@@ -295,7 +295,7 @@ class WorkerGroup:
                         max_restarts=0,
                     ).remote(rank, world_size, *args, **(kwargs or {}))
                 )
-            self._processes: list[tuple[str, int]] = ray_get(
+            self._processes = ray_get(
                 [a.process_ids.remote() for a in self.actors], what=f"starting {name} workers", cancel=cancel, deadline=deadline
             )
             if dist_backend:
