@@ -357,6 +357,11 @@ class WorkerGroup:
 
         if not self.actors:
             return
+        if not ray.is_initialized():
+            # The cluster is gone and its workers with it; any Ray call here would start a
+            # new local cluster (Ray's auto-init), which a shutdown must never do.
+            self.actors, self._processes = [], []
+            return
         procs = self._local_processes()
         try:
             refs = [a.teardown.remote() for a in self.actors]

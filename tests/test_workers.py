@@ -174,3 +174,18 @@ def test_ray_get_of_nothing_never_touches_ray(monkeypatch) -> None:
     fake.wait = lambda *a, **k: (_ for _ in ()).throw(AssertionError("ray used"))  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "ray", fake)
     assert ray_get([], what="nothing") == []
+
+
+def test_shutdown_after_the_cluster_is_gone_starts_no_cluster(monkeypatch) -> None:
+    """A group whose cluster was shut down: shutdown() returns without calling Ray."""
+    group = WorkerGroup.__new__(WorkerGroup)
+    group.name, group.actors, group._processes = "orphan", [object()], [("node", 1)]
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+
+    def started(*_a, **_k):
+        raise AssertionError("shutdown() called into Ray after the cluster was gone")
+
+    monkeypatch.setattr(ray, "get_runtime_context", started)
+    monkeypatch.setattr(ray, "kill", started)
+    group.shutdown()
+    assert group.actors == []
