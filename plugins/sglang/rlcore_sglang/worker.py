@@ -215,10 +215,13 @@ class SGLangWorker(DistributedWorker):
         out = self._server().request("/generate", body, timeout_s=self.options.call_timeout_s)
         rows = []
         for (_, completion), o in zip(batch, out, strict=True):
+            # Compare lengths, not ids: SGLang reports the id vocab_size - 1 as 0 (it clips
+            # "padded" ids in input logprobs); the logprob itself is of the real token.
             entries = o["meta_info"]["input_token_logprobs"][1:]
-            if [int(t) for _, t, _ in entries] != list(map(int, completion)):
+            if len(entries) != len(completion):
                 raise RuntimeError(
-                    f"SGLang worker {self.rank}: input logprobs do not line up with the completion"
+                    f"SGLang worker {self.rank}: {len(entries)} input logprobs for a completion "
+                    f"of {len(completion)} tokens"
                 )
             rows.append([float(lp) for lp, _, _ in entries])
         return rows

@@ -1,0 +1,41 @@
+"""Fixtures of the sglang backend's tests: a tiny model, a Ray cluster, one shared server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rlcore.config import TinyModelConfig
+    from rlcore.tinymodel import write_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    write_tiny_model(path, TinyModelConfig())
+    return path
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    from rlcore.cluster import Cluster
+    from rlcore.config import ClusterConfig
+
+    cluster = Cluster(ClusterConfig(num_cpus=2)).start()
+    yield
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(
+    ray_cluster: None, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """One refit-fed SGLang server (through the real init hook), shared by a module's tests."""
+    from sglang_helpers import start
+
+    gen = start(tiny_model, tmp_path_factory.mktemp("sglang-server"))
+    yield gen
+    gen.shutdown()

@@ -1,0 +1,85 @@
+"""The plugin module (declaration, options, light import) and SGLang's pinned CPU route."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rlcore.config import resolve_options
+from rlcore.declarations import Role, Transport, validate_declaration
+from rlcore.errors import ConfigError
+from rlcore_sglang.options import SGLangOptions
+from rlcore_sglang.plugin import rlcore_declare_backend
+
+
+def test_declaration_validates() -> None:
+    d = validate_declaration(rlcore_declare_backend(), plugin="sglang", distribution="rlcore-sglang")
+    assert d.name == "sglang" and d.roles == {Role.GENERATION}
+    assert d.refit_fed and d.openai_endpoint
+    assert d.receive_transports == {Transport.COLLECTIVE, Transport.SHARED_MEMORY, Transport.DISK}
+    assert d.overlap.non_colocated and not d.overlap.colocated and "memory" in d.overlap.reason
+
+
+def test_options_are_checked() -> None:
+    opts = resolve_options(
+        {"port": 8123, "extra_args": ["--log-level", "info"]}, SGLangOptions, section="generation", backend="sglang"
+    )
+    assert isinstance(opts, SGLangOptions) and opts.port == 8123
+    assert list(opts.extra_args) == ["--log-level", "info"]
+    with pytest.raises(ConfigError, match="max_total_token"):
+        resolve_options({"max_total_token": 1}, SGLangOptions, section="generation", backend="sglang")
+
+
+def test_plugin_import_is_light() -> None:
+    script = (
+        "import json, sys\n"
+        "import rlcore_sglang.plugin as p\n"
+        "p.rlcore_declare_backend()\n"
+        "import rlcore_sglang.handle, rlcore_sglang.worker, rlcore_sglang.server\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    heavy = [m for m in json.loads(out.stdout) if m.split(".")[0] in ("sglang", "torch", "transformers", "vllm")]
+    assert heavy == []
+
+
+def test_launch_args_follow_the_cpu_route_and_refit_fed() -> None:
+    from rlcore_sglang.worker import launch_args
+
+    args = launch_args("/m", dtype="float32", refit_fed=True, options=SGLangOptions(), seed=3, cuda=False)
+    for flag in ("--device", "--attention-backend", "--sampling-backend", "--disable-cuda-graph",
+                 "--disable-overlap-schedule", "--load-format"):
+        assert flag in args
+    assert args[args.index("--load-format") + 1] == "dummy"
+    assert args[args.index("--attention-backend") + 1] == "torch_native"
+    assert "--load-format" not in launch_args(
+        "/m", dtype="float32", refit_fed=False, options=SGLangOptions(), seed=3, cuda=False
+    )
+
+
+def test_seeds_are_distinct_and_shards_contiguous() -> None:
+    from rlcore_sglang.handle import sample_seed, shard_bounds
+
+    seeds = [sample_seed(7, i) for i in range(1000)]
+    assert len({s + j for s in seeds for j in range(16)}) == 16 * len(seeds)
+    assert sample_seed(7, 3) == sample_seed(7, 3) != sample_seed(8, 3)
+    assert shard_bounds(5, 2) == [(0, 2), (2, 5)] and shard_bounds(1, 3) == [(0, 0), (0, 0), (0, 1)]
+
+
+def test_pinned_cpu_route_imports() -> None:
+    """SGLang's CPU route in .venv-sglang: every import the server needs, in order, and
+    the torchvision op schemas. Fails (never skips) naming the import or op that broke."""
+    from rlcore_sglang.server import SITE_DIR, find_sglang_python
+
+    python = find_sglang_python(None)  # ConfigError naming install.sh if the venv is missing
+    out = subprocess.run(
+        [str(python), "-m", "rlcore_sglang_site_check"],
+        env={"PYTHONPATH": str(SITE_DIR), "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "SGLang 0.5.21 CPU route OK" in out.stdout, out.stdout

@@ -1,0 +1,150 @@
+"""One real SGLang server (refit-fed) shared by this module's tests, fed by a sender in
+the test process: refit over each transport matches transformers, samples follow the
+handle's formats, a refit the server rejects keeps the old weights, and a server that
+dies mid-run fails the next call with a named error in bounded time."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from sglang_helpers import PROMPTS, ThreadSender, hf_state, named, reference_logprobs
+
+from rlcore.errors import RefitError
+from rlcore.refit import channels
+from rlcore.refit.specs import TensorSpec, plan_buckets, spec_of
+from rlcore.workers import WorkerError, free_port
+
+TOL = 1e-4
+PROBE = [(p, [10, 11, 12, 3]) for p in PROMPTS]
+
+
+def channel(transport: str, root: Path) -> channels.ChannelSpec:
+    key = uuid.uuid4().hex[:12]
+    if transport == "collective":
+        return channels.ChannelSpec("collective", key, 2, addr="127.0.0.1", port=free_port(), timeout_s=60)
+    return channels.ChannelSpec(transport, key, 2, root=str(root), timeout_s=60)
+
+
+def open_both(gen: Any, spec: channels.ChannelSpec) -> None:
+    sender = ThreadSender()
+    sender.run(lambda: channels.open_channel(spec, 0))
+    ray.get(gen.open_refit_channel(spec), timeout=120)
+    sender.join()
+
+
+def refit(gen: Any, spec: channels.ChannelSpec, step: int, state: dict[str, Any], buckets: list[list[Any]]) -> None:
+    """Send ``state`` in ``buckets`` from this process while the server receives."""
+    sender = ThreadSender()
+    sender.run(lambda: channels.send_weights(spec, step, named(state, buckets), buckets))
+    try:
+        ray.get(gen.receive_weights(spec, step, buckets), timeout=120)
+    finally:
+        sender.join()
+        channels.remove_step(spec, step)
+
+
+def server_logprobs(gen: Any, batch: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+    """Logprobs straight from SGLang's /generate (past the handle's stale-weights guard)."""
+    base = gen.endpoint.base_url.removesuffix("/v1")
+    rows = []
+    for prompt, completion in batch:
+        body = {"input_ids": prompt + completion, "sampling_params": {"max_new_tokens": 1},
+                "return_logprob": True, "logprob_start_len": len(prompt) - 1}
+        req = urllib.request.Request(base + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            rows.append([e[0] for e in json.loads(r.read())["meta_info"]["input_token_logprobs"][1:]])
+    return rows
+
+
+def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(r) for r in a] == [len(r) for r in b]
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+@pytest.fixture(scope="module")
+def specs(server: Any) -> list[TensorSpec]:
+    return server.weight_specs()
+
+
+@pytest.mark.parametrize("transport", ["collective", "disk", "shared_memory"])
+def test_refit_loads_the_sent_weights(
+    server: Any, tiny_model: Path, specs: list[TensorSpec], transport: str, tmp_path: Path
+) -> None:
+    state = hf_state(tiny_model, seed=len(transport))
+    truth = reference_logprobs(tiny_model, state, PROBE)
+    assert max_diff(server_logprobs(server, PROBE), truth) > 0.01  # not these weights yet
+    spec = channel(transport, tmp_path)
+    open_both(server, spec)
+    buckets = plan_buckets(specs, 256 * 1024)  # several buckets
+    assert len(buckets) > 2
+    step = {"collective": 11, "disk": 12, "shared_memory": 13}[transport]
+    refit(server, spec, step, state, buckets)
+    assert max_diff(server.logprobs(PROBE), truth) < TOL
+    assert server.weight_versions() == [f"step-{step}"]
+    channels.close_channel(spec)
+
+
+def test_samples_follow_the_handle_formats(server: Any, tiny_model: Path) -> None:
+    """Token ids with their temperature-1 logprobs, EOS included and last; n per prompt;
+    SGLang's own /v1 answers with the same weights."""
+    groups = server.generate(PROMPTS, n=3, max_tokens=6, temperature=1.5, seed=5)
+    assert [len(g) for g in groups] == [3] * len(PROMPTS)
+    batch = [(p, s["token_ids"]) for p, g in zip(PROMPTS, groups, strict=True) for s in g]
+    sampled = [s["logprobs"] for g in groups for s in g]
+    assert all(1 <= len(s["token_ids"]) <= 6 and len(s["logprobs"]) == len(s["token_ids"]) for g in groups for s in g)
+    # sampled at temperature 1.5, reported at temperature 1: what logprobs() says
+    assert max_diff(sampled, server.logprobs(batch)) < TOL
+    eos = 3
+    for _, completion in batch:
+        assert eos not in completion[:-1]
+    ep = server.endpoint
+    body = {"model": ep.model, "prompt": "12+7=", "max_tokens": 4, "n": 2}
+    req = urllib.request.Request(ep.base_url + "/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert len(json.loads(r.read())["choices"]) == 2
+
+
+def test_rejected_refit_raises_quoting_the_server_and_keeps_old_weights(
+    server: Any, tiny_model: Path, specs: list[TensorSpec], tmp_path: Path
+) -> None:
+    """A tensor SGLang's loader refuses (wrong shape, first in the plan: the core's own
+    check is bypassed here) -> RefitError quoting the server; weight_version and the
+    served logprobs are unchanged; the sender is not left blocked; a good refit after."""
+    before_version = server.weight_versions()
+    before = server_logprobs(server, PROBE)
+    state = hf_state(tiny_model, seed=99)
+    bad = dict(state)
+    bad["model.norm.weight"] = state["model.norm.weight"][:-1].clone()
+    order = ["model.norm.weight"] + [s.name for s in specs if s.name != "model.norm.weight"]
+    buckets = plan_buckets([spec_of(n, bad[n]) for n in order], 256 * 1024)
+    spec = channel("collective", tmp_path)
+    open_both(server, spec)
+    with pytest.raises(RefitError, match="rejected refit step 21") as info:
+        refit(server, spec, 21, bad, buckets)  # the sender finishes (join() inside)
+    assert "model.norm.weight" in str(info.value) or "size" in str(info.value).lower()
+    assert server.weight_versions() == before_version
+    assert max_diff(server_logprobs(server, PROBE), before) < 1e-6
+    with pytest.raises(WorkerError, match="refuses to generate until a refit succeeds"):
+        server.generate(PROMPTS, n=1, max_tokens=2, temperature=1.0, seed=0)
+    good = plan_buckets(specs, 256 * 1024)
+    refit(server, spec, 22, state, good)
+    assert max_diff(server.logprobs(PROBE), reference_logprobs(tiny_model, state, PROBE)) < TOL
+    assert server.weight_versions() == ["step-22"]
+    channels.close_channel(spec)
+
+
+@pytest.mark.timeout(120)
+def test_server_killed_mid_run_fails_the_next_call_fast(server: Any) -> None:
+    """Last in the module: it kills the shared server."""
+    info = ray.get(server.group.actors[0].endpoint_info.remote())
+    os.killpg(info["pgid"], signal.SIGKILL)
+    with pytest.raises(WorkerError, match="SGLang server .* is gone|SGLang server .* failed"):
+        server.generate(PROMPTS, n=1, max_tokens=2, temperature=1.0, seed=0)
