@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Alignment (bytes) of every tensor in the staging buffer.
-ALIGN = 256
+ALIGN = 512
 #: Entry ``sid`` of an empty tensor (nothing shared).
 _EMPTY = -1
 
@@ -157,10 +157,9 @@ class _End:
             raise RefitError(f"cuda_ipc channel {spec.key} has no rendezvous address (addr/port)")
         self.spec, self.rank, self.ipc = spec, rank, ipc
         self.timeout_s = float(spec.timeout_s)
-        store = dist.TCPStore(
-            spec.addr, spec.port, spec.world_size, rank == 0,
-            timeout=datetime.timedelta(seconds=self.timeout_s),
-        )
+        from rlcore.workers import tcp_store  # loopback-only on a single host
+
+        store = tcp_store(spec.addr, spec.port, spec.world_size, rank == 0, self.timeout_s)
         self.store = dist.PrefixStore(f"rlcore-ipc-{spec.key}", store)
         self._tcp = store  # keep the server (rank 0) alive as long as the channel
         self.seq = 0
