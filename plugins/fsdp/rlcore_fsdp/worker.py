@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlcore.batches import Row, check_rows, check_train_inputs, shard_range
+from rlcore.losses import clipped_pg_loss
 from rlcore.refit.specs import TensorSpec, plan_buckets
 from rlcore.refit.worker import RefitSenderWorker
 from rlcore.workers import DistributedWorker
@@ -475,22 +476,18 @@ class FSDPWorker(RefitSenderWorker, DistributedWorker):
             token_lp, mask, spans = self._forward_token_logprobs(chunk_rows)
             if padding:
                 mask = torch.zeros_like(mask)
-            adv = torch.zeros(len(chunk_rows), 1, device=self.device)
-            old = token_lp.detach().clone()
-            for i, (_, a, old_row) in enumerate(chunk):
-                adv[i, 0] = a
-                if old_row is not None:
-                    start, end = spans[i]
-                    old[i, start:end] = torch.tensor(old_row, dtype=old.dtype)
-            log_ratio = torch.where(mask, token_lp - old, torch.zeros_like(token_lp))
-            ratio = torch.exp(log_ratio)
-            objective = torch.minimum(
-                ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
+            token_loss, n_clipped = clipped_pg_loss(
+                token_lp,
+                mask,
+                spans,
+                [a for _, a, _ in chunk] or [0.0],
+                [old_row for _, _, old_row in chunk] or [None],
+                clip_eps,
+                adv_dtype=torch.float32,
             )
-            token_loss = -objective * mask
             (token_loss.sum() * scale).backward()
             loss_sum += token_loss.detach().sum().double().cpu()
-            clipped += (((ratio.detach() - 1).abs() > clip_eps) & mask).sum().double().cpu()
+            clipped += n_clipped.double().cpu()
         max_norm = self.options.max_grad_norm if self.options.max_grad_norm > 0 else math.inf
         grad_norm = self.model.clip_grad_norm_(max_norm)
         self.optimizer.step()

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from rlcore.batches import Row, check_rows, check_train_inputs, shard_range
 from rlcore.errors import NotServingError
+from rlcore.losses import clipped_pg_loss
 from rlcore.refit.worker import RefitChannels, RefitSenderWorker
 from rlcore.workers import DistributedWorker
 
@@ -356,21 +357,17 @@ class MegatronPolicyWorker(RefitSenderWorker, MegatronWorker):
         stats = torch.zeros(2, dtype=torch.float64)  # loss sum, clipped tokens
         for chunk in self._micro_batches(local):
             token_lp, mask, spans = self._forward_logprobs([r for r, _, _ in chunk])
-            adv = torch.tensor([[a] for _, a, _ in chunk], dtype=token_lp.dtype, device=self.device)
-            old = token_lp.detach().clone()
-            for i, (_, _, old_row) in enumerate(chunk):
-                if old_row is not None:
-                    a, b = spans[i]
-                    old[i, a:b] = torch.tensor(old_row, dtype=old.dtype, device=old.device)
-            log_ratio = torch.where(mask, token_lp - old, torch.zeros_like(token_lp))
-            ratio = torch.exp(log_ratio)
-            objective = torch.minimum(
-                ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
+            token_loss, n_clipped = clipped_pg_loss(
+                token_lp,
+                mask,
+                spans,
+                [a for _, a, _ in chunk],
+                [old_row for _, _, old_row in chunk],
+                clip_eps,
             )
-            token_loss = -objective * mask
             (token_loss.sum() * scale).backward()
             stats[0] += token_loss.detach().sum().double().cpu()
-            stats[1] += (((ratio.detach() - 1).abs() > clip_eps) & mask).sum().double().cpu()
+            stats[1] += n_clipped.double().cpu()
 
         params = [p for p in self.model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

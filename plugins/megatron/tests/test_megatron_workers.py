@@ -103,8 +103,13 @@ def test_train_step_matches_reference(policy: MegatronPolicyWorker, llama_dir: P
     assert 0.0 < got["clip_fraction"] < 1.0 and got["tokens"] == 10 and got["lr"] == LR
     after = policy.export_state_dict()
     assert all(not torch.equal(before[n], after[n]) for n in before if "norm" not in n)
+    # AdamW moves every element by about lr whatever its gradient's size, so an element
+    # whose gradient is ~1e-8 (at Adam's eps) turns float-rounding differences between
+    # Megatron's and transformers' kernels into a visible share of one step: bound the
+    # difference by 2% of the step (lr), not by an absolute number (with transformers
+    # 5.19, 1 element in 65,536 of layers.1.mlp.down_proj differed by 1.2e-5 at lr 1e-3).
     for name, t in ref["state"].items():
-        torch.testing.assert_close(after[name], t, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(after[name], t, rtol=0, atol=0.02 * LR, msg=name)
 
 
 def test_on_policy_step_without_old_logprobs(policy: MegatronPolicyWorker) -> None:
