@@ -175,10 +175,12 @@ def test_round_trip_exact_and_handles_opened_once(model: dict[str, torch.Tensor]
         buckets = plan_buckets(specs, 300)
         assert len(buckets) > 1
         seen: dict[str, int] = {}
+        views: dict[int, list[int]] = {}  # per receiver (its sink), the yielded objects
 
         def consume(it: Iterator[tuple[str, torch.Tensor]], sink: dict[str, torch.Tensor]) -> None:
             for name, t in it:
                 seen[name] = t.data_ptr()
+                views.setdefault(id(sink), []).append(id(t))
                 sink[name].copy_(t)
 
         sinks = [_sink(model), _sink(model)]
@@ -202,6 +204,9 @@ def test_round_trip_exact_and_handles_opened_once(model: dict[str, torch.Tensor]
             for name, t in _expected(model).items():
                 assert torch.equal(sink[name], t), name
         assert pair.ipcs[0].shared == shared_once
+        # the second message repeats the first: each receiver yields the views it built then
+        n = len(specs)
+        assert all(len(v) == 2 * n and v[:n] == v[n:] for v in views.values()) and len(views) == 2
         assert pair.results[0] == sum(s.nbytes for s in specs)
     finally:
         pair.close()
