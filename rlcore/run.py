@@ -27,7 +27,7 @@ from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.metrics import MetricsWriter
 from rlcore.plots import plot_reward, plot_setup_timeline
 from rlcore.preflight import check_before_start, run_dir_for
-from rlcore.registry import load_registry, plan_for
+from rlcore.registry import load_registry
 from rlcore.setup import SetupResult, run_setup
 from rlcore.trace import TraceRecorder
 from rlcore.waiting import CancelToken
@@ -102,7 +102,12 @@ def run_job(
     registry = load_registry(config.plugins.allow, extra=extra_plugins)
     for f in registry.failures:
         console.print(f"[yellow]skipped plugin {f.name} ({f.distribution}): {f.message}[/yellow]")
-    check_before_start(config, registry, out=out, resume=resume)
+    plan = check_before_start(config, registry, out=out, resume=resume)
+    if not setup_only and not config.env.backend:
+        raise ConfigError(
+            "rlcore run's GRPO loop needs an env: set env.backend (e.g. env.backend=arithmetic)",
+            key="env.backend",
+        )
     run_dir = make_run_dir(config, out)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
 
@@ -116,7 +121,6 @@ def run_job(
             t0 = time.monotonic()
             cluster.start()
             trace.add_span("cluster start", t0, time.monotonic(), cat="setup", lane="cluster")
-        plan = plan_for(registry, config)
         progress = SetupProgress([t.name for t in plan.tasks])
         with Live(progress, console=console, refresh_per_second=4, transient=False):
             setup = run_setup(config, registry, run_dir=run_dir, plan=plan, cancel=cancel, progress=progress)
@@ -180,19 +184,13 @@ def _train(
 
     from rlcore.tinymodel import ensure_model
 
-    env_handle = setup.handles.get("env")
-    if env_handle is None:
-        raise ConfigError(
-            "rlcore run's GRPO loop needs an env: set env.backend (e.g. env.backend=arithmetic)",
-            key="env.backend",
-        )
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(config.model, cache_dir(config))))
     # Every call goes through the contract's checks, naming the backend that broke it.
     policy = GuardedPolicy(setup.handles["policy"], config.policy.backend)
     generation = GuardedGeneration(
         setup.handles["generation"], config.generation.backend, eos_ids={tokenizer.eos_token_id}
     )
-    env = GuardedEnv(env_handle, config.env.backend)
+    env = GuardedEnv(setup.handles["env"], str(config.env.backend))
     probe = probe_batch(tokenizer, config.refit.probe_prompts)
     limit = config.refit.max_mult_prob_error
 

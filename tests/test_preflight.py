@@ -133,6 +133,7 @@ CASES: list[tuple[str, list, str, str]] = [
     ("name-slash", ["name=a/b"], "name", "'/'"),
     ("unknown-backend", ["policy.backend=fdsp"], "policy.backend", "fsdp"),
     ("role-mismatch-env", ["env.backend=vllm"], "env.backend", "serves generation"),
+    ("no-env", ["env.backend=null"], "env.backend", "needs an env"),
     ("role-mismatch-gen", ["generation.backend=fsdp"], "generation.backend", "serves policy"),
     ("transport-cuda-ipc", ["refit.transport=cuda_ipc"], "refit.transport", "cuda_ipc"),
     ("transport-http", ["refit.transport=http"], "refit.transport", "http"),
