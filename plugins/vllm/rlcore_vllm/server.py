@@ -28,6 +28,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from rlcore.proc import log_tail, signal_group, stop_group
+
 log = logging.getLogger(__name__)
 
 _HOST = "127.0.0.1"
@@ -124,40 +126,11 @@ class ServerProcess:
         return json.loads(raw) if raw else None
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(lines[-n:])
+        return log_tail(self.log_path, n)
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Terminate the whole process group: SIGTERM, then SIGKILL after ``grace_s``. Idempotent."""
-        _signal_group(self.pgid, signal.SIGTERM)
-        if not self._group_gone(grace_s):
-            _signal_group(self.pgid, signal.SIGKILL)
-            if not self._group_gone(grace_s):
-                log.warning("vLLM server process group %d survived SIGKILL", self.pgid)
-
-    def _group_gone(self, timeout_s: float) -> bool:
-        end = time.monotonic() + timeout_s
-        while True:
-            self.proc.poll()  # reap the launcher: a zombie still counts as a group member
-            try:
-                os.killpg(self.pgid, 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:
-                pass
-            if time.monotonic() >= end:
-                return False
-            time.sleep(0.1)
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+        stop_group(self.pgid, grace_s, reap=[self.proc], what="vLLM server")
 
 
 # ------------------------------------------------------------------ launcher
@@ -209,13 +182,13 @@ def _guard(watch_pid: int, vllm_args: list[str]) -> int:
         time.sleep(0.2)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     pgid = os.getpgrp()
-    _signal_group(pgid, signal.SIGTERM)
+    signal_group(pgid, signal.SIGTERM)
     try:
         child.wait(5.0)
     except subprocess.TimeoutExpired:
         pass
     time.sleep(0.5)  # let the engine core finish its own SIGTERM handling
-    _signal_group(pgid, signal.SIGKILL)  # everything left, this process included
+    signal_group(pgid, signal.SIGKILL)  # everything left, this process included
     return rc or 0
 
 
