@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlcore.context import InitContext
-from rlcore.errors import RlcoreError
+from rlcore.errors import ConfigError, RlcoreError
 from rlcore.handles import Endpoint
 from rlcore.workers import WorkerGroup
 from rlcore_sglang.options import SGLangOptions
@@ -66,6 +66,8 @@ class SGLangGeneration:
         self.device_type = device_type
         self._specs = list(specs)
         self._closed = False
+        #: rlcore's OpenAI-compatible endpoint in front of :meth:`generate` (option ``endpoint: rlcore``).
+        self.front: Any = None
 
     # ------------------------------------------------------------ refit side
 
@@ -77,6 +79,10 @@ class SGLangGeneration:
         """Every server joins channel ``spec`` (server ``i`` as rank ``1 + i``); Ray refs."""
         return [a.open_refit_channel.remote(spec, 1 + i) for i, a in enumerate(self._actors())]
 
+    def refit_ceiling(self, spec: Any, step: int, nbytes: int) -> list[Any]:
+        """Every server receives ``nbytes`` raw over the channel (for ``bench/``); Ray refs."""
+        return [a.refit_ceiling.remote(spec, 1 + i, step, nbytes) for i, a in enumerate(self._actors())]
+
     def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
         """Every server receives and loads the buckets; Ray refs that resolve when all have loaded."""
         return [a.receive_weights.remote(spec, step, buckets) for a in self._actors()]
@@ -85,7 +91,10 @@ class SGLangGeneration:
 
     @property
     def endpoint(self) -> Endpoint | None:
-        """Server 0's OpenAI-compatible endpoint (each server serves its own: :attr:`endpoints`)."""
+        """The OpenAI-compatible endpoint: server 0's own ``/v1`` (each server serves one:
+        :attr:`endpoints`), or rlcore's in front of :meth:`generate` (option ``endpoint: rlcore``)."""
+        if self.front is not None:
+            return self.front.endpoint
         return self.endpoints[0] if self.endpoints else None
 
     def generate(
@@ -143,6 +152,8 @@ class SGLangGeneration:
         if self._closed:
             return
         self._closed = True
+        if self.front is not None:
+            self.front.stop()
         self.group.shutdown()
 
 
@@ -154,6 +165,12 @@ def start_generation(ctx: InitContext) -> SGLangGeneration:
     from rlcore_sglang.server import find_sglang_python
 
     options = ctx.options if isinstance(ctx.options, SGLangOptions) else SGLangOptions(**dict(ctx.options or {}))
+    if options.endpoint not in ("sglang", "rlcore"):
+        raise ConfigError(
+            f"generation.options.endpoint must be 'sglang' (SGLang's own /v1) or 'rlcore' "
+            f"(rlcore's endpoint with vLLM's token-id extensions), got {options.endpoint!r}",
+            key="generation.options.endpoint",
+        )
     section = ctx.config.generation
     ctx.cancel.raise_if_cancelled()
     ctx.deadline.raise_if_expired()
@@ -198,6 +215,37 @@ def start_generation(ctx: InitContext) -> SGLangGeneration:
         "refit-fed" if section.refit_fed else "checkpoint weights",
         ", ".join(f"{i.get('total_s', 0.0):.1f}s" for i in info),
     )
-    return SGLangGeneration(
+    handle = SGLangGeneration(
         group, specs, endpoints=endpoints, start_info=info, device_type="cuda" if cuda else "cpu"
     )
+    if options.endpoint == "rlcore":
+        try:
+            handle.front = _front_endpoint(handle, model_dir, options, ctx)
+        except BaseException:
+            handle.shutdown()
+            raise
+    return handle
+
+
+def _front_endpoint(handle: SGLangGeneration, model_dir: Any, options: SGLangOptions, ctx: InitContext) -> Any:
+    """rlcore's OpenAI-compatible endpoint over ``handle.generate`` (option ``endpoint: rlcore``)."""
+    import json
+
+    from rlcore.openai_endpoint import OpenAIEndpoint
+
+    eos: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+        eos.update([value] if isinstance(value, int) else list(value or []))
+    config = json.loads((model_dir / "config.json").read_text())
+    server = OpenAIEndpoint(
+        handle,
+        str(model_dir),
+        model_name=options.served_model_name,
+        max_sequence_length=options.context_length or int(config.get("max_position_embeddings", 2048)),
+        eos_token_ids=sorted(eos),
+    )
+    remaining = ctx.deadline.remaining()
+    server.start(timeout_s=30.0 if remaining is None else max(1.0, min(30.0, remaining)))
+    return server

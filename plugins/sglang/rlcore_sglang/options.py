@@ -12,6 +12,12 @@ class SGLangOptions:
     #: Python of the SGLang venv. ``null``: ``$RLCORE_SGLANG_PYTHON``, else
     #: ``.venv-sglang/bin/python`` beside the running venv or above this package.
     python: str | None = None
+    #: The OpenAI-compatible endpoint the handle offers: ``sglang`` (SGLang's own ``/v1``
+    #: of server 0), or ``rlcore`` (:mod:`rlcore.openai_endpoint` in front of the handle's
+    #: ``generate``, speaking vLLM's token-id extensions, ``return_tokens_as_token_ids``
+    #: and ``return_token_ids``, which SGLang's ``/v1`` lacks and NeMo Gym's training
+    #: model server requires).
+    endpoint: str = "sglang"
     #: Port of replica 0's server (replica i uses port + i); 0 picks free ports.
     port: int = 0
     #: Model name the server answers to (``model`` field of OpenAI requests).

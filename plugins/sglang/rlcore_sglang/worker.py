@@ -353,6 +353,33 @@ class SGLangWorker(DistributedWorker):
             )
         self.stale = None
 
+    def refit_ceiling(self, spec: Any, rank: int, step: int, nbytes: int) -> float:
+        """Receive ``nbytes`` raw over ``spec``; seconds taken (``bench/``: the transport's ceiling).
+
+        Collective: the server receives one broadcast of ``nbytes`` through SGLang's own
+        route (a session and one ``/update_weights_from_distributed`` that loads
+        nothing), so the ceiling includes SGLang's per-request cost. File transports:
+        this worker reads the published file (the server would read it on this host).
+        """
+        from rlcore.refit import channels
+
+        if spec.transport != "collective":
+            return channels.ceiling(spec, rank, step, nbytes)
+        s, timeout = self._server(), spec.timeout_s + 30
+        t0 = time.monotonic()
+        if self.sessions:
+            s.request("/begin_weight_update", {}, timeout_s=timeout)
+        try:
+            body = {
+                "names": ["rlcore-raw-bytes"], "dtypes": ["uint8"], "shapes": [[int(nbytes)]],
+                "group_name": self.groups[spec.key], "load_format": DRAIN, "flush_cache": False,
+            }
+            s.request("/update_weights_from_distributed", body, timeout_s=timeout)
+        finally:
+            if self.sessions:
+                s.request("/end_weight_update", {}, timeout_s=timeout)
+        return time.monotonic() - t0
+
     def _leave(self, spec: Any) -> None:
         name = self.groups.pop(spec.key, None)
         if name is None or self.server is None or not self.server.alive():

@@ -83,3 +83,16 @@ def test_pinned_cpu_route_imports() -> None:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "SGLang 0.5.21 CPU route OK" in out.stdout, out.stdout
+
+
+def test_unknown_endpoint_kind_fails_before_anything_starts(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from sglang_helpers import init_context, make_config
+
+    from rlcore_sglang.handle import start_generation
+
+    tmp = Path(str(tmp_path))
+    ctx = init_context(make_config(tmp / "no-model", tmp / "cache", endpoint="vllm"), tmp / "run")
+    with pytest.raises(ConfigError, match="generation.options.endpoint"):
+        start_generation(ctx)
