@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from rlcore.testing.reference import (
     reference_grpo_step,
     reference_logprobs,
 )
+from rlcore.testing.waits import wait_for
 from rlcore.tinymodel import write_tiny_model
 from rlcore.waiting import CancelToken, Deadline
 from rlcore.workers import free_port
@@ -201,15 +202,6 @@ def fsdp_actor_pids() -> set[int]:
     return pids
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float = 15.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 def init_context(tmp: Path, *overrides: str) -> InitContext:
     cfg = load_config(
         None,
@@ -348,7 +340,7 @@ def test_ray_shutdown_leaves_nothing(policy: Any) -> None:
     actors = list(policy.group.actors)
     policy.shutdown()
     policy.shutdown()  # idempotent
-    assert wait_for(lambda: not (pids & fsdp_actor_pids())), "FSDP actors still alive"
+    assert wait_for(lambda: not (pids & fsdp_actor_pids()), 15.0, step_s=0.1), "FSDP actors still alive"
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(actors[0].ping.remote(), timeout=10)
     with pytest.raises(RuntimeError, match="shut down"):
@@ -386,7 +378,7 @@ def test_ray_init_failure_cleans_up(ray_cluster: None, policy_tmp: Path, model_d
     with pytest.raises(WorkerError, match="loading the model"):
         rlcore_init_policy(init_context(policy_tmp, f"model.path={broken}"))
     assert time.monotonic() - t0 < 60  # promptly: not after the 300 s collective timeout
-    assert wait_for(lambda: not (fsdp_actor_pids() - before)), (
+    assert wait_for(lambda: not (fsdp_actor_pids() - before), 15.0, step_s=0.1), (
         "FSDP actors left after a failed init"
     )
 

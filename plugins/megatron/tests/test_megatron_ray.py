@@ -42,6 +42,7 @@ from rlcore.errors import DeadlineExceeded, RlcoreError
 from rlcore.events import EventBoard
 from rlcore.handles import RefitReceiver, RefitSender
 from rlcore.refit.sessions import RefitSessions
+from rlcore.testing.waits import wait_for
 from rlcore.waiting import CancelToken, Deadline
 from rlcore_megatron.plugin import MegatronOptions, rlcore_init_generation, rlcore_init_policy
 
@@ -69,15 +70,6 @@ def actor_pids(name: str) -> set[int]:
         except psutil.Error:
             pass
     return pids
-
-
-def wait_for(condition: Callable[[], object], timeout_s: float = 20.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 class RecordingContext(InitContext):
@@ -316,8 +308,7 @@ def test_shutdown_leaves_nothing(pair: tuple[Any, Any]) -> None:
             not (
                 pids & (actor_pids("MegatronPolicyWorker") | actor_pids("MegatronGenerationWorker"))
             )
-        )
-    )
+        ), 20.0, step_s=0.1)
     with pytest.raises(RlcoreError, match="shut down"):
         policy.logprobs(BATCH)
     assert generation.endpoint is None
@@ -422,7 +413,7 @@ def test_broken_checkpoint_fails_policy_init_without_leaks(
     with pytest.raises(WorkerError, match="loading the model"):
         rlcore_init_policy(context(Role.POLICY, tmp_path, f"model.path={broken}", *TP2))
     assert time.monotonic() - t0 < 90
-    assert wait_for(lambda: not (actor_pids("MegatronPolicyWorker") - before))
+    assert wait_for(lambda: not (actor_pids("MegatronPolicyWorker") - before), 20.0, step_s=0.1)
 
 
 def test_dynamic_engine_on_cpu_fails_before_any_worker_starts(
@@ -452,4 +443,4 @@ def test_checkpoint_wait_has_a_deadline(ray_cluster: None, tmp_path: Path, llama
     with pytest.raises(DeadlineExceeded, match="megatron.checkpoint"):
         rlcore_init_generation(ctx)
     assert ctx.waiting.is_set()
-    assert wait_for(lambda: not (actor_pids("MegatronGenerationWorker") - before))
+    assert wait_for(lambda: not (actor_pids("MegatronGenerationWorker") - before), 20.0, step_s=0.1)
