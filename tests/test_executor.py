@@ -65,18 +65,25 @@ def test_dependent_starts_the_moment_its_dependency_ends(leaks) -> None:
     res = execute(tasks)
     r = res.records
     assert [x.status for x in r.values()] == ["ok", "ok", "ok"]
-    assert r["b"].start - r["a"].end < 0.05
-    assert r["c"].start - r["b"].end < 0.05
+    # Order, not latency (a timing claim: the perf tests at the end of this file).
+    assert r["a"].end <= r["b"].start and r["b"].end <= r["c"].start
     assert res.completed == ["a", "b", "c"]
     res.shutdown()
 
 
 def test_independent_tasks_overlap(leaks) -> None:
+    # Each task holds until all three have started: only overlapping runs can finish.
     log: list[str] = []
-    tasks = [TaskSpec(n, [], starts(n, log, 0.2), shut) for n in "abc"]
-    t0 = time.monotonic()
-    res = execute(tasks)
-    assert time.monotonic() - t0 < 0.35
+    started = threading.Barrier(3, timeout=60)
+
+    def together(name: str):
+        def run(run: TaskRun) -> Resource:
+            started.wait()
+            return Resource(name, log)
+
+        return run
+
+    res = execute([TaskSpec(n, [], together(n), shut) for n in "abc"])
     r = res.records
     assert max(x.start for x in r.values()) < min(x.end for x in r.values())
     res.shutdown()
@@ -92,8 +99,7 @@ def test_diamond_waits_for_all_dependencies(leaks) -> None:
     ]
     res = execute(tasks)
     r = res.records
-    assert r["join"].start >= r["slow"].end
-    assert r["join"].start - r["slow"].end < 0.05
+    assert r["join"].start >= r["slow"].end and r["join"].start >= r["fast"].end
     assert set(res.results) == {"top", "fast", "slow", "join"}
     res.shutdown()
 
@@ -173,12 +179,9 @@ def test_first_failure_cancels_waiters_and_skips_unstarted(leaks) -> None:
         TaskSpec("poll", [], poll_waiter),
         TaskSpec("after", ["bad"], lambda r: None),
     ]
-    t0 = time.monotonic()
     with pytest.raises(SetupError) as info:
         execute(tasks, cancel=cancel, on_cancel=lambda reason: board.wake_all())
-    elapsed = time.monotonic() - t0
     err = info.value
-    assert elapsed < 1.0
     assert err.task == "bad" and err.backend == "fake" and err.role == "policy"
     assert isinstance(err.cause, Boom)
     assert sorted(err.aborted) == ["after", "ev", "poll"]
@@ -187,24 +190,44 @@ def test_first_failure_cancels_waiters_and_skips_unstarted(leaks) -> None:
     assert recs["poll"].status == "cancelled"
     assert recs["after"].status == "not_started"
     assert recs["after"].start is None
-    failed_at = recs["bad"].end
-    assert woke["ev"] - failed_at < 0.05  # woken, not polled
-    assert woke["poll"] - failed_at < 0.2
+    # Woken by the failure, not by their own 30 s / setup deadlines (latency: the perf tests).
+    assert woke["ev"] >= recs["bad"].end and woke["poll"] >= recs["bad"].end
     assert "bad (fake) failed" in (cancel.reason or "")
 
 
 def test_failure_shuts_down_started_in_reverse_completion_order(leaks) -> None:
+    # Completion order a, c, b forced by the executor's own "end" events (no sleeps),
+    # then "bad" fails.
     log: list[str] = []
+    done = {n: threading.Event() for n in "acb"}
+
+    def after(name: str, prev: str | None):
+        def run(run: TaskRun) -> Resource:
+            if prev is not None:
+                assert done[prev].wait(60), f"{prev} never finished"
+            return Resource(name, log)
+
+        return run
+
+    def bad(run: TaskRun) -> None:
+        assert done["b"].wait(60)
+        raise Boom("injected")
+
     tasks = [
-        TaskSpec("a", [], starts("a", log, 0.02), shut),
-        TaskSpec("b", [], starts("b", log, 0.06), shut),
-        TaskSpec("c", ["a"], starts("c", log, 0.02), shut),
-        TaskSpec("bad", [], fails(0.15)),
+        TaskSpec("a", [], after("a", None), shut),
+        TaskSpec("b", [], after("b", "c"), shut),
+        TaskSpec("c", ["a"], after("c", None), shut),
+        TaskSpec("bad", [], bad),
         TaskSpec("d", ["bad"], starts("d", log), shut),
     ]
+
+    def on_event(task: str, what: str) -> None:
+        if what == "end" and task in done:
+            done[task].set()
+
     with pytest.raises(SetupError) as info:
-        execute(tasks)
-    # a ends ~0.02, c ~0.04, b ~0.06: shut down b, c, a.
+        execute(tasks, on_event=on_event)
+    # a ended first, then c, then b: shut down b, c, a.
     assert log == ["b", "c", "a"]
     assert info.value.shut_down == ["b", "c", "a"]
     assert info.value.aborted == ["d"]
@@ -232,24 +255,22 @@ def test_task_deadline_times_out_and_names_the_task(leaks, wait_for) -> None:
     release = threading.Event()
 
     def stubborn(run: TaskRun) -> Resource:
-        release.wait(5)  # ignores cancel and deadline
+        release.wait(60)  # ignores cancel and deadline
         return Resource("stubborn", log)
 
     tasks = [
         TaskSpec("stubborn", [], stubborn, shut, deadline_s=0.1, label={"backend": "slowpoke"}),
         TaskSpec("other", [], starts("other", log, 0.01), shut),
     ]
-    t0 = time.monotonic()
     with pytest.raises(SetupError) as info:
         execute(tasks)
-    assert time.monotonic() - t0 < 0.5
     err = info.value
     assert err.task == "stubborn" and err.backend == "slowpoke"
     assert isinstance(err.cause, DeadlineExceeded)
     assert "stubborn" in str(err.cause) and "0.1s" in str(err.cause)
     rec = err.execution.records["stubborn"]
     assert rec.status == "timed_out" and rec.abandoned
-    assert log == ["other"]
+    assert log == ["other"]  # returned while the stubborn task still held on
     # It finishes late: what it started is shut down at once, not leaked.
     release.set()
     assert wait_for(lambda: log == ["other", "stubborn"], 2.0)
@@ -273,20 +294,17 @@ def test_abandoned_after_grace_and_late_result_shut_down(leaks, wait_for) -> Non
     release = threading.Event()
 
     def deaf(run: TaskRun) -> Resource:
-        release.wait(5)  # never looks at run.cancel
+        release.wait(60)  # never looks at run.cancel
         return Resource("deaf", log)
 
     tasks = [TaskSpec("deaf", [], deaf, shut), TaskSpec("bad", [], fails(0.02))]
-    t0 = time.monotonic()
     with pytest.raises(SetupError) as info:
         execute(tasks, grace_s=0.2)
-    elapsed = time.monotonic() - t0
-    assert 0.2 <= elapsed < 0.6
     rec = info.value.execution.records["deaf"]
     assert rec.status == "cancelled" and rec.abandoned
     assert "abandoned" in str(rec.error)
     assert info.value.aborted == ["deaf"]
-    assert log == []
+    assert log == []  # returned while the deaf task still held on
     release.set()
     assert wait_for(lambda: log == ["deaf"], 2.0)
 
@@ -296,17 +314,16 @@ def test_hung_shutdown_is_reported_not_waited_on(leaks) -> None:
     unblock = threading.Event()
 
     def hangs(res: Resource) -> None:
-        unblock.wait(5)
+        unblock.wait(60)
+        log.append("hang over")
 
     tasks = [
         TaskSpec("first", [], starts("first", log), shut),
         TaskSpec("hangs", ["first"], starts("hangs", log), hangs, label={"backend": "sticky"}),
         TaskSpec("bad", ["hangs"], fails()),
     ]
-    t0 = time.monotonic()
     with pytest.raises(SetupError) as info:
         execute(tasks, shutdown_timeout_s=0.1)
-    assert time.monotonic() - t0 < 0.6
     err = info.value
     assert err.shut_down == ["first"]
     assert len(err.shutdown_errors) == 1
@@ -371,14 +388,12 @@ def test_external_cancel_stops_everything(leaks) -> None:
     log: list[str] = []
     tasks = [
         TaskSpec("a", [], starts("a", log), shut),
-        TaskSpec("b", ["a"], starts("b", log, 10), shut),
+        TaskSpec("b", ["a"], starts("b", log, 60), shut),
         TaskSpec("c", ["b"], starts("c", log), shut),
     ]
     threading.Timer(0.1, cancel.cancel, args=("user pressed Ctrl-C",)).start()
-    t0 = time.monotonic()
     with pytest.raises(SetupError) as info:
         execute(tasks, cancel=cancel)
-    assert time.monotonic() - t0 < 0.5
     err = info.value
     assert err.task == "setup" and isinstance(err.cause, Cancelled)
     assert "Ctrl-C" in str(err)
@@ -395,9 +410,52 @@ def test_cancelled_before_start_starts_nothing() -> None:
     assert ran == []
 
 
-# -- overhead -------------------------------------------------------------------
+# -- timing claims (perf: not in the default suite; `pytest -m perf`) ------------------
 
 
+@pytest.mark.perf
+@pytest.mark.parametrize(
+    ("test", "low_s", "high_s"),
+    [
+        ("test_task_deadline_times_out_and_names_the_task", 0.0, 0.5),
+        ("test_abandoned_after_grace_and_late_result_shut_down", 0.2, 0.6),
+        ("test_hung_shutdown_is_reported_not_waited_on", 0.0, 0.6),
+        ("test_external_cancel_stops_everything", 0.0, 0.5),
+        ("test_first_failure_cancels_waiters_and_skips_unstarted", 0.0, 1.0),
+    ],
+)
+def test_failure_paths_take_fractions_of_a_second(test: str, low_s: float, high_s: float) -> None:
+    """The failure-path tests above, timed whole: each returns within its bound (the
+    bound the executor is built for: deadlines, grace and shutdown timeouts of 0.1-0.2 s)."""
+    from conftest import LeakCheck
+
+    from rlcore.testing.waits import wait_for
+
+    fn = globals()[test]
+    args = {"leaks": LeakCheck(), "wait_for": wait_for}
+    t0 = time.monotonic()
+    fn(**{k: v for k, v in args.items() if k in fn.__code__.co_varnames[: fn.__code__.co_argcount]})
+    assert low_s <= time.monotonic() - t0 < high_s
+
+
+@pytest.mark.perf
+def test_dependents_start_within_50ms_and_overlap_in_parallel() -> None:
+    log: list[str] = []
+    res = execute([
+        TaskSpec("a", [], starts("a", log, 0.1), shut),
+        TaskSpec("b", ["a"], starts("b", log), shut),
+        TaskSpec("c", ["b"], starts("c", log), shut),
+    ])
+    r = res.records
+    assert r["b"].start - r["a"].end < 0.05 and r["c"].start - r["b"].end < 0.05
+    res.shutdown()
+    t0 = time.monotonic()
+    res = execute([TaskSpec(n, [], starts(n, log, 0.2), shut) for n in "abc"])
+    assert time.monotonic() - t0 < 0.35
+    res.shutdown()
+
+
+@pytest.mark.perf
 def test_overhead_per_task_is_small() -> None:
     n = 200
     chain = [TaskSpec(f"t{i}", [f"t{i - 1}"] if i else [], lambda r: None) for i in range(n)]

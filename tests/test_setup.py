@@ -281,9 +281,10 @@ def test_setup_starts_everything_posts_the_endpoint_and_shuts_down_in_reverse(
     assert set(result.handles) == {"policy", "generation", "env"}
     gen, env = result.handles["generation"], result.handles["env"]
     assert env.got_endpoint == gen.endpoint == Endpoint("http://127.0.0.1:8123/v1", "tiny")
-    # All three inits started together (no edges between them).
-    starts = [journal.at("start", r) for r in ("policy", "generation", "env")]
-    assert max(starts) - min(starts) < 0.1
+    # All three inits may start together (no edges between them; the spread of their
+    # starts is a timing claim: test_setup_timing_claims, perf).
+    assert not any(e.dst.startswith("init:") for e in result.plan.edges)
+    assert set(journal.roles("start")) == {"policy", "generation", "env"}
     # refit:initial ran with the plan's transport and the configured bucket size.
     ctx = backends["fake-gen"].refits[0]
     assert ctx.step == 0 and ctx.transport == result.transport == "collective"
@@ -293,8 +294,7 @@ def test_setup_starts_everything_posts_the_endpoint_and_shuts_down_in_reverse(
     for task in ("init:policy", "init:generation", "init:env", "refit:initial"):
         assert m[f"timing/setup/{task}_time_s"] > 0
     assert m["timing/setup/weight_sync_time_s"] == pytest.approx(0.05)
-    assert m["timing/setup/total_setup_time_s"] < m["timing/setup/serial_sum_s"]
-    assert m["timing/setup/executor_overhead_s"] < 0.05
+    assert 0 < m["timing/setup/critical_path_s"] <= m["timing/setup/total_setup_time_s"]
     assert len([e for e in result.trace_events if e.get("cat") == "setup.task"]) == 4
     assert ("refit:initial", "end") in events and ("init:env", "start") in events
     assert (tmp_path / "run").is_dir()
@@ -377,10 +377,8 @@ def test_fault_in_any_task_fails_cleanly(tmp_path: Path, leaks, task: str, when:
     hook, role, backend = TASK_HOOKS[task]
     journal = Journal()
     registry, backends = registry_with(journal, Fault(hook, when))
-    t0 = time.monotonic()
     with pytest.raises(SetupError) as info:
         run_setup(make_config(tmp_path), registry, run_dir=tmp_path / "run", grace_s=2.0)
-    assert time.monotonic() - t0 < 3.0
     err = info.value
     assert err.task == task and err.role == role and err.backend == backend
     assert isinstance(err.cause, Injected) and f"injected {when} {hook}" in str(err)
@@ -409,19 +407,17 @@ def _describe(name: str, label: Any) -> str:
 def test_refit_fails_while_env_waits_for_the_endpoint(tmp_path: Path, leaks) -> None:
     journal = Journal()
     registry, backends = registry_with(journal, Fault("rlcore_refit", "before"))
-    t0 = time.monotonic()
     with pytest.raises(SetupError) as info:
         run_setup(
             make_config(tmp_path, refit_fed=True), registry, run_dir=tmp_path / "run", grace_s=5.0
         )
-    assert time.monotonic() - t0 < 2.0
     err = info.value
     assert err.task == "refit:initial" and err.role == "refit"
     recs = err.execution.records
     env = recs["init:env"]
     assert env.status == "cancelled" and not env.abandoned
     assert isinstance(env.error, Cancelled) and "generation.endpoint" in str(env.error)
-    assert env.end - recs["refit:initial"].end < 0.1  # woken at once, not polled
+    assert env.end >= recs["refit:initial"].end  # woken by the failure (latency: perf)
     assert err.aborted == ["init:env (fake-env)"]
     assert sorted(journal.roles("shutdown")) == ["generation", "policy"]
     assert journal.roles("released") == ["env"]
@@ -433,10 +429,8 @@ def test_task_deadline_names_the_task(tmp_path: Path, leaks) -> None:
     journal = Journal()
     registry, _ = registry_with(journal)
     config = make_config(tmp_path, policy_s=10.0, task_deadline_s={"init:policy": 0.3})
-    t0 = time.monotonic()
     with pytest.raises(SetupError) as info:
         run_setup(config, registry, run_dir=tmp_path / "run")
-    assert time.monotonic() - t0 < 2.0
     err = info.value
     assert err.task == "init:policy" and err.backend == "fake-policy" and err.role == "policy"
     assert isinstance(err.cause, DeadlineExceeded)
@@ -533,3 +527,49 @@ def test_setup_leaves_no_capture_plugin_behind(tmp_path: Path, leaks) -> None:
             run_dir=tmp_path,
         )
     assert set(registry.pm.list_name_plugin()) == before
+
+
+# -- timing claims (perf: not in the default suite; `pytest -m perf`) ------------------
+
+
+@pytest.mark.perf
+def test_setup_timing_claims(tmp_path: Path) -> None:
+    """Overlap pays, the executor adds little, a failure wakes a waiter at once."""
+    journal = Journal()
+    registry, _ = registry_with(journal)
+    result = run_setup(make_config(tmp_path), registry, run_dir=tmp_path / "run")
+    try:
+        starts = [journal.at("start", r) for r in ("policy", "generation", "env")]
+        assert max(starts) - min(starts) < 0.1
+        m = result.metrics
+        assert m["timing/setup/total_setup_time_s"] < m["timing/setup/serial_sum_s"]
+        assert m["timing/setup/executor_overhead_s"] < 0.05
+    finally:
+        result.shutdown()
+    registry, _ = registry_with(Journal(), Fault("rlcore_refit", "before"))
+    t0 = time.monotonic()
+    with pytest.raises(SetupError) as info:
+        run_setup(make_config(tmp_path, refit_fed=True), registry, run_dir=tmp_path / "r2", grace_s=5.0)
+    assert time.monotonic() - t0 < 2.0
+    recs = info.value.execution.records
+    assert recs["init:env"].end - recs["refit:initial"].end < 0.1  # woken at once, not polled
+
+
+@pytest.mark.perf
+@pytest.mark.parametrize("task", list(TASK_HOOKS))
+def test_a_fault_ends_setup_within_3s(tmp_path: Path, task: str) -> None:
+    registry, _ = registry_with(Journal(), Fault(TASK_HOOKS[task][0], "before"))
+    t0 = time.monotonic()
+    with pytest.raises(SetupError):
+        run_setup(make_config(tmp_path), registry, run_dir=tmp_path / "run", grace_s=2.0)
+    assert time.monotonic() - t0 < 3.0
+
+
+@pytest.mark.perf
+def test_a_task_deadline_ends_setup_within_2s(tmp_path: Path) -> None:
+    registry, _ = registry_with(Journal())
+    config = make_config(tmp_path, policy_s=10.0, task_deadline_s={"init:policy": 0.3})
+    t0 = time.monotonic()
+    with pytest.raises(SetupError):
+        run_setup(config, registry, run_dir=tmp_path / "run")
+    assert time.monotonic() - t0 < 2.0

@@ -137,10 +137,9 @@ def test_errors_name_group_and_cause(cluster) -> None:
         with pytest.raises(DeadlineExceeded, match="echo-err"):
             group.call("sleep", 5, deadline=Deadline(0.5, "t"))
         ray.kill(group.actors[0], no_restart=True)
-        t0 = time.monotonic()
+        # The death is named before the call's 300 s deadline: a WorkerError, not a DeadlineExceeded.
         with pytest.raises(WorkerError, match="echo-err: .*echo-err rank 0 died"):
-            group.call("where", deadline=Deadline(30, "t"))
-        assert time.monotonic() - t0 < 20
+            group.call("where", deadline=Deadline(300, "t"))
     finally:
         group.shutdown()
 
@@ -149,12 +148,10 @@ def test_cancel_is_observed(cluster) -> None:
     cancel = CancelToken()
     group = WorkerGroup(EchoWorker, 1, name="echo-cancel", num_cpus=0.5, dist_backend=None, cancel=cancel)
     try:
-        refs = group.call_async("sleep", 10)
+        refs = group.call_async("sleep", 300)
         cancel.cancel("test")
-        t0 = time.monotonic()
-        with pytest.raises(Cancelled):
+        with pytest.raises(Cancelled):  # not the sleep's result 300 s later
             group.get(refs, what="sleep")
-        assert time.monotonic() - t0 < 2
     finally:
         group.shutdown()
 

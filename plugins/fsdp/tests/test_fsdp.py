@@ -15,7 +15,6 @@ import math
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -366,6 +365,7 @@ def test_ray_tied_embeddings_two_ranks(
         handle.shutdown()
 
 
+@pytest.mark.timeout(240)
 def test_ray_init_failure_cleans_up(ray_cluster: None, policy_tmp: Path, model_dir: Path) -> None:
     """Rank 0 cannot read the weights: every rank fails at once and no actor is left."""
     from rlcore.workers import WorkerError
@@ -374,10 +374,9 @@ def test_ray_init_failure_cleans_up(ray_cluster: None, policy_tmp: Path, model_d
     shutil.copytree(model_dir, broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     before = fsdp_actor_pids()
-    t0 = time.monotonic()
+    # Promptly, not after the 300 s collective timeout: the test's own timeout is 240 s.
     with pytest.raises(WorkerError, match="loading the model"):
         rlcore_init_policy(init_context(policy_tmp, f"model.path={broken}"))
-    assert time.monotonic() - t0 < 60  # promptly: not after the 300 s collective timeout
     assert wait_for(lambda: not (fsdp_actor_pids() - before), 15.0, step_s=0.1), (
         "FSDP actors left after a failed init"
     )

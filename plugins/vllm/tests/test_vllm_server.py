@@ -138,10 +138,9 @@ def test_killed_worker_takes_its_server_down(
     gen, _, info = start_server(tiny_model, tmp_path)
     try:
         ray.kill(gen.group.actors[0], no_restart=True)
-        t0 = time.monotonic()
+        # Named (WorkerError) instead of the call waiting out its 900 s timeout.
         with pytest.raises(WorkerError, match="vllm-generation"):
             gen.logprobs([(PROMPTS[0], [10])])
-        assert time.monotonic() - t0 < 30
         # The launcher notices its worker is gone and ends the server's process group.
         assert wait_gone(info["pgid"], 15) == []
     finally:
