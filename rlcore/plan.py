@@ -35,7 +35,7 @@ class Task:
 
 @dataclass(frozen=True)
 class Edge:
-    """``dst`` starts only after ``src`` has finished, for ``reason`` (DESIGN.md rule ``rule``)."""
+    """``dst`` starts only after ``src`` has finished, for ``reason`` (rule ``rule`` of :mod:`rlcore.planner`)."""
 
     src: str
     dst: str

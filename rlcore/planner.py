@@ -1,6 +1,6 @@
 """The setup planner: declarations + config -> a DAG of setup tasks, every edge explained.
 
-Rules (DESIGN.md, "The setup plan"):
+Rules (docs/decisions.md, "The plan", says why they are these):
 
 1. X needs artifact A that Y publishes: if Y publishes A atomically, X starts at
    once and waits inside its init for A; otherwise X starts after Y.

@@ -1,4 +1,4 @@
-"""Table-driven tests of the planner's rules (DESIGN.md, "The setup plan").
+"""Table-driven tests of the planner's rules (the module doc of rlcore.planner).
 
 The declarations here are test data shaped like the real backends' (the real
 plugins' own tests check that their declarations plan the same way).
