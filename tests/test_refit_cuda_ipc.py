@@ -12,6 +12,7 @@ timeouts, aborts and cleanup. The real CUDA IPC layer is exercised on a GPU by
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -412,3 +413,39 @@ def test_channel_spec_uses_the_senders_address() -> None:
     assert (spec.transport, spec.key, spec.world_size, spec.addr, spec.port, spec.timeout_s) == (
         "cuda_ipc", "k", 3, "10.0.0.7", 29555, 42.0,
     )
+
+
+def test_copy_views_merges_runs_adjacent_on_both_sides() -> None:
+    """Destinations and sources that lie back to back in one buffer each, in the same order,
+    are written with one copy; a break in either side's order starts a new copy; the
+    bytes always end up where ``copy_`` per pair would put them."""
+    shapes = [(4, 3), (5,), (2, 2), (7,)]
+    src_buf = torch.arange(sum(math.prod(s) for s in shapes), dtype=torch.float32)
+    dst_buf = torch.zeros_like(src_buf)
+
+    def views(buf: torch.Tensor) -> list[torch.Tensor]:
+        out, off = [], 0
+        for shape in shapes:
+            n = math.prod(shape)
+            out.append(buf[off : off + n].view(shape))
+            off += n
+        return out
+
+    srcs, dsts = views(src_buf), views(dst_buf)
+    assert cuda_ipc.copy_views(dsts, srcs) == 1
+    assert torch.equal(dst_buf, src_buf)
+    src_buf.add_(1)  # the next refit: the same views, the plan found before
+    assert cuda_ipc.copy_views(dsts, srcs) == 1
+    assert torch.equal(dst_buf, src_buf)
+    moved = torch.zeros_like(dsts[1])
+    dsts[1].data = moved  # the same object, other memory: the plan is made again
+    assert cuda_ipc.copy_views(dsts, srcs) == 3
+    assert torch.equal(moved, srcs[1])
+    dst_buf.zero_()
+    swapped = [srcs[0], srcs[2], srcs[1], srcs[3]]  # sources out of the destinations' order
+    dsts2 = [dsts[0], torch.zeros(2, 2), torch.zeros(5), dsts[3]]
+    assert cuda_ipc.copy_views(dsts2, [srcs[0], srcs[2], srcs[1], srcs[3]]) == 4
+    assert all(torch.equal(d, s) for d, s in zip(dsts2, swapped, strict=True))
+    separate = [torch.zeros(s) for s in shapes]  # one allocation each: nothing to merge
+    assert cuda_ipc.copy_views(separate, srcs) == len(shapes)
+    assert all(torch.equal(d, s) for d, s in zip(separate, srcs, strict=True))

@@ -163,6 +163,9 @@ class _End:
         self.store = dist.PrefixStore(f"rlcore-ipc-{spec.key}", store)
         self._tcp = store  # keep the server (rank 0) alive as long as the channel
         self.seq = 0
+        #: seconds of the last refit's parts (sender: walk, synchronize, wait for the answers;
+        #: receiver: wait for the message, views, consume, synchronize)
+        self.timings: dict[str, float] = {}
         self.waiting: str | None = None  # the key a wait is blocked on
         self.closed = threading.Event()
         self.broken: str | None = None
@@ -232,6 +235,7 @@ class SenderEnd(_End):
     def __init__(self, spec: ChannelSpec, ipc: IpcLayer) -> None:
         super().__init__(spec, 0, ipc)
         self.device = ipc.device()
+        self.is_cuda = self.device.type == "cuda"
         #: storage data_ptr -> (sid, flat tensor): shared with the receivers
         self.shared: dict[int, tuple[int, Any]] = {}
         #: storage data_ptr -> flat tensor: registered, shared at its first use
@@ -268,6 +272,7 @@ class SenderEnd(_End):
     def send(self, named: Iterable[tuple[str, Any]], buckets: Sequence[Sequence[TensorSpec]]) -> int:
         self.check_usable()
         seq, self.seq = self.seq, self.seq + 1
+        t0 = time.perf_counter()
         new: list[int] = []  # storages first used now: shared only once the stream went through
         try:
             message, pending = self._collect(named, buckets, new)
@@ -281,17 +286,22 @@ class SenderEnd(_End):
                 sid, flat = self.shared[ptr]
                 message["handles"][sid] = self.ipc.share(flat)
             self._stage(message, pending)
+            t1 = time.perf_counter()
             self.ipc.synchronize()  # the export and the packs are done before anyone reads
         except BaseException as err:
             self.broken = f"refit message {seq} failed after sharing memory: {err}"
             self._abort(seq, err)
             raise
+        t2 = time.perf_counter()
         self.store.set(f"m/{seq}", pickle.dumps(message))
         errors = []
         for r in range(1, self.spec.world_size):
             answer = self.get(f"a/{seq}/{r}", f"receiver rank {r} to finish refit message {seq}")
             if answer != b"ok":
                 errors.append(f"rank {r}: {answer.decode(errors='replace')}")
+        t3 = time.perf_counter()
+        self.timings = {"walk": t1 - t0, "synchronize": t2 - t1, "wait": t3 - t2}
+        for r in range(1, self.spec.world_size):
             self.store.delete_key(f"a/{seq}/{r}")
         self.store.delete_key(f"m/{seq}")
         if message["release"]:  # every receiver dropped them before answering
@@ -337,18 +347,22 @@ class SenderEnd(_End):
         return {"entries": entries, "handles": {}, "release": release}, pending
 
     def _direct(self, t: Any, new: list[int]) -> tuple[int, int, tuple[int, ...]] | None:
-        if t.device != self.device or t.numel() == 0:
+        if t.is_cuda != self.is_cuda or t.numel() == 0:
             return None
-        ptr = t.data_ptr() - t.storage_offset() * t.element_size()  # its storage's start
+        offset = t.storage_offset()
+        ptr = t.data_ptr() - offset * t.element_size()  # its storage's start
         found = self.shared.get(ptr)
         if found is None:
+            if t.device != self.device:
+                return None
             flat = self.persistent.pop(ptr, None)
             if flat is None:
                 return None
             found = self.shared[ptr] = (self.next_sid, flat)
             self.next_sid += 1
             new.append(ptr)
-        return found[0], int(t.storage_offset()), tuple(int(s) for s in t.stride())
+        # (a storage's address is unique while it is alive, and the end keeps it alive)
+        return found[0], offset, t.stride()
 
     def _stage(self, message: dict[str, Any], pending: list[tuple[int, Any]]) -> None:
         """Give the tensors without a slot one (growing the staging buffer: the old one's
@@ -403,8 +417,8 @@ class ReceiverEnd(_End):
     def __init__(self, spec: ChannelSpec, rank: int, ipc: IpcLayer) -> None:
         super().__init__(spec, rank, ipc)
         self.opened: dict[int, Any] = {}
-        #: (entries, plan, views) of the last message: a refit that repeats it reuses the views
-        self.cached: tuple[Any, Any, list[list[Any]]] | None = None
+        #: (message bytes, plan, views) of the last message: a refit that repeats it reuses the views
+        self.cached: tuple[bytes, Any, list[list[Any]]] | None = None
         sender = self.get("uuid", "the sender's device").decode()
         mine = ipc.device_uuid()
         if sender != mine:
@@ -421,23 +435,33 @@ class ReceiverEnd(_End):
         self.check_usable()
         seq, self.seq = self.seq, self.seq + 1
         answer = "ok"
+        t0 = time.perf_counter()
         try:
-            message = pickle.loads(self.get(f"m/{seq}", f"refit message {seq} from the sender"))
-            if "abort" in message:
-                raise RefitError(f"the sender aborted the refit before any byte was written: {message['abort']}")
+            raw = self.get(f"m/{seq}", f"refit message {seq} from the sender")
+            t1 = time.perf_counter()
             cached = self.cached
-            if (
-                cached is not None and not message["handles"] and not message["release"]
-                and cached[0] == message["entries"] and cached[1] == buckets
-            ):  # the same tensors where they were last time: the same (checked) views
+            if cached is not None and cached[0] == raw and (cached[1] is buckets or cached[1] == buckets):
+                # the same tensors where they were last time (no handle opened or released):
+                # the same checked views
+                message: dict[str, Any] = {}
                 views: Any = cached[2]
             else:
+                message = pickle.loads(raw)
+            if "abort" in message:
+                raise RefitError(f"the sender aborted the refit before any byte was written: {message['abort']}")
+            if message:
                 self.cached = None
                 views = self._views(message, buckets)
-                self.cached = (message["entries"], buckets, views)
+                if not message["handles"] and not message["release"]:
+                    self.cached = (raw, buckets, views)
+                else:  # the next message repeats this one without the handles
+                    self.cached = (pickle.dumps({**message, "handles": {}, "release": []}), buckets, views)
+            t2 = time.perf_counter()
             for bucket, bucket_views in zip(buckets, views, strict=True):
                 yield from zip((s.name for s in bucket), bucket_views, strict=True)
             views = bucket_views = None
+            t3 = time.perf_counter()
+            self.timings = {"wait": t1 - t0, "views": t2 - t1, "consume": t3 - t2}
         except BaseException as err:
             if not isinstance(err, GeneratorExit):
                 self.cached = None
@@ -447,7 +471,9 @@ class ReceiverEnd(_End):
             if self.broken is None and self.store is not None:
                 try:
                     # the consumer's copies from the sender's memory are done before it may change
+                    t4 = time.perf_counter()
                     self.ipc.synchronize()
+                    self.timings["synchronize"] = time.perf_counter() - t4
                     self.store.set(f"a/{seq}/{self.rank}", answer)
                 except Exception as err:  # the sender is gone: nothing to tell
                     log.debug("cuda_ipc %s: answering failed: %s", self.spec.key, err)
@@ -509,6 +535,75 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(int(d), 1)
     return tuple(reversed(stride))
+
+
+#: copy_views' last plan: weak references to its tensors, their addresses, the runs found
+_last_plan: tuple[tuple[Any, ...], list[int], list[tuple[int, int]]] | None = None
+
+
+def copy_views(dsts: Sequence[Any], srcs: Sequence[Any]) -> int:
+    """``dst.copy_(src)`` for every pair, with runs merged into one copy: consecutive pairs
+    whose destinations follow each other in one storage, and whose sources do too, with the
+    same dtype, both contiguous (a receiver whose weights lie in one buffer in the sender's
+    order writes them in place with a single copy). The runs found are remembered for the
+    same tensor objects (a receiver yields the same views while a refit repeats the last).
+    Returns the number of copies issued."""
+    import weakref
+
+    import torch
+
+    global _last_plan
+    tensors = (*dsts, *srcs)
+    ptrs = [t.data_ptr() for t in tensors]  # the same objects may have been given new memory
+    last = _last_plan
+    if (
+        last is not None and last[1] == ptrs
+        and all(r() is t for r, t in zip(last[0], tensors, strict=True))
+    ):
+        runs = last[2]
+    else:
+        runs = _runs(dsts, srcs)
+        _last_plan = (tuple(weakref.ref(t) for t in tensors), ptrs, runs)
+    for i, j in runs:
+        d, s = dsts[i], srcs[i]
+        if j - i == 1:
+            d.copy_(s)
+            continue
+        last_d = dsts[j - 1]
+        span = (last_d.data_ptr() - d.data_ptr()) // d.element_size() + last_d.numel()
+        run_d = torch.empty(0, dtype=d.dtype, device=d.device).set_(d.untyped_storage(), d.storage_offset(), (span,), (1,))
+        run_s = torch.empty(0, dtype=s.dtype, device=s.device).set_(s.untyped_storage(), s.storage_offset(), (span,), (1,))
+        run_d.copy_(run_s)
+    return len(runs)
+
+
+def _runs(dsts: Sequence[Any], srcs: Sequence[Any]) -> list[tuple[int, int]]:
+    """Index ranges ``[i, j)`` of :func:`copy_views`' runs."""
+    runs = []
+    i, n = 0, len(dsts)
+    while i < n:
+        d, s = dsts[i], srcs[i]
+        j = i + 1
+        if d.is_contiguous() and s.is_contiguous() and d.dtype == s.dtype and d.shape == s.shape:
+            item = d.element_size()
+            d_end = d.data_ptr() + d.numel() * item
+            s_end = s.data_ptr() + s.numel() * item
+            d_base, s_base = d.data_ptr() - d.storage_offset() * item, s.data_ptr() - s.storage_offset() * item
+            while j < n:
+                dj, sj = dsts[j], srcs[j]
+                if not (
+                    dj.data_ptr() == d_end and sj.data_ptr() == s_end and dj.dtype == d.dtype == sj.dtype
+                    and dj.shape == sj.shape and dj.is_contiguous() and sj.is_contiguous()
+                    and dj.data_ptr() - dj.storage_offset() * item == d_base
+                    and sj.data_ptr() - sj.storage_offset() * item == s_base
+                ):
+                    break
+                d_end += dj.numel() * item
+                s_end += sj.numel() * item
+                j += 1
+        runs.append((i, j))
+        i = j
+    return runs
 
 
 def _copy_batch(pairs: Sequence[tuple[Any, Any]]) -> None:

@@ -142,6 +142,8 @@ class _Handle:
         leads = sorted((x["dp_rank"], x["rank"]) for x in self.layout if x["tp_rank"] == 0)
         self._leads = [rank for _, rank in leads]
         self._submit_lock = threading.Lock()
+        #: ``placement.colocated``: the loop hands GPU memory over with :meth:`sleep` / :meth:`wake`.
+        self.colocated = bool(self.info.get("colocated", False))
 
     @property
     def world_size(self) -> int:
@@ -176,6 +178,25 @@ class _Handle:
         rows split over the replicas."""
         refs = self._submit("logprobs", put_rows(batch))
         return self._replicas(self.group.get(refs, what="logprobs"))
+
+    def sleep(self) -> dict[str, float]:
+        """Colocated placement: give back the GPU memory the other role needs while this
+        one waits (policy: optimizer state to host memory; generation: KV cache and engine
+        buffers released). Weights stay, so refit and logprobs work asleep; ``train_step``
+        and ``generate`` wake a sleeping role themselves. Returns ``bytes`` (all ranks) and
+        ``seconds`` (slowest rank)."""
+        return self._handoff("sleep")
+
+    def wake(self) -> dict[str, float]:
+        """Take back what :meth:`sleep` gave (same report)."""
+        return self._handoff("wake")
+
+    def _handoff(self, method: str) -> dict[str, float]:
+        parts = self.group.get(self._submit(method), what=f"{self.kind} {method}")
+        return {
+            "bytes": float(sum(p["bytes"] for p in parts)),
+            "seconds": max((p["seconds"] for p in parts), default=0.0),
+        }
 
     def pids(self) -> list[int]:
         """Process ids of the ranks (for leak checks)."""
@@ -512,6 +533,7 @@ def start_policy(ctx: InitContext) -> MegatronPolicy:
             group.shutdown()
         raise
     info = {
+        "colocated": bool(ctx.config.placement.colocated),
         "init_s": time.monotonic() - t0,
         "group_start_s": group.start_time_s,
         "build_s": max(x["build_s"] for x in layout),
@@ -607,6 +629,7 @@ def start_generation(ctx: InitContext) -> MegatronGeneration:
         group.shutdown()
         raise
     info = {
+        "colocated": bool(ctx.config.placement.colocated),
         "init_s": time.monotonic() - t0,
         "group_start_s": group.start_time_s,
         "start_s": max(x["start_s"] for x in layout),

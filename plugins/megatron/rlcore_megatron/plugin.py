@@ -120,6 +120,15 @@ def resolve_engine(engine: str, device_type: str) -> str:
     return engine
 
 
+def _transports() -> set[Transport]:
+    """Refit transports both roles run: cuda_ipc (colocated on one GPU) where this host has
+    NVIDIA devices, as the planner detects them (no torch import)."""
+    from rlcore.planner import detect_accelerator
+
+    cuda = {Transport.CUDA_IPC} if detect_accelerator() == "cuda" else set()
+    return {Transport.COLLECTIVE, Transport.DISK, Transport.SHARED_MEMORY, *cuda}
+
+
 @hookimpl
 def rlcore_declare_backend() -> BackendDeclaration:
     return BackendDeclaration(
@@ -154,8 +163,8 @@ def rlcore_declare_backend() -> BackendDeclaration:
             ),
         ),
         refit_fed=True,
-        send_transports={Transport.COLLECTIVE, Transport.DISK, Transport.SHARED_MEMORY},
-        receive_transports={Transport.COLLECTIVE, Transport.DISK, Transport.SHARED_MEMORY},
+        send_transports=_transports(),
+        receive_transports=_transports(),
         # With generation.options.serve_openai (rlcore.openai_endpoint in front of the
         # engine; megatron-core's own server needs its dynamic engine and CUDA).
         openai_endpoint=True,

@@ -265,6 +265,9 @@ class MegatronPolicyWorker(RefitSenderWorker, MegatronWorker):
     def __init__(self, rank: int, world_size: int) -> None:
         super().__init__(rank, world_size)
         self.optimizer: torch.optim.Optimizer | None = None
+        #: True while the optimizer state is in host memory (:meth:`sleep`).
+        self.asleep = False
+        self._host_state: dict[tuple[int, str], torch.Tensor] = {}
 
     def load(
         self,
@@ -343,6 +346,8 @@ class MegatronPolicyWorker(RefitSenderWorker, MegatronWorker):
 
         self._require_model()
         assert self.optimizer is not None and self.options is not None
+        if self.asleep:  # colocated: the loop normally wakes the policy before training
+            self.wake()
         rows = check_train_inputs(batch, advantages, old_logprobs)
         n_tokens = sum(len(c) for _, c in rows)
         start, end = shard_range(len(rows), self.dp_size, self.dp_rank)
@@ -405,6 +410,60 @@ class MegatronPolicyWorker(RefitSenderWorker, MegatronWorker):
             "lr": float(lr),
         }
 
+    # ------------------------------------------------------------- colocated
+
+    def sleep(self) -> dict[str, float]:
+        """Colocated: move the optimizer state (AdamW moments) to pinned host memory and
+        hand the freed GPU memory back to the device, for the generation that samples on
+        the same GPU. The weights stay (refit and logprobs read them). Host buffers are
+        kept for the next sleep. Idempotent; a no-op off CUDA. Returns ``bytes`` moved and
+        ``seconds``. :meth:`train_step` wakes a sleeping policy itself."""
+        t0 = time.monotonic()
+        moved = 0
+        if self.optimizer is not None and self.device.type == "cuda" and not self.asleep:
+            for p, state in self.optimizer.state.items():
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.device.type == "cuda":
+                        host = self._host_state.get((id(p), key))
+                        if host is None or host.shape != value.shape or host.dtype != value.dtype:
+                            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+                            self._host_state[(id(p), key)] = host
+                        host.copy_(value, non_blocking=True)
+                        state[key] = host
+                        moved += value.numel() * value.element_size()
+            for p in self.model.parameters():
+                p.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        self.asleep = self.device.type == "cuda"
+        return {"bytes": float(moved), "seconds": time.monotonic() - t0}
+
+    def wake(self) -> dict[str, float]:
+        """Bring the optimizer state back to the GPU (the inverse of :meth:`sleep`). Idempotent."""
+        t0 = time.monotonic()
+        moved = 0
+        if self.optimizer is not None and self.asleep:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.is_pinned():
+                        state[key] = value.to(self.device, non_blocking=True)
+                        moved += value.numel() * value.element_size()
+            torch.cuda.synchronize()
+        self.asleep = False
+        return {"bytes": float(moved), "seconds": time.monotonic() - t0}
+
+    def open_refit_channel(self, spec: ChannelSpec) -> None:
+        """Join ``spec`` as its sender on rank 0. Over ``cuda_ipc`` the parameters are the
+        channel's persistent storages: the exported tensors that are views of them (every
+        weight at tensor-parallel size 1 but q/k/v and the cast norms) are shared once and
+        read in place by the receiver, never copied on this side."""
+        super().open_refit_channel(spec)
+        if spec.transport == "cuda_ipc" and self.rank == 0:
+            from rlcore.refit import cuda_ipc
+
+            self._require_model()
+            cuda_ipc.register_persistent(spec, self.model.parameters())
+
     # ---------------------------------------------------------------- export
 
     def export_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -436,6 +495,7 @@ class MegatronPolicyWorker(RefitSenderWorker, MegatronWorker):
 
     def teardown(self) -> None:
         self.optimizer = None
+        self._host_state.clear()
         super().teardown()
 
 
@@ -453,6 +513,8 @@ class MegatronGenerationWorker(MegatronWorker):
         self.serving = False
         #: Why the weights cannot be trusted (a refit failed half-way), or None.
         self.stale: str | None = None
+        #: True while the engine's inference memory is released (:meth:`sleep`).
+        self.asleep = False
         self._channel_ranks: dict[str, int] = {}
 
     def start(
@@ -512,7 +574,8 @@ class MegatronGenerationWorker(MegatronWorker):
 
     def _forget_requests(self) -> None:
         """The weights are about to change: the dynamic engine drops every request and KV block."""
-        if self.engine_kind == "dynamic" and self.engine is not None:
+        if self.engine_kind == "dynamic" and self.engine is not None and not self.asleep:
+            # (a sleeping engine holds no request; waking it resets its state)
             from rlcore_megatron.inference import reset_dynamic_engine
 
             reset_dynamic_engine(self.engine)
@@ -569,6 +632,8 @@ class MegatronGenerationWorker(MegatronWorker):
         self._check_serving()
         if n < 1 or max_tokens < 1:
             raise ValueError(f"n and max_tokens must be >= 1, got n={n}, max_tokens={max_tokens}")
+        if self.asleep:  # colocated: the loop normally wakes the engine before sampling
+            self.wake()
         start, end = shard_range(len(prompt_ids), self.dp_size, self.dp_rank)
         local = [[int(t) for t in p] for p in prompt_ids[start:end]]
         if not local:
@@ -627,6 +692,39 @@ class MegatronGenerationWorker(MegatronWorker):
         self._check_serving()
         return super().logprobs(batch)
 
+    # ------------------------------------------------------------- colocated
+
+    def sleep(self) -> dict[str, float]:
+        """Colocated: release the inference memory (the dynamic engine's KV cache and
+        request buffers, megatron-core's ``suspend``) and hand it back to the device, for
+        the policy that trains on the same GPU. The weights stay (refit writes into them,
+        logprobs read them). Every request is dropped first. Idempotent; the static engine
+        (CPU) has nothing to release. Returns ``bytes`` released and ``seconds``."""
+        t0 = time.monotonic()
+        released = 0
+        if self.engine_kind == "dynamic" and self.engine is not None and not self.asleep:
+            self._forget_requests()
+            before = torch.cuda.memory_allocated()
+            self.engine.suspend()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            released = before - torch.cuda.memory_allocated()
+            self.asleep = True
+        return {"bytes": float(released), "seconds": time.monotonic() - t0}
+
+    def wake(self) -> dict[str, float]:
+        """Allocate the inference memory again (megatron-core's ``resume``; fresh KV cache,
+        no request). Idempotent. Returns ``bytes`` allocated and ``seconds``."""
+        t0 = time.monotonic()
+        allocated = 0
+        if self.asleep:
+            before = torch.cuda.memory_allocated()
+            self.engine.resume()
+            torch.cuda.synchronize()
+            allocated = torch.cuda.memory_allocated() - before
+            self.asleep = False
+        return {"bytes": float(allocated), "seconds": time.monotonic() - t0}
+
     # ----------------------------------------------------------------- refit
 
     def open_refit_channel(self, spec: ChannelSpec, rank: int) -> None:
@@ -652,7 +750,10 @@ class MegatronGenerationWorker(MegatronWorker):
         (:func:`rlcore_megatron.convert.load_hf_stream`), so no full second copy of
         the model is ever held. If loading fails half-way, the rest of a collective
         stream is drained (the sender is not left blocked) and the engine refuses
-        to serve until a later refit succeeds.
+        to serve until a later refit succeeds. If the channel fails before its first
+        tensor (``cuda_ipc`` checks every tensor of a refit before it yields one, and a
+        sender that fails mid-way sends nothing), nothing was written and the engine
+        keeps serving its previous weights.
         """
         from rlcore.refit import channels
         from rlcore_megatron import convert
@@ -661,19 +762,30 @@ class MegatronGenerationWorker(MegatronWorker):
         t0 = time.monotonic()
         rank = self._channel_ranks.get(spec.key, 1 + self.rank)
         stream = channels.receive_weights(spec, rank, step, buckets, device=self.device)
+        before = self.stale
         self.stale = f"refit step {step} over {spec.transport} did not complete"
         self._forget_requests()
+        pulled = 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal pulled
+            for item in stream:
+                pulled += 1
+                yield item
+
         try:
             with torch.no_grad():
                 convert.load_hf_stream(
                     self.model,
-                    stream,
+                    counted(),
                     self.spec,
                     tp_rank=self.tp_rank,
                     tp_size=self.tp_size,
                     make_vocab_size_divisible_by=self.divisible,
                 )
         except BaseException:
+            if pulled == 0:  # the channel failed before its first tensor: nothing was written
+                self.stale = before
             try:
                 for _ in stream:
                     pass
