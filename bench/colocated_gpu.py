@@ -50,31 +50,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-for _key, _value in (
-    ("NCCL_NVLS_ENABLE", "0"),
-    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-    ("NVSHMEM_DISABLE_NVLS", "1"),
-    ("TQDM_DISABLE", "1"),
-    ("PYTHONWARNINGS", "ignore"),
-):
-    os.environ[_key] = _value
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# megatron_gpu sets the environment (NVLink multicast off everywhere) and sys.path (the repo,
+# the Megatron plugin) at import, before torch is imported; its model config and rows serve here.
+from megatron_gpu import REPO, llama_config, rows  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-for _p in (REPO, REPO / "plugins" / "megatron", REPO / "plugins" / "megatron" / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+if str(REPO / "plugins" / "megatron" / "tests") not in sys.path:
+    sys.path.insert(0, str(REPO / "plugins" / "megatron" / "tests"))
 
 GIB = 1 << 30
-
-
-def llama_config(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-        "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "vocab_size": vocab, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "initializer_range": 0.02,
-    }
 
 
 class Sampler:
@@ -115,17 +99,6 @@ class Sampler:
     def close(self) -> None:
         self.stop.set()
         self.thread.join(5)
-
-
-def rows(n: int, prompt: int, completion: int, vocab: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(3, vocab, (prompt + completion,), generator=g).tolist()
-        out.append((ids[:prompt], ids[prompt:]))
-    return out
 
 
 def gib(n: float) -> str:
