@@ -43,6 +43,14 @@ Protocol (``seq`` counts the channel's refits on every rank):
    yields views, waits for its device once the consumer is done (its copies are
    finished), and answers ``a/<seq>/<rank>`` (``ok`` or the error). The sender
    returns once every receiver answered: until then nothing it shares may change.
+   A message that repeats the last one (the steady state: same storages, offsets
+   and plan) is answered with the views built last time; a consumer whose weights
+   lie in one buffer in the sender's order copies with :func:`copy_views`, which
+   merges adjacent copies (one copy for the whole model when both sides are flat).
+
+Every wait is bounded by ``timeout_s`` (then the channel is marked broken and
+refuses further refits: reopen it), and :func:`close_channel` ends a wait in
+progress at once (cancellation, teardown).
 
 Shutdown (:func:`close_channel`): receivers drop every view and opened handle (their
 mappings close); the sender drops its references to shared memory and calls
