@@ -136,6 +136,7 @@ class SGLangWorker(DistributedWorker):
         }
         if not cuda:
             env["SGLANG_USE_CPU_ENGINE"] = ""  # set, it needs a CPU sgl_kernel that PyPI lacks
+            env["RLCORE_SGLANG_SEEDS"] = "1"  # per-request seeds (site/sitecustomize.py)
         log_path = Path(self.log_dir) / f"sglang-server-{self.rank}-{os.getpid()}.log"
         self.server = ServerProcess(python, args, port=port, log_path=log_path, env=env)
         try:
@@ -172,8 +173,9 @@ class SGLangWorker(DistributedWorker):
     ) -> list[list[Sample]]:
         """``n`` samples per prompt: ``[[{"token_ids": [...], "logprobs": [...]}] * n] * len(prompts)``.
 
-        Sample ``j`` of prompt ``i`` asks for ``sampling_seed = seeds[i] + j``
-        (honoured by servers started with ``--enable-deterministic-inference``).
+        Sample ``j`` of prompt ``i`` is sampled with ``sampling_seed = seeds[i] + j``
+        (on CPU through the server-side hook; on CUDA SGLang honours it with
+        ``--enable-deterministic-inference`` in ``extra_args``).
         ``logprobs`` are the sampled tokens' log-probabilities at temperature 1;
         a completion ends with the EOS token when SGLang stopped on it.
         """

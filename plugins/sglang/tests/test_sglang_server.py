@@ -112,6 +112,16 @@ def test_samples_follow_the_handle_formats(server: Any, tiny_model: Path) -> Non
         assert len(json.loads(r.read())["choices"]) == 2
 
 
+def test_generate_is_seeded(server: Any) -> None:
+    """Same seed, same samples (whatever else is in the batch); another seed, others."""
+    first = server.generate(PROMPTS, n=2, max_tokens=8, temperature=1.0, seed=7)
+    again = server.generate(PROMPTS[:1], n=2, max_tokens=8, temperature=1.0, seed=7)
+    other = server.generate(PROMPTS, n=2, max_tokens=8, temperature=1.0, seed=8)
+    ids = [[s["token_ids"] for s in g] for g in first]
+    assert [s["token_ids"] for s in again[0]] == ids[0]  # logprobs may differ in the last bits
+    assert [[s["token_ids"] for s in g] for g in other] != ids
+
+
 def test_rejected_refit_raises_quoting_the_server_and_keeps_old_weights(
     server: Any, tiny_model: Path, specs: list[TensorSpec], tmp_path: Path
 ) -> None:

@@ -25,6 +25,14 @@ both only once the module they concern is imported:
    SGLang's. ``load_format="rlcore_drain"`` receives a bucket and loads nothing
    (a client that gave up on a refit keeps the sender from blocking).
 
+3. **Per-request sampling seeds on CPU** (only with ``RLCORE_SGLANG_SEEDS=1``, which
+   rlcore_sglang sets on CPU). SGLang honours ``sampling_seed`` only in its
+   deterministic mode, which needs GPU attention backends, and hashes (seed,
+   position, token) with a ``sgl_kernel`` op that PyPI has no CPU build of. Here
+   every batch carries a seed per request (its ``sampling_seed``, else a random
+   one drawn once for the request) and the hash has a torch version on CPU, so a
+   request sampled with a seed gives the same tokens every time, in any batch.
+
 Nothing here runs unless this directory is on ``PYTHONPATH``; it never imports
 rlcore_sglang (the server venv does not have it), only the core.
 """
@@ -145,7 +153,72 @@ def patch_weight_updater(module: Any) -> None:
     cls._rlcore_patched = True
 
 
-_AFTER_IMPORT = {"torchvision": None, _UPDATER: patch_weight_updater}
+def _murmur_hash32_torch(seed: Any, positions: Any, col_indices: Any) -> Any:
+    """A 32-bit hash of (seed, position, column) per row and column, in torch (CPU).
+
+    Stands in for SGLang's ``sgl_kernel`` op on CPU: any well-mixed hash will do, since
+    SGLang only turns it into uniform noise for Gumbel-max sampling. Values are in
+    ``[0, 2**32)`` (int64; arithmetic is modulo ``2**32``).
+    """
+    import torch
+
+    m = 0xFFFFFFFF
+    s = seed.to(torch.int64).view(-1, 1) & m
+    s2 = (seed.to(torch.int64).view(-1, 1) >> 32) & m
+    p = positions.to(torch.int64).view(-1, 1) & m
+    c = col_indices.to(torch.int64).view(1, -1) & m
+    h = (s * 0x9E3779B1 + s2 * 0x7FEB352D + p * 0x85EBCA77 + c * 0xC2B2AE3D + 0x165667B1) & m
+    for shift, mult in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        h = ((h ^ (h >> shift)) * mult) & m
+    return h ^ (h >> 16)
+
+
+def patch_murmur_hash(module: Any) -> None:
+    """SGLang's seeded-sampling hash: the torch version for CPU tensors."""
+    original = module.murmur_hash32
+
+    def murmur_hash32(seed: Any, positions: Any, col_indices: Any) -> Any:
+        if seed.device.type == "cpu":
+            return _murmur_hash32_torch(seed, positions, col_indices)
+        return original(seed, positions, col_indices)
+
+    module.murmur_hash32 = murmur_hash32
+
+
+def patch_sampling_batch_info(module: Any) -> None:
+    """Every batch carries one seed per request (``RLCORE_SGLANG_SEEDS=1`` only)."""
+    import os
+
+    if os.environ.get("RLCORE_SGLANG_SEEDS") != "1":
+        return
+    cls = module.SamplingBatchInfo
+    original = cls.from_schedule_batch.__func__
+
+    def from_schedule_batch(klass: Any, batch: Any, vocab_size: int) -> Any:
+        import random
+
+        import torch
+
+        info = original(klass, batch, vocab_size)
+        if info.sampling_seed is None:
+            seeds = []
+            for req in batch.reqs:
+                params = req.sampling_params
+                if params.sampling_seed is None:  # drawn once: kept for the request's decode steps
+                    params.sampling_seed = random.getrandbits(62)
+                seeds.append(params.sampling_seed)
+            info.sampling_seed = torch.tensor(seeds, dtype=torch.int64, device=batch.device)
+        return info
+
+    cls.from_schedule_batch = classmethod(from_schedule_batch)
+
+
+_AFTER_IMPORT = {
+    "torchvision": None,
+    _UPDATER: patch_weight_updater,
+    "sglang.kernels.ops.sampling.murmur_hash": patch_murmur_hash,
+    "sglang.srt.sampling.sampling_batch_info": patch_sampling_batch_info,
+}
 
 
 class _Finder(importlib.abc.MetaPathFinder):
