@@ -7,18 +7,21 @@
         pyproject.toml          entry point <name> in group rlcore.backends
         README.md
         rlcore_<name>/__init__.py
-        rlcore_<name>/plugin.py the declaration and init hooks (a working toy engine)
+        rlcore_<name>/plugin.py the declaration and init hooks (light: imported everywhere)
+        rlcore_<name>/engine.py policy/generation: a transformers engine in Ray actors
+        rlcore_<name>/env.py    env: a prompt-and-score toy environment
         rlcore_<name>/py.typed
         tests/test_conformance.py   rlcore.testing.BackendConformance, wired in
 
-The generated plugin passes the conformance suite as written: it claims only
-what its toy engine does. The package is assembled in a private directory and
+The generated plugin passes the conformance suite as written, with refit round
+trips against rlcore's reference peer for the roles it does not serve: it claims
+only what its engine does. The package is assembled in a private directory and
 renamed into place, so a failure never leaves half a package behind, and an
 existing directory is never overwritten.
 
 Template syntax: ``${placeholder}`` (:class:`string.Template`) and whole-line
 ``#:if role [role ...]`` / ``#:endif`` blocks, kept when the backend serves any
-of the listed roles.
+of the listed roles (``!role``: and does not serve that one).
 """
 
 from __future__ import annotations
@@ -31,13 +34,13 @@ from importlib import resources
 from pathlib import Path
 from string import Template
 
-from rlcore.declarations import Role
+from rlcore.declarations import CONTRACT_VERSION, Role
 from rlcore.errors import ConfigError
 
 #: Backend names the scaffold accepts: the declaration's rule, and short enough for a package.
 NAME_RULE = "lower case letters, digits, '_' and '-', starting with a letter, at most 40 characters"
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
-_IF_RE = re.compile(r"^#:if\s+(?P<roles>[a-z ]+)$")
+_IF_RE = re.compile(r"^#:if\s+(?P<roles>[a-z! ]+)$")
 _ENDIF = "#:endif"
 _ROLE_ORDER = [Role.POLICY, Role.GENERATION, Role.ENV]
 
@@ -88,7 +91,10 @@ def _select_blocks(text: str, roles: set[str]) -> str:
         if match:
             if keep is not None:
                 raise ValueError(f"template line {lineno}: nested #:if")
-            keep = bool(set(match["roles"].split()) & roles)
+            words = match["roles"].split()
+            wanted = {w for w in words if not w.startswith("!")}
+            unwanted = {w[1:] for w in words if w.startswith("!")}
+            keep = (not wanted or bool(wanted & roles)) and not (unwanted & roles)
             continue
         if stripped == _ENDIF:
             if keep is None:
@@ -112,12 +118,10 @@ def _values(name: str, roles: list[Role]) -> dict[str, str]:
     title = "".join(part.capitalize() for part in re.split(r"[-_]", name))
     model = [r for r in roles if r in (Role.POLICY, Role.GENERATION)]
     decl_imports = ["BackendDeclaration", "OverlapSafety", "Role"]
-    if Role.POLICY in roles:
-        decl_imports.insert(0, "Artifact")
     if model:
         decl_imports.append("Transport")
-    deps = ['"torch>=2.4"', '"safetensors>=0.4"'] if model else []
-    overrides = [f"{r.value}.options.vocab_size=32" for r in model]
+    deps = ['"ray>=2.40"', '"torch>=2.4"', '"transformers>=4.46"'] if model else []
+    overrides = [f"{r.value}.devices_per_worker=0.5" for r in model]
     roles_text = ", ".join(r.value for r in roles)
     return {
         "name": name,
@@ -130,7 +134,8 @@ def _values(name: str, roles: list[Role]) -> dict[str, str]:
         "decl_imports": ", ".join(decl_imports),
         "deps": ", ".join(deps),
         "overrides": "[" + ", ".join(f'"{o}"' for o in overrides) + "]",
-        "description": f"{roles_text} backend '{name}' (generated toy engine: replace it)",
+        "description": f"{roles_text} backend '{name}' (transformers in Ray actors)",
+        "contract_version": CONTRACT_VERSION,
     }
 
 
@@ -164,6 +169,16 @@ def write_backend_package(name: str, parent: Path, roles: str = "generation") ->
         f"{values['module']}/__init__.py": _render("__init__.py.tmpl", chosen, values),
         f"{values['module']}/plugin.py": _render("plugin.py.tmpl", chosen, values),
         f"{values['module']}/py.typed": "",
+        **(
+            {f"{values['module']}/engine.py": _render("engine.py.tmpl", chosen, values)}
+            if {Role.POLICY, Role.GENERATION} & set(chosen)
+            else {}
+        ),
+        **(
+            {f"{values['module']}/env.py": _render("env.py.tmpl", chosen, values)}
+            if Role.ENV in chosen
+            else {}
+        ),
         "tests/test_conformance.py": _render("test_conformance.py.tmpl", chosen, values),
     }
     staging = Path(tempfile.mkdtemp(prefix=f".{values['dist']}.", dir=parent))

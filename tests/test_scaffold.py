@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlcore.cli import main as cli_main
+from rlcore.declarations import CONTRACT_VERSION
 from rlcore.errors import ConfigError
 from rlcore.scaffold import NAME_RULE, write_backend_package
 
@@ -25,13 +26,24 @@ def _env(*paths: Path) -> dict[str, str]:
 
 
 def _run(
-    args: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 180
+    args: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 600
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def plugin_lines(pkg: Path) -> int:
+    """Non-blank lines of the package's Python files (tests aside)."""
+    return sum(
+        1
+        for path in pkg.glob("rlcore_*/*.py")
+        for line in path.read_text().splitlines()
+        if line.strip()
+    )
 
 
+
+
+@pytest.mark.slow
 def test_generated_package_installs_registers_and_conforms(tmp_path: Path) -> None:
     pkg = write_backend_package("scaffoldtoy", tmp_path)
     assert pkg == tmp_path / "rlcore-scaffoldtoy"
@@ -40,9 +52,13 @@ def test_generated_package_installs_registers_and_conforms(tmp_path: Path) -> No
         "README.md",
         "rlcore_scaffoldtoy/__init__.py",
         "rlcore_scaffoldtoy/plugin.py",
+        "rlcore_scaffoldtoy/engine.py",
         "rlcore_scaffoldtoy/py.typed",
         "tests/test_conformance.py",
     }
+    # The whole generation backend (tests aside) in at most 200 lines of code.
+    assert plugin_lines(pkg) <= 200, plugin_lines(pkg)
+    assert f'contract_version="{CONTRACT_VERSION}"' in (pkg / "rlcore_scaffoldtoy/plugin.py").read_text()
     site = tmp_path / "site"
     install = _run(
         [
@@ -78,6 +94,11 @@ def test_generated_package_installs_registers_and_conforms(tmp_path: Path) -> No
     )
     assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
     assert " passed" in tests.stdout and "failed" not in tests.stdout, tests.stdout
+    # Only what it does not claim is skipped (policy and env rows, atomic publish):
+    # refit round trips and the protocol tests ran, against rlcore's reference peer.
+    skips = [line for line in tests.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert skips and all("not claimed" in line for line in skips), skips
+    assert "18 passed, 8 skipped" in tests.stdout, tests.stdout
 
     # `rlcore plugins --json` finds it through the entry point.
     listing = _run([sys.executable, "-m", "rlcore", "plugins", "--json"], cwd=tmp_path, env=env)
@@ -89,16 +110,22 @@ def test_generated_package_installs_registers_and_conforms(tmp_path: Path) -> No
     assert not [f for f in payload["failures"] if f["plugin"] == "scaffoldtoy"]
 
 
+@pytest.mark.slow
 def test_generated_three_role_package_conforms(tmp_path: Path) -> None:
-    """Policy, generation and env together: refit round trips and atomic publish run too."""
+    """Policy, generation and env in one package: its own policy refits its own
+    generation, and its env samples through it. (The generation package above runs the
+    lifecycle tests of the same engine code; here the tests of the three roles' calls.)"""
     pkg = write_backend_package("triple", tmp_path, roles="env,generation,policy")
+    select = "logprobs or generate or rollouts or round_trip or init_and_shutdown or declaration"
     tests = _run(
-        [sys.executable, "-m", "pytest", str(pkg / "tests"), "-q", "-p", "no:cacheprovider", "-rs"],
+        [sys.executable, "-m", "pytest", str(pkg / "tests"), "-q", "-p", "no:cacheprovider",
+         "-rs", "-k", select],
         cwd=tmp_path,
         env=_env(pkg),
+        timeout=600,
     )
     assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
-    assert "19 passed" in tests.stdout, tests.stdout  # nothing skipped: every claim is tested
+    assert "14 passed" in tests.stdout and "skipped" not in tests.stdout, tests.stdout
 
 
 def test_generated_code_is_lint_clean(tmp_path: Path) -> None:

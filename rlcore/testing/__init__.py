@@ -8,7 +8,8 @@ In a plugin's tests::
         plugin = "rlcore_foo.plugin"
 
 The declaration is the requirements object: every claim in it is tested, and
-tests of features it does not claim are skipped. See ``docs/writing-a-backend.md``.
+tests of features it does not claim are skipped. The roles the plugin does not
+serve are played by rlcore's reference peer (``rlcore.testing.peers.REFERENCE``). See ``docs/writing-a-backend.md``.
 Needs pytest and psutil (``pip install rlcore[test]``).
 """
 
@@ -26,6 +27,8 @@ _EXPORTS = {
     "Harness": "rlcore.testing.harness",
     "LeakCheck": "rlcore.testing.harness",
     "NotApplicable": "rlcore.testing.harness",
+    "REFERENCE": "rlcore.testing.peers",
+    "ReferencePlugin": "rlcore.testing.peers",
     "resolve_plugin": "rlcore.testing.harness",
 }
 

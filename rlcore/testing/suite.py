@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 import threading
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -30,9 +31,20 @@ import pytest
 
 from rlcore.context import InitContext
 from rlcore.declarations import Role, Transport, validate_declaration
-from rlcore.errors import RlcoreError
+from rlcore.errors import ProtocolError, RlcoreError
 from rlcore.events import EventBoard
-from rlcore.handles import BackendHandle, Endpoint, RefitReceiver, RefitReport, RefitSender
+from rlcore.guards import Caller, check_logprobs, check_rollouts, check_samples
+from rlcore.handles import (
+    BackendHandle,
+    Endpoint,
+    EnvHandle,
+    GenerationHandle,
+    PolicyHandle,
+    RefitReceiver,
+    RefitReport,
+    RefitSender,
+    RolloutRequest,
+)
 from rlcore.planner import detect_accelerator, role_view
 from rlcore.publish import STAGING_PREFIX, TRASH_PREFIX, is_complete
 from rlcore.registry import load_registry
@@ -53,10 +65,80 @@ from rlcore.testing.harness import (
 from rlcore.waiting import CancelToken, Deadline
 
 ROLES = [r.value for r in Role]
+#: The default peer: rlcore's transformers reference policy and generation (Ray actors).
+REFERENCE_PEER = "rlcore.testing.peers:REFERENCE"
+_PROTOCOLS: dict[Role, type] = {
+    Role.POLICY: PolicyHandle,
+    Role.GENERATION: GenerationHandle,
+    Role.ENV: EnvHandle,
+}
 
 
 def _fail(message: str) -> None:
     pytest.fail(message, pytrace=False)
+
+
+def _mult_err(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> float:
+    from rlcore.grpo import token_mult_prob_error
+
+    return token_mult_prob_error(a, b)
+
+
+@dataclass
+class Engines:
+    """Backends started once for a test class (policy, generation, env), on first use.
+
+    The protocol tests (``generate``, ``logprobs``, ``collect_rollouts``) share them:
+    starting an engine costs seconds, calling it milliseconds.
+    """
+
+    harness: Harness
+    config: Any
+    handles: dict[Role, Any] = field(default_factory=dict)
+    failures: dict[Role, str] = field(default_factory=dict)
+    cache: dict[str, Any] = field(default_factory=dict)
+
+    def model_dir(self) -> Path:
+        from rlcore.tinymodel import ensure_model
+
+        return ensure_model(self.config.model, self.harness.cache_dir)
+
+    def tokenizer(self) -> Any:
+        if "tokenizer" not in self.cache:
+            from transformers import AutoTokenizer
+
+            self.cache["tokenizer"] = AutoTokenizer.from_pretrained(str(self.model_dir()))
+        return self.cache["tokenizer"]
+
+    def eos_ids(self) -> frozenset[int]:
+        """The tokenizer's EOS and every id of the model's ``generation_config.eos_token_id``."""
+        if "eos" not in self.cache:
+            ids = {self.tokenizer().eos_token_id}
+            try:
+                from transformers import GenerationConfig
+
+                extra = GenerationConfig.from_pretrained(str(self.model_dir())).eos_token_id
+                ids |= {extra} if isinstance(extra, int) else set(extra or ())
+            except OSError:  # no generation_config.json
+                pass
+            self.cache["eos"] = frozenset(i for i in ids if i is not None)
+        return frozenset(self.cache["eos"])
+
+
+class _LazyGeneration:
+    """The run's generation for an env's RolloutRequest, started when the env first samples."""
+
+    def __init__(self, start: Callable[[], Any]) -> None:
+        self._start = start
+
+    def generate(self, prompt_ids: Any, **kw: Any) -> Any:
+        return self._start().generate(prompt_ids, **kw)
+
+    def logprobs(self, batch: Any) -> Any:
+        return self._start().logprobs(batch)
+
+    def shutdown(self) -> None:  # the suite shuts the real handle down
+        pass
 
 
 class BackendConformance:
@@ -67,16 +149,21 @@ class BackendConformance:
     * ``plugin``: the plugin under test, as registered under ``rlcore.backends``:
       ``"pkg.module"``, ``"pkg.module:attr"``, a module or an object.
     * ``plugin_name``: its registration name (default: the declared backend name).
-    * ``peer_plugin``: a plugin serving the refit side this backend lacks (a
-      generation backend for a policy backend, and vice versa); enables the refit
-      round trip for single-role backends.
+    * ``peer_plugin``: a plugin serving the roles this backend lacks (a generation
+      backend for a policy backend, and vice versa). Default: rlcore's reference peer
+      (:mod:`rlcore.testing.peers`, transformers in Ray actors), so a single-role
+      backend gets its refit round trips and protocol checks with nothing else installed.
+    * ``use_reference_peer``: set False to run without the default peer (tests that
+      need the missing role are then skipped).
     * ``config_overrides``: ``key=value`` overrides for a cheap config of this backend.
     * ``needs_ray``: start an embedded Ray cluster for the class (``ray_num_cpus`` CPUs).
     * ``init_timeout_s`` / ``shutdown_timeout_s``: bounds on one init / one shutdown.
     * ``settle_s``: how long threads and child processes get to end after shutdown.
     * ``heavy_modules``: modules the plugin must not import at import/declare time.
     * ``probe_batch``: ``(prompt_ids, completion_ids)`` pairs for logprob comparison.
-    * ``max_token_mult_prob_error``: bound on generation-vs-policy logprobs after refit.
+    * ``max_token_mult_prob_error``: bound on generation-vs-policy logprobs (same weights).
+    * ``sample_temperature``: a sampling temperature != 1 for the logprob-convention check.
+    * ``eos_probe``: ``(n, max_tokens, temperature)`` of the sampling that must reach EOS.
     * ``probe_endpoint``: GET ``<endpoint>/models`` to check a claimed endpoint serves.
     * ``leak_ignore_threads`` / ``leak_ignore_processes``: name prefixes that are not
       the backend's (a library's own long-lived pool, Ray's idle workers).
@@ -90,6 +177,7 @@ class BackendConformance:
     plugin_name: ClassVar[str | None] = None
     peer_plugin: ClassVar[object] = None
     peer_plugin_name: ClassVar[str | None] = None
+    use_reference_peer: ClassVar[bool] = True
     config_overrides: ClassVar[Sequence[str]] = ()
     needs_ray: ClassVar[bool] = False
     ray_num_cpus: ClassVar[int] = 2
@@ -104,6 +192,8 @@ class BackendConformance:
         ((2, 20, 21, 22, 23), (24, 3)),
     )
     max_token_mult_prob_error: ClassVar[float] = 1.001
+    sample_temperature: ClassVar[float] = 0.7
+    eos_probe: ClassVar[tuple[int, int, float]] = (8, 24, 1.5)
     probe_endpoint: ClassVar[bool] = True
     leak_ignore_threads: ClassVar[Sequence[str]] = ()
     leak_ignore_processes: ClassVar[Sequence[str]] = ("ray::IDLE",)
@@ -123,21 +213,46 @@ class BackendConformance:
 
     # -- fixtures ----------------------------------------------------------------------
 
-    @pytest.fixture(scope="class", autouse=True)
+    #: The Ray cluster this class started (eagerly for ``needs_ray``, else for a peer).
+    _cluster: ClassVar[Any] = None
+
     @classmethod
-    def cluster(cls) -> Iterator[Any]:
-        """An embedded Ray cluster for the class when ``needs_ray`` is set, else ``None``."""
-        if not cls.needs_ray:
-            yield None
+    def _ensure_ray(cls) -> None:
+        """Start (or join) Ray for the class; a cluster started here stops with the class."""
+        import ray
+
+        if ray.is_initialized():
             return
         from rlcore.cluster import Cluster
         from rlcore.config import ClusterConfig
 
-        cluster = Cluster(ClusterConfig(num_cpus=cls.ray_num_cpus)).start()
+        cls._cluster = Cluster(ClusterConfig(num_cpus=cls.ray_num_cpus)).start()
+
+    @pytest.fixture(scope="class", autouse=True)
+    @classmethod
+    def cluster(cls) -> Iterator[Any]:
+        """An embedded Ray cluster for the class when ``needs_ray`` is set (otherwise
+        one is started on first use by a peer, and stopped here)."""
+        cls._cluster = None
+        if cls.needs_ray:
+            cls._ensure_ray()
         try:
-            yield cluster
+            yield cls._cluster
         finally:
-            cluster.shutdown()
+            if cls._cluster is not None:
+                cls._cluster.shutdown()
+            cls._cluster = None
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def engines(cls, cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+        """Policy, generation and env of this test class, each started on first use."""
+        root = tmp_path_factory.mktemp("rlcore-engines")
+        h = cls()._harness(root, root / "cache")
+        try:
+            yield Engines(h, h.config())
+        finally:
+            h.close()
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -151,7 +266,7 @@ class BackendConformance:
             raise pytest.UsageError(f"{type(self).__name__}: set `plugin` to the plugin under test")
         h = Harness(
             plugin=resolve_plugin(self.plugin),
-            peer=resolve_plugin(self.peer_plugin) if self.peer_plugin is not None else None,
+            peer=self._peer_ref(),
             plugin_name=self.plugin_name,
             peer_name=self.peer_plugin_name,
             work_dir=work_dir,
@@ -178,6 +293,15 @@ class BackendConformance:
         finally:
             h.close()
 
+    def _peer_ref(self) -> Any:
+        """The peer plugin: ``peer_plugin``, else the reference peer (not for itself)."""
+        if self.peer_plugin is not None:
+            return resolve_plugin(self.peer_plugin)
+        if not self.use_reference_peer:
+            return None
+        ref = resolve_plugin(REFERENCE_PEER)
+        return None if resolve_plugin(self.plugin).obj is ref.obj else ref
+
     # -- helpers -------------------------------------------------------------------------
 
     def _leaks(self) -> LeakCheck:
@@ -202,6 +326,9 @@ class BackendConformance:
         return r
 
     def _start(self, h: Harness, role: Role, config: Any) -> Any:
+        info = h.serving(role)
+        if info is not None and info.plugin is not h.plugin.obj:
+            self._ensure_ray()  # the peer runs in Ray actors
         try:
             return h.start(role, config)
         except NotApplicable as err:
@@ -219,7 +346,14 @@ class BackendConformance:
     def test_declaration_is_valid(self) -> None:
         """The declaration passes validate_declaration (types and contradictions)."""
         ref = resolve_plugin(self.plugin)
-        decl = declare(ref.obj)
+        try:
+            decl = declare(ref.obj)
+        except Exception as err:  # noqa: BLE001 - e.g. a transport rlcore does not have
+            _fail(
+                f"rlcore_declare_backend of plugin {ref.describe()} raised "
+                f"{type(err).__name__}: {err} (valid transports: "
+                f"{', '.join(t.value for t in Transport)})"
+            )
         if decl is None:
             _fail(f"plugin {ref.describe()} returns no declaration: it is a wrapper, not a backend")
         try:
@@ -623,13 +757,17 @@ class BackendConformance:
         self._round_trip(harness, refit_fed=True)
 
     def _round_trip(self, h: Harness, *, refit_fed: bool) -> None:
+        from rlcore.refit import transports as core_transports
         from rlcore.setup import refit_context
 
+        decl = h.declaration
+        if not decl.roles & {Role.POLICY, Role.GENERATION}:
+            pytest.skip(f"not claimed: backend '{decl.name}' serves neither policy nor generation")
         pol_info, gen_info = h.serving(Role.POLICY), h.serving(Role.GENERATION)
         if pol_info is None or gen_info is None:
             lacking = "policy" if pol_info is None else "generation"
             pytest.skip(
-                f"backend '{h.declaration.name}' does not serve {lacking}; set peer_plugin to a "
+                f"backend '{decl.name}' does not serve {lacking}; set peer_plugin to a "
                 f"backend that serves {lacking} to test the refit round trip"
             )
         pol_decl, gen_decl = pol_info.declaration, gen_info.declaration
@@ -642,20 +780,31 @@ class BackendConformance:
                 f"{sorted(map(str, gen_decl.receive_transports))}: no transport in common"
             )
         core_refit = self._uses_core_refit(h, Role.POLICY, Role.GENERATION)
-        cuda = detect_accelerator() == "cuda"
-        transports = [t for t in common if t is not Transport.CUDA_IPC or cuda]
-        if not transports:
-            pytest.skip(
-                f"transports in common {[str(t) for t in common]} need CUDA, which this host lacks"
-            )
-        from rlcore.refit import transports as core_transports
-
-        implemented = core_transports.implemented()
-        if core_refit and (unsupported := [t for t in transports if t not in implemented]):
+        accelerator = detect_accelerator()
+        everywhere = core_transports.implemented()
+        here = core_transports.implemented(accelerator)
+        # Every transport the backend under test declares, whether or not its peer has it.
+        declared = set(common)
+        if Role.POLICY in decl.roles:
+            declared |= decl.send_transports
+        if Role.GENERATION in decl.roles:
+            declared |= decl.receive_transports
+        if Transport.CUDA_IPC in declared and accelerator != "cuda":
             _fail(
-                f"declared transport(s) {[str(t) for t in unsupported]} have no implementation: the "
-                f"core's refit moves bytes over {sorted(t.value for t in implemented)} only, and "
-                "neither plugin implements rlcore_refit"
+                f"backend '{decl.name}' declares transport 'cuda_ipc', which cannot run on this "
+                f"host ({accelerator}, no CUDA): declare only the transports the backend can run "
+                "where it is installed"
+            )
+        if core_refit and (missing := sorted(t for t in declared if t not in everywhere)):
+            _fail(
+                f"backend '{decl.name}': declared transport(s) {[str(t) for t in missing]} have no "
+                f"implementation: the core's refit moves bytes over "
+                f"{sorted(t.value for t in everywhere)} only, and neither plugin implements rlcore_refit"
+            )
+        if core_refit and (elsewhere := sorted(t for t in declared if t not in here)):
+            _fail(
+                f"backend '{decl.name}': declared transport(s) {[str(t) for t in elsewhere]} cannot "
+                f"run on this host ({accelerator})"
             )
         config = h.config(f"generation.refit_fed={'true' if refit_fed else 'false'}")
         leaks = self._leaks()
@@ -664,11 +813,23 @@ class BackendConformance:
         if core_refit:
             self._check_sender(pol_decl.name, policy)
             self._check_receiver(gen_decl.name, generation)
+        names = (pol_decl.name, gen_decl.name)
         refit = h.registry.hook("rlcore_refit", [pol_info, gen_info])
         step = 0
-        for transport in transports:
+        for transport in common:
             for _ in range(2):  # the second refit reuses the channel opened by the first
-                self._perturb(policy)
+                where = f"refit step {step} over {transport}"
+                self._perturb(policy, pol_decl.name)
+                before = None
+                if not (refit_fed and step == 0):  # a refit-fed engine has no weights yet
+                    before = self._logprob_error(policy, generation, names)
+                    if before <= self.max_token_mult_prob_error:
+                        _fail(
+                            f"before {where}: a train step of policy backend '{pol_decl.name}' "
+                            f"left its logprobs equal to generation backend '{gen_decl.name}''s "
+                            f"(token_mult_prob_error {before:.6f}), so the suite cannot see whether "
+                            "refit moves weights: train_step must change the policy's weights"
+                        )
                 ctx = refit_context(
                     config, step=step, transport=str(transport), cancel=CancelToken(),
                     sessions=h.refit_sessions,
@@ -678,17 +839,29 @@ class BackendConformance:
                     config.refit.timeout_s + 10,
                     f"refit {transport}",
                 )
-                where = f"refit step {step} over {transport}"
                 if out.timed_out:
                     _fail(
-                        f"{where} did not finish within refit.timeout_s={config.refit.timeout_s:g}s"
+                        f"backends '{pol_decl.name}' -> '{gen_decl.name}': {where} did not finish "
+                        f"within refit.timeout_s={config.refit.timeout_s:g}s"
                     )
                 if out.error is not None:
-                    _fail(f"{where} raised {type(out.error).__name__}: {out.error}")
+                    _fail(
+                        f"backends '{pol_decl.name}' -> '{gen_decl.name}': {where} (a declared "
+                        f"transport) raised {type(out.error).__name__}: {out.error}"
+                    )
                 report = out.value
                 if not isinstance(report, RefitReport) or report.transport != str(transport):
                     _fail(
                         f"{where} returned {report!r}; expected a RefitReport for transport {transport}"
+                    )
+                after = self._logprob_error(policy, generation, names)
+                if after > self.max_token_mult_prob_error:
+                    was = "" if before is None else f", {before:.4f} before the refit"
+                    _fail(
+                        f"after {where}, generation backend '{gen_decl.name}' does not compute the "
+                        f"logprobs of policy backend '{pol_decl.name}': token_mult_prob_error "
+                        f"{after:.4f} (max {self.max_token_mult_prob_error:g}{was}): the refit did "
+                        "not change what the engine computes to the weights it was sent"
                     )
                 self._assert_same_weights(policy, generation, where)
                 step += 1
@@ -696,20 +869,37 @@ class BackendConformance:
         h.shutdown(policy, what="policy handle")
         self._assert_no_leaks(leaks, "refit round trip then shutdown()")
 
-    def _perturb(self, policy: Any) -> None:
-        """One training step, if the policy offers the GRPO loop's API, so that a refit
-        has something new to carry (a receiver that ignores it is then caught)."""
-        train_step, logprobs = (
-            getattr(policy, "train_step", None),
-            getattr(policy, "logprobs", None),
-        )
-        if not callable(train_step) or not callable(logprobs):
-            return
+    def _logprob_error(self, policy: Any, generation: Any, names: tuple[str, str]) -> float:
+        """token_mult_prob_error of generation vs policy logprobs on the probe batch
+        (both results checked against the protocol first)."""
+        batch = [(list(p), list(c)) for p, c in self.probe_batch]
+        try:
+            lp_p = check_logprobs(policy.logprobs(batch), batch, Caller(names[0], "policy", "logprobs"))
+            lp_g = check_logprobs(
+                generation.logprobs(batch), batch, Caller(names[1], "generation", "logprobs")
+            )
+        except ProtocolError as err:
+            _fail(str(err))
+        return _mult_err(lp_g, lp_p)
+
+    def _perturb(self, policy: Any, name: str) -> None:
+        """One training step with a large learning rate, so that a refit has something
+        new to carry (a receiver that ignores it is then caught)."""
+        if not isinstance(policy, PolicyHandle):
+            _fail(
+                f"policy handle of '{name}' does not implement rlcore.handles.PolicyHandle "
+                "(logprobs, train_step)"
+            )
         batch = [(list(p), list(c)) for p, c in self.probe_batch]
         advantages = [1.0 if i % 2 == 0 else -1.0 for i in range(len(batch))]
-        train_step(batch, advantages, logprobs(batch), clip_eps=0.2, lr=0.05)
+        try:
+            old = check_logprobs(policy.logprobs(batch), batch, Caller(name, "policy", "logprobs"))
+        except ProtocolError as err:
+            _fail(str(err))
+        policy.train_step(batch, advantages, old, clip_eps=0.2, lr=0.05)
 
     def _assert_same_weights(self, policy: Any, generation: Any, where: str) -> None:
+        """Exact weights when both handles export them (logprobs are compared always)."""
         export_p, export_g = (
             getattr(policy, "export_weights", None),
             getattr(generation, "export_weights", None),
@@ -720,15 +910,211 @@ class BackendConformance:
                 _fail(
                     f"after {where}, generation weights differ from the policy's: {'; '.join(diff)}"
                 )
-            return
-        lp_p, lp_g = getattr(policy, "logprobs", None), getattr(generation, "logprobs", None)
-        if callable(lp_p) and callable(lp_g):
-            from rlcore.grpo import token_mult_prob_error
 
-            batch = [(list(p), list(c)) for p, c in self.probe_batch]
-            err = token_mult_prob_error(lp_g(batch), lp_p(batch))
+    # -- the handle protocols: what the run loop calls --------------------------------------------
+
+    def _engine(self, e: Engines, role: Role) -> Any:
+        """The class's started ``role`` (started on first use; a failed start fails every user)."""
+        if role in e.failures:
+            _fail(e.failures[role])
+        if role not in e.handles:
+            try:
+                handle = self._start(e.harness, role, e.config)
+            except pytest.fail.Exception as err:
+                e.failures[role] = f"init:{role.value} failed: {err}"
+                raise
+            proto = _PROTOCOLS[role]
+            if not isinstance(handle, proto):
+                info = e.harness.serving(role)
+                name = info.declaration.name if info and info.declaration else "?"
+                e.failures[role] = (
+                    f"{role.value} handle of backend '{name}' ({type(handle).__name__}) does not "
+                    f"implement rlcore.handles.{proto.__name__}"
+                )
+                e.handles[role] = handle
+                _fail(e.failures[role])
+            e.handles[role] = handle
+        return e.handles[role]
+
+    @staticmethod
+    def _claimed(e: Engines, *roles: Role) -> list[Role]:
+        decl = e.harness.declaration
+        mine = [r for r in roles if r in decl.roles]
+        if not mine:
+            pytest.skip(
+                f"not claimed: backend '{decl.name}' serves none of {[r.value for r in roles]}"
+            )
+        return mine
+
+    def _prompts(self) -> list[list[int]]:
+        return [list(p) for p, _ in self.probe_batch]
+
+    def _generate(self, e: Engines, *, n: int, max_tokens: int, temperature: float, seed: int) -> list:
+        """``generate()`` of the generation under test on the probe prompts, checked by
+        :func:`rlcore.guards.check_samples` (cached per arguments)."""
+        key = f"generate:{n}:{max_tokens}:{temperature}:{seed}"
+        if key not in e.cache:
+            gen = self._engine(e, Role.GENERATION)
+            prompts = self._prompts()
+            out = gen.generate(prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
+            who = Caller(e.harness.declaration.name, "generation", "generate")
+            try:
+                e.cache[key] = check_samples(out, len(prompts), n, max_tokens, who, e.eos_ids())
+            except ProtocolError as err:
+                _fail(f"{err} (temperature={temperature:g}, seed={seed})")
+        return list(e.cache[key])
+
+    def test_logprobs_shape(self, engines: Engines) -> None:
+        """``logprobs()`` of the policy and generation it serves: one row per pair, one
+        finite logprob (<= 0) per completion token (:func:`rlcore.guards.check_logprobs`)."""
+        batch = [(list(p), list(c)) for p, c in self.probe_batch]
+        for role in self._claimed(engines, Role.POLICY, Role.GENERATION):
+            handle = self._engine(engines, role)
+            who = Caller(engines.harness.declaration.name, role.value, "logprobs")
+            try:
+                check_logprobs(handle.logprobs(batch), batch, who)
+            except ProtocolError as err:
+                _fail(str(err))
+
+    def test_logprobs_agree(self, engines: Engines) -> None:
+        """Policy and generation started from the same checkpoint give the same logprobs
+        of the same tokens (both at temperature 1)."""
+        self._claimed(engines, Role.POLICY, Role.GENERATION)
+        h = engines.harness
+        pol_info, gen_info = h.serving(Role.POLICY), h.serving(Role.GENERATION)
+        if pol_info is None or gen_info is None:
+            pytest.skip("no peer serves the role this backend lacks (set peer_plugin)")
+        names = (pol_info.declaration.name, gen_info.declaration.name)  # type: ignore[union-attr]
+        # The backend under test first: a broken one fails before a peer is started.
+        first = Role.POLICY if pol_info is h.info else Role.GENERATION
+        self._engine(engines, first)
+        policy = self._engine(engines, Role.POLICY)
+        generation = self._engine(engines, Role.GENERATION)
+        err = self._logprob_error(policy, generation, names)
+        if err > self.max_token_mult_prob_error:
+            _fail(
+                f"with the same checkpoint, generation backend '{names[1]}' and policy backend "
+                f"'{names[0]}' give different logprobs of the same tokens: token_mult_prob_error "
+                f"{err:.6f} (max {self.max_token_mult_prob_error:g}); both must be log_softmax of "
+                "the raw logits at temperature 1 (rlcore.handles)"
+            )
+
+    def test_generate_samples(self, engines: Engines) -> None:
+        """``generate()``: n samples per prompt of 1..max_tokens token ids, one logprob per
+        token, nothing after EOS; greedy (temperature 0) samples of a prompt are equal."""
+        self._claimed(engines, Role.GENERATION)
+        n, max_tokens, temperature = self.eos_probe
+        self._generate(engines, n=n, max_tokens=max_tokens, temperature=temperature, seed=1234)
+        greedy = self._generate(engines, n=2, max_tokens=8, temperature=0.0, seed=5)
+        for i, group in enumerate(greedy):
+            if group[0]["token_ids"] != group[1]["token_ids"]:
+                _fail(
+                    f"generation backend '{engines.harness.declaration.name}': generate() at "
+                    f"temperature 0 (greedy) gave prompt {i} two different samples"
+                )
+
+    def test_generate_stops_at_eos(self, engines: Engines) -> None:
+        """Sampling stops after EOS, which is the sample's last token (with its logprob);
+        a sample shorter than max_tokens ends with EOS; some sample reaches EOS."""
+        self._claimed(engines, Role.GENERATION)
+        name = engines.harness.declaration.name
+        n, max_tokens, temperature = self.eos_probe
+        groups = self._generate(engines, n=n, max_tokens=max_tokens, temperature=temperature, seed=1234)
+        eos = engines.eos_ids()
+        ended = 0
+        for i, group in enumerate(groups):
+            for j, sample in enumerate(group):
+                ids = sample["token_ids"]
+                if ids[-1] in eos:
+                    ended += 1
+                elif len(ids) < max_tokens:
+                    _fail(
+                        f"generation backend '{name}' broke the EOS rule of generate(): prompt {i} "
+                        f"sample {j} stopped after {len(ids)} < max_tokens={max_tokens} tokens "
+                        f"without ending with EOS (ids {sorted(eos)}); EOS is kept as the last token"
+                    )
+        if not ended:
+            _fail(
+                f"generation backend '{name}' broke the EOS rule of generate(): none of "
+                f"{len(groups) * n} samples (temperature {temperature:g}, up to {max_tokens} tokens) "
+                f"ended with EOS (ids {sorted(eos)}); the engine must stop on EOS and keep it as "
+                "the last token (tune eos_probe if your model rarely ends)"
+            )
+
+    def test_generate_is_seeded(self, engines: Engines) -> None:
+        """Same seed, same samples; different seeds, different samples (temperature 1)."""
+        self._claimed(engines, Role.GENERATION)
+        name = engines.harness.declaration.name
+
+        def ids(seed: int) -> list[list[list[int]]]:
+            out = self._generate(engines, n=2, max_tokens=8, temperature=1.0, seed=seed)
+            return [[s["token_ids"] for s in g] for g in out]
+
+        first = ids(7)
+        engines.cache = {k: v for k, v in engines.cache.items() if not k.startswith("generate:")}
+        again, other = ids(7), ids(8)
+        if first != again:
+            _fail(
+                f"generation backend '{name}' broke the seeding rule of generate(): two calls "
+                "with seed=7 gave different samples"
+            )
+        if first == other:
+            _fail(
+                f"generation backend '{name}' broke the seeding rule of generate(): seeds 7 and 8 "
+                "gave identical samples at temperature 1 (the seed is ignored)"
+            )
+
+    def test_generate_logprobs_at_temperature_1(self, engines: Engines) -> None:
+        """Sampled at a temperature != 1, ``generate()`` still reports logprobs at
+        temperature 1: those the policy (same checkpoint) and the engine's own
+        ``logprobs()`` give the sampled tokens."""
+        self._claimed(engines, Role.GENERATION)
+        h = engines.harness
+        name = h.declaration.name
+        t = self.sample_temperature
+        groups = self._generate(engines, n=2, max_tokens=12, temperature=t, seed=99)
+        pairs = [(p, s["token_ids"]) for p, g in zip(self._prompts(), groups, strict=True) for s in g]
+        got = [s["logprobs"] for g in groups for s in g]
+        refs: list[tuple[str, Any, str]] = [("its own logprobs()", self._engine(engines, Role.GENERATION), "generation")]
+        pol_info = h.serving(Role.POLICY)
+        if pol_info is not None:
+            refs.insert(0, (f"policy backend '{pol_info.declaration.name}'", self._engine(engines, Role.POLICY), "policy"))  # type: ignore[union-attr]
+        for what, handle, role in refs:
+            try:
+                want = check_logprobs(handle.logprobs(pairs), pairs, Caller(name, role, "logprobs"))
+            except ProtocolError as err:
+                _fail(str(err))
+            err = _mult_err(got, want)
             if err > self.max_token_mult_prob_error:
                 _fail(
-                    f"after {where}, token_mult_prob_error of generation vs policy logprobs is "
-                    f"{err:.6f} (max {self.max_token_mult_prob_error:g})"
+                    f"generation backend '{name}' broke the logprob convention of generate(): "
+                    f"sampled at temperature {t:g}, its logprobs are not {what}'s of the same "
+                    f"tokens (token_mult_prob_error {err:.4f}, max {self.max_token_mult_prob_error:g}); "
+                    "logprobs are log_softmax of the raw logits at temperature 1, never scaled by "
+                    "the sampling temperature (rlcore.handles)"
                 )
+
+    def test_env_collect_rollouts(self, engines: Engines) -> None:
+        """``collect_rollouts()``: ``prompts`` groups of ``samples_per_prompt`` rollouts with
+        prompt ids, token ids, one logprob per token and a finite reward
+        (:func:`rlcore.guards.check_rollouts`); the same step gives the same prompts."""
+        self._claimed(engines, Role.ENV)
+        name = engines.harness.declaration.name
+        env = self._engine(engines, Role.ENV)
+        request = RolloutRequest(
+            step=1, prompts=2, samples_per_prompt=2, max_new_tokens=8, temperature=1.0, seed=3,
+            generation=_LazyGeneration(lambda: self._engine(engines, Role.GENERATION)),  # type: ignore[arg-type]
+            tokenizer=engines.tokenizer(),
+        )
+        who = Caller(name, "env", "collect_rollouts")
+        try:
+            first = check_rollouts(env.collect_rollouts(request), request, who)
+            again = check_rollouts(env.collect_rollouts(request), request, who)
+        except ProtocolError as err:
+            _fail(str(err))
+        prompts = [[r["prompt_ids"] for r in g] for g in first]
+        if prompts != [[r["prompt_ids"] for r in g] for g in again]:
+            _fail(
+                f"env backend '{name}' broke the contract of collect_rollouts(): two calls for "
+                "step 1 gave different prompts (a step's prompts are deterministic)"
+            )
