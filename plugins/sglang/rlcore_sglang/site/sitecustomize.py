@@ -2,8 +2,8 @@
 
 rlcore_sglang puts this directory first on the server's ``PYTHONPATH``, so
 Python's ``site`` imports this module at start in the server process and in
-every process SGLang spawns from it (scheduler, detokenizer). It does two things,
-both only once the module they concern is imported:
+every process SGLang spawns from it (scheduler, detokenizer). It does three things,
+each only once the module it concerns is imported:
 
 1. **torchvision op schemas.** The only torchvision on PyPI for torch 2.13 is a
    CUDA build; on a CPU-only host its compiled ops do not load, and its import
