@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-from rlcore.errors import RefitError
+from rlcore.declarations import Transport
+from rlcore.errors import ConfigError, RefitError
 from rlcore.refit import channels, cuda_ipc
 from rlcore.refit.channels import ChannelSpec
 from rlcore.refit.specs import plan_buckets, spec_of
@@ -396,25 +397,6 @@ def test_channels_dispatch(monkeypatch: pytest.MonkeyPatch, model: dict[str, tor
     assert not receiver.opened
 
 
-def test_channel_spec_uses_the_senders_address() -> None:
-    """The driver's side: the side channel's rendezvous is the sender's refit address."""
-
-    class Policy:
-        def refit_address(self) -> tuple[str, int]:
-            return "10.0.0.7", 29555
-
-    class Ctx:
-        timeout_s = 42.0
-
-    class Req:
-        key, world_size, policy, ctx = "k", 3, Policy(), Ctx()
-
-    spec = cuda_ipc.channel_spec(Req())  # type: ignore[arg-type]
-    assert (spec.transport, spec.key, spec.world_size, spec.addr, spec.port, spec.timeout_s) == (
-        "cuda_ipc", "k", 3, "10.0.0.7", 29555, 42.0,
-    )
-
-
 def test_copy_views_merges_runs_adjacent_on_both_sides() -> None:
     """Destinations and sources that lie back to back in one buffer each, in the same order,
     are written with one copy; a break in either side's order starts a new copy; the
@@ -449,3 +431,47 @@ def test_copy_views_merges_runs_adjacent_on_both_sides() -> None:
     separate = [torch.zeros(s) for s in shapes]  # one allocation each: nothing to merge
     assert cuda_ipc.copy_views(separate, srcs) == len(shapes)
     assert all(torch.equal(d, s) for d, s in zip(separate, srcs, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "colocated", "expected"),
+    [("cuda", True, "cuda_ipc"), ("cpu", True, "shared_memory"), ("cuda", False, "collective")],
+)
+def test_planner_prefers_cuda_ipc_colocated_on_cuda(accelerator: str, colocated: bool, expected: str) -> None:
+    """The core runs cuda_ipc (it is in the transport registry, for CUDA hosts): colocated on
+    CUDA with both sides declaring it, the planner picks it; on CPU or not colocated, not."""
+    from rlcore.config import load_config
+    from rlcore.declarations import BackendDeclaration, Role
+    from rlcore.planner import choose_transport
+    from rlcore.refit import transports
+
+    assert transports.implemented("cuda")[Transport.CUDA_IPC].channel is not None
+    assert Transport.CUDA_IPC not in transports.implemented("cpu")
+    every = {"cuda_ipc", "shared_memory", "collective", "disk"}
+    pol = BackendDeclaration(name="p", roles={Role.POLICY}, send_transports=every)
+    gen = BackendDeclaration(name="g", roles={Role.GENERATION}, receive_transports=every)
+    cfg = load_config(None, ["policy.backend=p", "generation.backend=g", f"placement.colocated={str(colocated).lower()}"])
+    assert choose_transport(cfg, pol, gen, accelerator=accelerator) == expected
+    if accelerator == "cpu":
+        asked = load_config(None, ["policy.backend=p", "generation.backend=g", "refit.transport=cuda_ipc"])
+        with pytest.raises(ConfigError, match="it needs cuda and this host has cpu"):
+            choose_transport(asked, pol, gen, accelerator="cpu")
+
+
+def test_the_registry_builds_the_channel_through_cuda_ipc() -> None:
+    """The driver's side as the run's sessions use it: the registry's cuda_ipc entry builds
+    the spec from the sender's refit address and the refit's timeout."""
+    from rlcore.refit import transports
+
+    class Policy:
+        device_type = "cuda"
+
+        def refit_address(self) -> tuple[str, int]:
+            return "10.0.0.8", 29600
+
+    class Ctx:
+        timeout_s = 7.0
+
+    req = transports.ChannelRequest("key1", 2, Policy(), Ctx())  # type: ignore[arg-type]
+    spec = transports.get("cuda_ipc").channel(req)
+    assert (spec.transport, spec.addr, spec.port, spec.world_size, spec.timeout_s) == ("cuda_ipc", "10.0.0.8", 29600, 2, 7.0)

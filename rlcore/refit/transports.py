@@ -116,6 +116,21 @@ register(TransportImpl(
 ))
 
 
+def _cuda_ipc(req: ChannelRequest) -> ChannelSpec:
+    from rlcore.refit import cuda_ipc
+
+    return cuda_ipc.channel_spec(req)
+
+
+register(TransportImpl(
+    Transport.CUDA_IPC,
+    "CUDA IPC handles between processes on the same GPU (device UUIDs checked at open); "
+    "the receiver copies straight from the sender's memory",
+    "cuda",
+    _cuda_ipc,
+))
+
+
 def implemented(accelerator: str | None = None) -> dict[Transport, TransportImpl]:
     """The transports the core runs; with ``accelerator``, only those usable on it."""
     return {
