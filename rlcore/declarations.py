@@ -187,6 +187,10 @@ class BackendDeclaration:
             ``(Condition("options.serve_openai", True),)``; empty: whenever
             ``openai_endpoint`` is true. The planner refuses an env that needs the
             endpoint when the conditions do not hold, before anything starts.
+        memory_handoff: (policy, generation) its handles implement
+            :class:`rlcore.handles.MemoryHandoff` (``sleep``/``wake``): with
+            ``placement.colocated`` the loop has it give device memory back while the
+            other role works.
         contract_version: the version of rlcore's backend contract the plugin was
             written against (``MAJOR.MINOR``, :data:`CONTRACT_VERSION` at the time);
             the registry refuses a plugin of another major version, or of a newer
@@ -207,6 +211,7 @@ class BackendDeclaration:
     receive_transports: frozenset[Transport] = frozenset()
     openai_endpoint: bool = False
     openai_endpoint_when: tuple[Condition, ...] = ()
+    memory_handoff: bool = False
     contract_version: str = "1.0"
     options: type | None = None
     description: str = ""
@@ -283,6 +288,7 @@ class BackendDeclaration:
             "receive_transports": sorted(t.value for t in self.receive_transports),
             "openai_endpoint": self.openai_endpoint,
             "openai_endpoint_when": cond(self.openai_endpoint_when),
+            "memory_handoff": self.memory_handoff,
             "contract_version": self.contract_version,
             "options": self.option_names(),
             "description": self.description,
@@ -318,6 +324,11 @@ def _generation_only(d: BackendDeclaration) -> Iterator[str]:
                 yield f"{field_name} is only meaningful for a backend that serves generation"
         if d.receive_transports:
             yield "receive_transports given but the backend does not serve generation"
+
+
+def _memory_handoff(d: BackendDeclaration) -> Iterator[str]:
+    if d.memory_handoff and not d.roles & {Role.POLICY, Role.GENERATION}:
+        yield "memory_handoff is only meaningful for a backend that serves policy or generation"
 
 
 def _refit_fed(d: BackendDeclaration) -> Iterator[str]:
@@ -420,7 +431,7 @@ def _needs(d: BackendDeclaration) -> Iterator[str]:
 
 #: One check per rule a declaration must keep; each yields what it finds wrong.
 _RULES: tuple[Callable[[BackendDeclaration], Iterator[str]], ...] = (
-    _name, _roles, _overlap, _generation_only, _refit_fed, _endpoint_conditions,
+    _name, _roles, _overlap, _generation_only, _refit_fed, _memory_handoff, _endpoint_conditions,
     _contract_version, _transports, _options, _artifacts, _needs,
 )
 

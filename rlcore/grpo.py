@@ -18,7 +18,7 @@ from typing import Any
 from rlcore.config import GRPOConfig
 from rlcore.errors import DivergenceError
 from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
-from rlcore.handles import Pair, RolloutRequest
+from rlcore.handles import MemoryHandoff, Pair, RolloutRequest
 
 #: Texts the probe batch is cut from: fixed, so every run compares the same tokens.
 PROBE_TEXTS = (
@@ -52,6 +52,30 @@ def token_mult_prob_error(a: Sequence[Sequence[float]], b: Sequence[Sequence[flo
     if not diffs:
         raise ValueError("token_mult_prob_error of an empty batch")
     return math.exp(statistics.fmean(diffs))
+
+
+class Handoff:
+    """Colocated policy and generation take turns on the devices (:class:`MemoryHandoff`).
+
+    ``to_generation()`` puts the policy to sleep and wakes the generation (before
+    sampling); ``to_policy()`` the reverse (before training). A role whose backend does
+    not declare ``memory_handoff`` is ``None`` and skipped; with neither, nothing happens.
+    """
+
+    def __init__(self, policy: MemoryHandoff | None = None, generation: MemoryHandoff | None = None) -> None:
+        self.policy, self.generation = policy, generation
+
+    def to_generation(self) -> None:
+        if self.policy is not None:
+            self.policy.sleep()
+        if self.generation is not None:
+            self.generation.wake()
+
+    def to_policy(self) -> None:
+        if self.generation is not None:
+            self.generation.sleep()
+        if self.policy is not None:
+            self.policy.wake()
 
 
 def probe_batch(tokenizer: Any, n: int) -> list[Pair]:
@@ -123,6 +147,7 @@ def run_grpo(
     probe: Sequence[Pair],
     on_step: Callable[[dict[str, Any]], None],
     max_mult_prob_error: float | None = None,
+    handoff: Handoff | None = None,
     trace: Callable[[str, float, float, int], None] | None = None,
     cancelled: Callable[[], bool] = lambda: False,
 ) -> list[dict[str, Any]]:
@@ -134,9 +159,12 @@ def run_grpo(
     policy logprobs on ``probe``. ``refit(step)`` copies the policy's weights to the
     generation engine and returns a :class:`rlcore.handles.RefitReport`. After
     ``on_step`` has the step's metrics, a ``token_mult_prob_error`` above
-    ``max_mult_prob_error`` raises :class:`DivergenceError`. ``trace(name, start,
-    end, step)`` records phases for the Chrome trace.
+    ``max_mult_prob_error`` raises :class:`DivergenceError`. With ``handoff``
+    (colocated), the generation has the devices while it samples and answers the
+    probe, the policy while it trains. ``trace(name, start, end, step)`` records
+    phases for the Chrome trace.
     """
+    handoff = handoff or Handoff()
     history = []
     for step in range(1, cfg.steps + 1):
         if cancelled():
@@ -149,6 +177,10 @@ def run_grpo(
             phases[name] = t1 - t0
             if trace:
                 trace(name, t0, t1, step)
+
+        t0 = time.monotonic()
+        handoff.to_generation()
+        phase("handoff", t0)
 
         t0 = time.monotonic()
         request = RolloutRequest(
@@ -170,6 +202,7 @@ def run_grpo(
         phase("reward", t0)
 
         t0 = time.monotonic()
+        handoff.to_policy()
         batch = [(r["prompt_ids"], r["token_ids"]) for g in groups for r in g]
         flat_adv = [a for g in advantages for a in g]
         gen_lp = [r["logprobs"] for g in groups for r in g]
@@ -182,6 +215,7 @@ def run_grpo(
         phase("refit", t0)
 
         t0 = time.monotonic()
+        handoff.to_generation()
         probe_err = token_mult_prob_error(generation.logprobs(probe), policy.logprobs(probe))
         phase("probe", t0)
 

@@ -234,6 +234,28 @@ class EnvHandle(BackendHandle, Protocol):
 
 
 @runtime_checkable
+class MemoryHandoff(Protocol):
+    """A policy or generation handle that gives device memory back while the other
+    colocated role works (declared with ``memory_handoff=True``).
+
+    With ``placement.colocated`` the GRPO loop calls the generation's :meth:`sleep` and
+    the policy's :meth:`wake` before training, and the reverse before sampling. The
+    weights stay in place (refit and logprobs read them); what moves is what the other
+    role needs room for: a generation's KV cache and engine buffers, a policy's
+    optimizer state. Both are idempotent, and a call that needs the memory back
+    (``generate``, ``train_step``) wakes a sleeping handle itself.
+    """
+
+    def sleep(self) -> Any:
+        """Release the memory the other role needs; returns what was done (for metrics)."""
+        ...
+
+    def wake(self) -> Any:
+        """Take it back."""
+        ...
+
+
+@runtime_checkable
 class RefitSender(Protocol):
     """The policy side of the core's refit (all methods are called in the driver).
 

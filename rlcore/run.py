@@ -22,7 +22,7 @@ from rich.table import Table
 from rlcore.cluster import Cluster
 from rlcore.config import RunConfig, cache_dir, load_config
 from rlcore.errors import ConfigError
-from rlcore.grpo import check_divergence, probe_batch, run_grpo, token_mult_prob_error
+from rlcore.grpo import Handoff, check_divergence, probe_batch, run_grpo, token_mult_prob_error
 from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.metrics import MetricsWriter
 from rlcore.plots import plot_reward, plot_setup_timeline
@@ -204,6 +204,15 @@ def _train(
     def refit(step: int) -> Any:
         return setup.refit(step, cancel)
 
+    handoff = None
+    if config.placement.colocated:
+        sleeper = {
+            role: setup.handles[role]
+            for role in ("policy", "generation")
+            if (d := setup.plugins[role].declaration) is not None and d.memory_handoff
+        }
+        handoff = Handoff(sleeper.get("policy"), sleeper.get("generation"))
+
     def on_step(m: dict[str, Any]) -> None:
         writer.write(m, step=m["step"])
         console.print(
@@ -222,6 +231,7 @@ def _train(
         probe=probe,
         on_step=on_step,
         max_mult_prob_error=limit,
+        handoff=handoff,
         trace=lambda name, t0, t1, step: trace.add_span(name, t0, t1, cat="step", lane="grpo", args={"step": step}),
         cancelled=lambda: cancel.cancelled,
     )

@@ -6,7 +6,7 @@ import pytest
 from rlcore.config import GRPOConfig
 from rlcore.envs import PromptAndScoreEnv
 from rlcore.errors import DivergenceError, ProtocolError
-from rlcore.grpo import group_advantages, probe_batch, run_grpo, token_mult_prob_error
+from rlcore.grpo import Handoff, group_advantages, probe_batch, run_grpo, token_mult_prob_error
 from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.handles import RefitReport
 
@@ -124,3 +124,48 @@ def test_probe_batch_is_fixed_and_ends_in_eos() -> None:
     a, b = probe_batch(tok, 5), probe_batch(tok, 5)
     assert a == b and len(a) == 5
     assert all(p[0] == 1 and c[-1] == tok.eos_token_id and len(c) >= 2 for p, c in a)
+
+
+class Sleeper:
+    """Records sleep/wake calls of one role into a shared journal."""
+
+    def __init__(self, name: str, journal: list[str]) -> None:
+        self.name, self.journal = name, journal
+
+    def sleep(self) -> None:
+        self.journal.append(f"{self.name}.sleep")
+
+    def wake(self) -> None:
+        self.journal.append(f"{self.name}.wake")
+
+
+def test_colocated_roles_take_turns_on_the_devices() -> None:
+    journal: list[str] = []
+
+    class Recording(Model):
+        def generate(self, *a: Any, **kw: Any) -> Any:
+            journal.append("generate")
+            return super().generate(*a, **kw)
+
+        def train_step(self, *a: Any, **kw: Any) -> dict[str, float]:
+            journal.append("train")
+            return super().train_step(*a, **kw)
+
+    tok = CharTokenizer()
+    run_grpo(
+        cfg=GRPOConfig(steps=2, prompts_per_step=1, samples_per_prompt=2),
+        tokenizer=tok,
+        policy=GuardedPolicy(Recording(0.5), "pol"),
+        generation=GuardedGeneration(Recording(0.5), "gen", eos_ids={3}),
+        env=GuardedEnv(Sevens(), "sevens"),
+        refit=lambda step: journal.append("refit") or RefitReport(step, "cuda_ipc", 1, 1, 0.01),
+        probe=probe_batch(tok, 1),
+        on_step=lambda m: journal.append("metrics"),
+        handoff=Handoff(Sleeper("policy", journal), Sleeper("generation", journal)),
+    )
+    step = [
+        "policy.sleep", "generation.wake", "generate",  # the generation samples
+        "generation.sleep", "policy.wake", "train",  # the policy trains
+        "refit", "policy.sleep", "generation.wake", "metrics",  # the probe, generation awake
+    ]
+    assert journal == step * 2

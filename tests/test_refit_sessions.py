@@ -67,3 +67,32 @@ def test_a_transport_the_core_lacks_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(RefitError, match="the core has no 'carrier_pigeon' refit transport"):
         sessions.open(Side(), Side(), ctx("carrier_pigeon", sessions, tmp_path))
     assert "collective" in {t.value for t in transports.implemented("cpu")}
+
+
+def test_a_forgotten_channel_is_opened_anew(tmp_path: Path) -> None:
+    sessions = RefitSessions()
+    pol, gen = Side(), Side()
+    first = sessions.open(pol, gen, ctx("disk", sessions, tmp_path))
+    sessions.forget(pol, gen, "disk")
+    second = sessions.open(pol, gen, ctx("disk", sessions, tmp_path))
+    assert second is not first and second.spec.key != first.spec.key and len(pol.opened) == 2
+
+
+def test_a_failed_refit_drops_its_channel(tmp_path: Path) -> None:
+    from rlcore.refit.specs import TensorSpec
+    from rlcore.refit.sync import refit
+
+    class Failing(Side):
+        def weight_specs(self) -> list[TensorSpec]:
+            return [TensorSpec("w", (2,), "float32")]
+
+        def send_weights(self, spec: Any, step: int, buckets: Any) -> list[Any]:
+            raise RefitError("wire cut")
+
+        receive_weights = send_weights
+
+    sessions = RefitSessions()
+    pol, gen = Failing(), Failing()
+    with pytest.raises(RefitError, match="wire cut"):
+        refit(pol, gen, ctx("disk", sessions, tmp_path))
+    assert len(pol.opened) == 1 and sessions.spec_for(pol, gen, "disk") is None

@@ -757,3 +757,13 @@ def test_every_in_tree_backend_states_the_contract_it_targets() -> None:
     for name in ("fsdp", "vllm", "megatron", "arithmetic", "nemo_gym"):
         decl = registry.backends[name].declaration
         assert decl is not None and decl.contract_version == CONTRACT_VERSION, name
+
+
+def test_memory_handoff_on_an_env_backend_is_refused() -> None:
+    import dataclasses
+
+    env = Backend("sleepy_env", Role.ENV)
+    env.decl = dataclasses.replace(env.decl, memory_handoff=True)
+    registry = load_registry(entry_points=False, extra=[("sleepy_env", env)])
+    [failure] = registry.failures
+    assert failure.stage == "declare" and "memory_handoff is only meaningful" in failure.message

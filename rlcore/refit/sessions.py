@@ -91,6 +91,12 @@ class RefitSessions:
             session = self._sessions.get((id(policy), id(generation), transport))
         return None if session is None else session.spec
 
+    def forget(self, policy: Any, generation: Any, transport: str) -> None:
+        """Drop this pair's channel over ``transport``: the next refit opens a new one
+        (the workers' ends of the old one close with their processes or channels)."""
+        with self._lock:
+            self._sessions.pop((id(policy), id(generation), transport), None)
+
     def close(self) -> None:
         """Forget every session (the run is over; workers close their own ends)."""
         with self._lock:

@@ -39,10 +39,10 @@ def refit(policy: Any, generation: Any, ctx: RefitContext) -> RefitReport:
     check_specs(sent, generation.weight_specs(), sender=type(policy).__name__, receiver=type(generation).__name__)
     buckets = plan_buckets(sent, ctx.bucket_bytes)
     session = ctx.sessions.open(policy, generation, ctx)
-    sends = list(policy.send_weights(session.spec, ctx.step, buckets))
-    receives = list(generation.receive_weights(session.spec, ctx.step, buckets))
-    labels = _labels(policy, "policy", len(sends)) + _labels(generation, "generation", len(receives))
     try:
+        sends = list(policy.send_weights(session.spec, ctx.step, buckets))
+        receives = list(generation.receive_weights(session.spec, ctx.step, buckets))
+        labels = _labels(policy, "policy", len(sends)) + _labels(generation, "generation", len(receives))
         ray_get(
             sends + receives,
             what=f"refit step {ctx.step} over {ctx.transport}",
@@ -50,6 +50,11 @@ def refit(policy: Any, generation: Any, ctx: RefitContext) -> RefitReport:
             deadline=ctx.deadline.sooner(ctx.timeout_s),
             labels=labels,
         )
+    except BaseException:
+        # A channel that failed mid-refit may be unusable (a timed-out collective or
+        # cuda_ipc channel refuses further use): the next refit opens a new one.
+        ctx.sessions.forget(policy, generation, ctx.transport)
+        raise
     finally:
         remove_step(session.spec, ctx.step)
     total = sum(s.nbytes for s in sent)

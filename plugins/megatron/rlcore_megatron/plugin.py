@@ -163,6 +163,9 @@ def rlcore_declare_backend() -> BackendDeclaration:
             ),
         ),
         refit_fed=True,
+        # Colocated, the policy's optimizer state and the dynamic engine's memory move
+        # out of the way of the other role (handle.sleep / wake).
+        memory_handoff=True,
         send_transports=_transports(),
         receive_transports=_transports(),
         # With generation.options.serve_openai (rlcore.openai_endpoint in front of the
