@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -167,6 +168,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """``rlcore run``: SIGINT/SIGTERM stop it cleanly (exit 130/143, one line saying what
+    was interrupted); a second signal, or 9 s of teardown, kills its processes at once."""
+    from rlcore.interrupts import RunInterrupted, SignalGuard, signal_name, signum_of
     from rlcore.run import run_job
 
     config_path = args.config or default_config_path()
@@ -176,7 +180,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     if args.resume and not args.out:
         raise ConfigError("--resume needs --out DIR: the run directory to append to", key="--resume")
-    run_dir = run_job(str(config_path), args.overrides, out=args.out, console=_console(), resume=args.resume)
+    with SignalGuard():
+        try:
+            run_dir = run_job(str(config_path), args.overrides, out=args.out, console=_console(), resume=args.resume)
+        except RunInterrupted as err:
+            _console(stderr=True).print(escape(err.line()))
+            return err.exit_code
+        except KeyboardInterrupt as err:  # before the run directory existed: nothing to stop
+            signum = signum_of(err)
+            _console(stderr=True).print(f"interrupted ({signal_name(signum)}) before the run started")
+            return 128 + signum
     _console().print(f"run directory: {run_dir}")
     return 0
 
@@ -267,4 +280,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def entrypoint() -> None:
-    sys.exit(main())
+    code = main()
+    if code > 128:
+        # Interrupted: everything is shut down and written. Leave without the interpreter's
+        # finalization, which could still meet a thread the run abandoned.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -7,6 +7,14 @@ The embedded cluster is a single-host one: its node address is 127.0.0.1, so Ray
 servers and agents, the worker groups' rendezvous stores and gloo all listen on
 loopback only (:func:`rlcore.workers.tcp_store`). Joining a cluster by address keeps
 Ray's choice (the node's outward address): several hosts must reach each other.
+
+No thread of a run can start a second cluster: Ray's auto-init (which ``ray.get`` and
+friends run when Ray is not connected) is switched off when the cluster starts, and
+:meth:`Cluster.shutdown` first closes :data:`rlcore.workers.RAY_GATE`, so a thread the
+setup abandoned makes no Ray call during or after ``ray.shutdown()``. The shutdown of an
+embedded cluster returns once every process of it (GCS, raylet, Ray's agents, workers)
+has exited. ``ray.init`` replaces the driver's SIGTERM (and, in its C++ core, SIGINT)
+handlers; :meth:`Cluster.start` puts the caller's back.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -65,6 +74,52 @@ def _single_host() -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
+def no_auto_init() -> None:
+    """Switch Ray's auto-init off in this process: a Ray call without a connection raises
+    instead of starting a new local cluster (``RAY_ENABLE_AUTO_CONNECT=0``, which Ray
+    reads once at import, so the module's flag is set too)."""
+    os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
+    try:
+        from ray._private import auto_init_hook
+    except ImportError:  # pragma: no cover - a Ray without auto-init
+        return
+    auto_init_hook.enable_auto_connect = False
+
+
+@contextlib.contextmanager
+def _keep_signal_handlers() -> Iterator[None]:
+    """Restore this process's SIGINT/SIGTERM handlers after the block (``ray.init`` sets
+    its own: a SIGTERM handler that exits, and its C++ core's crash handler, whose stack
+    dump is not an answer to a plain SIGTERM)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def _ray_processes() -> list[Any]:
+    """The embedded cluster's processes on this host (GCS, raylet, ...) with everything
+    they started (Ray's agents, workers): ``psutil.Process`` objects."""
+    try:
+        from ray._private import worker as ray_worker
+
+        from rlcore.workers import _processes_of
+
+        node = ray_worker._global_node
+        if node is None:
+            return []
+        return _processes_of([proc.pid for _, proc in node.live_processes()])
+    except Exception as err:  # pragma: no cover - a Ray without these internals
+        log.debug("cannot list the Ray cluster's processes: %s", err)
+        return []
+
+
 class Cluster:
     """Starts or joins Ray once; ``shutdown`` stops only a cluster it started."""
 
@@ -74,11 +129,15 @@ class Cluster:
         self.start_time_s: float | None = None
 
     def start(self) -> Cluster:
+        from rlcore.workers import RAY_GATE
+
         with _lock:
             import ray
 
+            no_auto_init()
             if ray.is_initialized():
                 return self
+            RAY_GATE.open()
             t0 = time.monotonic()
             env_vars = {
                 # Workers inherit these: keep CPU threads per worker sane on small hosts.
@@ -91,7 +150,8 @@ class Cluster:
                 "runtime_env": {"env_vars": env_vars},
             }
             if self.config.address:
-                ray.init(address=self.config.address, **kwargs)
+                with _keep_signal_handlers():
+                    ray.init(address=self.config.address, **kwargs)
                 log.info("joined Ray cluster at %s", self.config.address)
             else:
                 if self.config.num_cpus is not None:
@@ -99,9 +159,11 @@ class Cluster:
                 if self.config.num_gpus is not None:
                     kwargs["num_gpus"] = self.config.num_gpus
                 env_vars.update(loopback_env())
-                with _single_host():
-                    ray.init(_node_ip_address=LOOPBACK, **kwargs)
+                # Owned from here on: an interrupt inside ray.init still shuts down what
+                # it had started.
                 self.owned = True
+                with _single_host(), _keep_signal_handlers():
+                    ray.init(_node_ip_address=LOOPBACK, **kwargs)
                 log.info("started an embedded Ray cluster: %s", ray.cluster_resources())
             self.start_time_s = time.monotonic() - t0
             return self
@@ -111,19 +173,37 @@ class Cluster:
 
         return dict(ray.cluster_resources())
 
-    def shutdown(self) -> None:
+    def shutdown(self, reason: str = "the run's Ray cluster is shut down", exit_s: float = 5.0) -> list[str]:
+        """Stop the cluster if this object started it; returns what was left to SIGKILL.
+
+        Ray calls are refused from here on (:data:`rlcore.workers.RAY_GATE`, with up to
+        2 s for calls in flight to return), then ``ray.shutdown()``; then every process of
+        the embedded cluster still there half a second later gets SIGTERM, and ``exit_s`` to
+        exit before it is SIGKILLed (Ray's agents otherwise linger for a minute after their
+        raylet is gone).
+        """
+        from rlcore.workers import RAY_GATE, wait_exited
+
         with _lock:
             if not self.owned:
-                return
+                return []
             import ray
 
-            if ray.is_initialized():
+            RAY_GATE.close(reason)
+            procs = _ray_processes()
+            with contextlib.suppress(Exception):  # a half-started cluster may not stop cleanly
                 ray.shutdown()
             self.owned = False
-
-
-def has_cuda() -> bool:
-    """Whether this process sees a CUDA device (imports torch)."""
-    import torch
-
-    return bool(torch.cuda.is_available())
+        # What outlived its raylet (agents, workers) is told to stop now, not when it notices.
+        for p in wait_exited(procs, 0.5):
+            with contextlib.suppress(Exception):
+                p.terminate()
+        left = wait_exited(procs, exit_s)
+        killed = []
+        for p in left:
+            with contextlib.suppress(Exception):
+                killed.append(f"{p.name()} ({p.pid})")
+                p.kill()
+        if killed:
+            log.warning("Ray processes still alive %gs after ray.shutdown, SIGKILLed: %s", exit_s, killed)
+        return killed

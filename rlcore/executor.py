@@ -596,6 +596,7 @@ def execute(
     shutdown_timeout_s: float = 60.0,
     on_event: Callable[[str, str], None] | None = None,
     on_cancel: Callable[[str], None] | None = None,
+    interrupt_shutdown_s: float = 5.0,
 ) -> ExecutionResult:
     """Run ``tasks`` as a DAG, each the moment its dependencies are done.
 
@@ -615,6 +616,11 @@ def execute(
             worker threads and the scheduler, must be quick and thread-safe.
         on_cancel: called once with the reason when the token is set (e.g. to
             wake waiters that do not poll the token).
+        interrupt_shutdown_s: bound on each shutdown when a ``KeyboardInterrupt``
+            (SIGINT, SIGTERM under :class:`rlcore.interrupts.SignalGuard`) reaches the
+            scheduler: running tasks are abandoned at once (they observe the token),
+            started results are shut down, and the interrupt is re-raised carrying the
+            :class:`ExecutionResult` as ``.execution`` (for the run's trace).
 
     Returns:
         The :class:`ExecutionResult`; the caller owns the started results and
@@ -639,12 +645,13 @@ def execute(
     )
     try:
         ex.loop()
-    except BaseException:  # KeyboardInterrupt in the scheduler: cancel, tear down, re-raise
-        cancel.cancel("interrupted")
+    except BaseException as err:  # KeyboardInterrupt in the scheduler: cancel, tear down, re-raise
+        cancel.cancel(f"interrupted ({type(err).__name__}: {err})")
         ex.observe_cancel()
         ex.abandon_all(time.monotonic())
         execution = ex.result()
-        execution.shutdown()
+        execution.shutdown(min(shutdown_timeout_s, interrupt_shutdown_s))
+        err.execution = execution  # type: ignore[attr-defined]
         raise
     execution = ex.result()
     if ex.failure is None and not cancel.cancelled:

@@ -8,9 +8,11 @@ down (also on failure or Ctrl-C).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from rlcore.config import RunConfig, cache_dir, load_config
 from rlcore.errors import ConfigError
 from rlcore.grpo import Handoff, check_divergence, probe_batch, run_grpo, token_mult_prob_error
 from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
+from rlcore.interrupts import RunInterrupted, signal_name, signum_of
 from rlcore.metrics import MetricsWriter
 from rlcore.plots import plot_reward, plot_setup_timeline
 from rlcore.preflight import check_before_start, run_dir_for
@@ -115,6 +118,7 @@ def run_job(
     metrics_writer = MetricsWriter(run_dir / "metrics.jsonl")
     cluster = Cluster(config.cluster)
     cancel = CancelToken()
+    phase = RunPhase()
     setup: SetupResult | None = None
     try:
         with console.status("starting Ray cluster"):
@@ -122,8 +126,11 @@ def run_job(
             cluster.start()
             trace.add_span("cluster start", t0, time.monotonic(), cat="setup", lane="cluster")
         progress = SetupProgress([t.name for t in plan.tasks])
-        with Live(progress, console=console, refresh_per_second=4, transient=False):
-            setup = run_setup(config, registry, run_dir=run_dir, plan=plan, cancel=cancel, progress=progress)
+        with _setup_display(progress, console):
+            setup = run_setup(
+                config, registry, run_dir=run_dir, plan=plan, cancel=cancel,
+                progress=phase.watch(progress, None if console.is_terminal else console.print),
+            )
         trace.add_execution(setup.execution, setup.plan)
         setup_record = dict(setup.metrics)
         setup_record["timing/setup/cluster_start_time_s"] = cluster.start_time_s or 0.0
@@ -137,11 +144,16 @@ def run_job(
         )
         _plot_setup(setup, run_dir, config)
         if not setup_only:
-            _train(config, setup, cancel, trace, metrics_writer, run_dir, console)
+            phase.now = "the first refit's check"
+            _train(config, setup, cancel, trace, metrics_writer, run_dir, console, phase)
+        phase.now = "teardown"
         return run_dir
-    except KeyboardInterrupt:
-        cancel.cancel("interrupted (Ctrl-C)")
-        raise
+    except KeyboardInterrupt as err:
+        # SIGINT/SIGTERM (rlcore.interrupts.SignalGuard) or Ctrl-C: a bounded teardown,
+        # the records written first, then one error that says what was interrupted.
+        raise _stop_interrupted(
+            err, phase.now, cancel, setup, cluster, trace, metrics_writer, run_dir, plan
+        ) from None
     finally:
         if setup is not None:
             for line in setup.shutdown():
@@ -149,6 +161,105 @@ def run_job(
         cluster.shutdown()
         metrics_writer.close()
         trace.write(run_dir / "trace.json")
+
+
+@contextlib.contextmanager
+def _setup_display(progress: SetupProgress, console: Console) -> Iterator[None]:
+    """The live setup table on a terminal; elsewhere (a log) the table once at the end."""
+    if console.is_terminal:
+        with Live(progress, console=console, refresh_per_second=4, transient=False):
+            yield
+        return
+    try:
+        yield
+    finally:
+        console.print(progress)
+
+
+class RunPhase:
+    """What a run is doing now, in the words of an interrupt's message: ``cluster start``,
+    the setup tasks running (``init:policy, init:generation``), ``step 3``, ``teardown``."""
+
+    def __init__(self) -> None:
+        self.now = "cluster start"
+        self._running: list[str] = []
+        self._lock = threading.Lock()
+
+    def watch(
+        self, progress: Callable[[str, str], None], say: Callable[[str], None] | None = None
+    ) -> Callable[[str, str], None]:
+        """``progress`` (a setup event callback) that also keeps :attr:`now` up to date and,
+        with ``say``, reports each event as a line (``setup: init:policy running``): the
+        live table is drawn only on a terminal, a log needs the lines."""
+
+        def event(task: str, what: str) -> None:
+            if say is not None:
+                say(f"setup: {task} {_EVENT_WORDS.get(what, what)}")
+            with self._lock:
+                # Only starts and successful ends move the phase: the events a cancellation
+                # sends (cancelled, not_started) must not hide what it interrupted.
+                if what == "start":
+                    self._running.append(task)
+                elif what == "end" and task in self._running:
+                    self._running.remove(task)
+                if what in ("start", "end"):
+                    self.now = ", ".join(self._running) or f"setup (after {task})"
+            progress(task, what)
+
+        return event
+
+
+_EVENT_WORDS = {"start": "running", "end": "done"}
+
+#: Bound on each backend's shutdown after an interrupt (the run must end within 10 s).
+INTERRUPT_SHUTDOWN_S = 3.0
+
+
+def _stop_interrupted(
+    err: KeyboardInterrupt,
+    during: str,
+    cancel: CancelToken,
+    setup: SetupResult | None,
+    cluster: Cluster,
+    trace: TraceRecorder,
+    writer: MetricsWriter,
+    run_dir: Path,
+    plan: Any,
+) -> RunInterrupted:
+    """Tear a run down after a signal: cancel, record, shut down (bounded), report."""
+    signum = signum_of(err)
+    t_signal = getattr(err, "at", time.monotonic())
+    reason = f"interrupted ({signal_name(signum)}) during {during}"
+    cancel.cancel(reason)
+    # Setup interrupted: the executor has shut down what had started; its records are here.
+    execution = setup.execution if setup is not None else getattr(err, "execution", None)
+    if setup is None and execution is not None:
+        trace.add_execution(execution, plan)
+    writer.write({"run/interrupted_by": signal_name(signum), "run/interrupted_during": during})
+    trace.add_instant(reason, t_signal, cat="run", lane="run")
+    trace.write(run_dir / "trace.json")  # written before the teardown, in case it is cut short
+
+    problems: list[str] = []
+    t0 = time.monotonic()
+    if setup is not None:
+        problems += setup.shutdown(INTERRUPT_SHUTDOWN_S)
+    shut_down = list(execution.shut_down) if execution is not None else []
+    if execution is not None:  # stopped on the token (their threads kill what they started)
+        shut_down += [
+            f"{name} cancelled" for name, rec in execution.records.items() if rec.status == "cancelled"
+        ]
+    had_cluster = cluster.owned
+    killed = cluster.shutdown(reason)
+    if had_cluster:
+        shut_down.append("Ray cluster")
+    problems += [f"SIGKILLed {k}" for k in killed]
+    if setup is None and execution is not None:
+        problems += execution.shutdown_errors
+    t1 = time.monotonic()
+    trace.add_span("teardown after interrupt", t0, t1, cat="run", lane="run", args={"problems": problems})
+    seconds = t1 - t_signal
+    writer.write({"run/interrupt_teardown_s": seconds, "run/shut_down": shut_down, "run/shutdown_problems": problems})
+    return RunInterrupted(signum, during, shut_down, problems, run_dir, seconds)
 
 
 def _plot_setup(setup: SetupResult, run_dir: Path, config: RunConfig) -> None:
@@ -179,6 +290,7 @@ def _train(
     writer: MetricsWriter,
     run_dir: Path,
     console: Console,
+    phase: RunPhase,
 ) -> None:
     from transformers import AutoTokenizer
 
@@ -214,6 +326,7 @@ def _train(
         handoff = Handoff(sleeper.get("policy"), sleeper.get("generation"))
 
     def on_step(m: dict[str, Any]) -> None:
+        phase.now = f"step {m['step'] + 1}"
         writer.write(m, step=m["step"])
         console.print(
             f"step {m['step']:>3}  reward {m['reward/mean']:.3f}  exact {m['reward/exact']:.2f}  "
@@ -221,6 +334,7 @@ def _train(
             f"mult_prob_err {m['refit/token_mult_prob_error']:.4f}  ({m['timing/step_time_s']:.1f}s)"
         )
 
+    phase.now = "step 1"
     history = run_grpo(
         cfg=config.grpo,
         tokenizer=tokenizer,

@@ -8,12 +8,14 @@ on CPU, NCCL on GPU) and calls them with deadlines and cancellation. Every
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import socket
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from rlcore.errors import Cancelled, DeadlineExceeded, RlcoreError
@@ -24,6 +26,58 @@ log = logging.getLogger(__name__)
 
 class WorkerError(RlcoreError):
     """A worker of a group failed or died; names the group and rank."""
+
+
+class RayGate:
+    """Who may call Ray now: closed while (and after) the run's cluster shuts down.
+
+    Every Ray call the core makes for a worker group (``ray_get``'s polling slices,
+    starting actors, calling them, killing them) enters the gate. :meth:`close` refuses
+    new calls (they raise :class:`Cancelled` naming the reason) and waits, bounded, for
+    the calls in flight to leave, so ``ray.shutdown()`` never runs under a thread that is
+    still inside Ray (an abandoned init thread), and no such thread calls Ray afterwards.
+    :meth:`open` lets calls in again (a new cluster started).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._inside = 0
+        self._closed: str | None = None
+
+    @property
+    def closed(self) -> str | None:
+        """Why the gate is closed, or ``None`` while Ray calls are allowed."""
+        return self._closed
+
+    @contextlib.contextmanager
+    def call(self, what: str) -> Iterator[None]:
+        """Around one Ray call (or one short slice of calls); raises Cancelled when closed."""
+        with self._cond:
+            if self._closed is not None:
+                raise Cancelled(f"{what}: no Ray calls any more ({self._closed})")
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._inside -= 1
+                self._cond.notify_all()
+
+    def close(self, reason: str, wait_s: float = 2.0) -> bool:
+        """Refuse new calls; wait up to ``wait_s`` for those in flight. True if none is left."""
+        with self._cond:
+            if self._closed is None:
+                self._closed = reason
+            return self._cond.wait_for(lambda: self._inside == 0, timeout=wait_s)
+
+    def open(self) -> None:
+        with self._cond:
+            self._closed = None
+
+
+#: The process's gate (one Ray connection per process): closed by
+#: :meth:`rlcore.cluster.Cluster.shutdown`, opened by :meth:`rlcore.cluster.Cluster.start`.
+RAY_GATE = RayGate()
 
 
 def free_port() -> int:
@@ -200,32 +254,42 @@ def ray_get(
     names = list(labels) if labels is not None else [f"worker {i}" for i in range(len(pending))]
     deadline = deadline or Deadline.never(what)
     while True:
+        # Checked before every slice: a cancelled run (or a closed cluster) makes no
+        # further Ray call from this thread, even one the executor has abandoned.
         if cancel is not None and cancel.cancelled:
             raise Cancelled(f"{what} cancelled: {cancel.reason}")
         remaining = deadline.remaining()
         if remaining is not None and remaining <= 0:
             raise DeadlineExceeded(f"{what} did not finish within {deadline.seconds:g}s")
         timeout = slice_s if remaining is None else min(slice_s, remaining)
-        ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=timeout)
-        # Surface a failure as soon as any worker fails, not after the slowest finishes.
-        if any(_failure(ray, r) for r in ready):
-            if not_ready:
-                ray.wait(not_ready, num_returns=len(not_ready), timeout=settle_s)
-            failures = []
-            for i, r in enumerate(pending):
-                done, _ = ray.wait([r], timeout=0)
-                found = _failure(ray, r) if done else None
-                if found:
-                    failures.append((not found[0], i, found))  # deaths sort first
-            _, i, (died, err) = min(failures, key=lambda f: (f[0], f[1]))
-            others = [f"{names[j]}: {type(e).__name__}" for _, j, (_, e) in failures if j != i]
-            also = f" (then: {'; '.join(others)})" if others else ""
-            if died:
-                raise WorkerError(f"{what}: {names[i]} died: {err}{also}") from err
-            raise WorkerError(f"{what}: {names[i]} failed: {type(err).__name__}: {err}{also}") from err
-        if not not_ready:
-            values = ray.get(pending)
-            return values[0] if single else values
+        with RAY_GATE.call(what):
+            ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=timeout)
+            # Surface a failure as soon as any worker fails, not after the slowest finishes.
+            if any(_failure(ray, r) for r in ready):
+                _raise_first_failure(ray, pending, not_ready, names, what, settle_s)
+            if not not_ready:
+                values = ray.get(pending)
+                return values[0] if single else values
+
+
+def _raise_first_failure(
+    ray: Any, pending: list[Any], not_ready: list[Any], names: list[str], what: str, settle_s: float
+) -> None:
+    """Raise a WorkerError for the failed refs, a dead worker's first (see :func:`ray_get`)."""
+    if not_ready:
+        ray.wait(not_ready, num_returns=len(not_ready), timeout=settle_s)
+    failures = []
+    for i, r in enumerate(pending):
+        done, _ = ray.wait([r], timeout=0)
+        found = _failure(ray, r) if done else None
+        if found:
+            failures.append((not found[0], i, found))  # deaths sort first
+    _, i, (died, err) = min(failures, key=lambda f: (f[0], f[1]))
+    others = [f"{names[j]}: {type(e).__name__}" for _, j, (_, e) in failures if j != i]
+    also = f" (then: {'; '.join(others)})" if others else ""
+    if died:
+        raise WorkerError(f"{what}: {names[i]} died: {err}{also}") from err
+    raise WorkerError(f"{what}: {names[i]} failed: {type(err).__name__}: {err}{also}") from err
 
 
 def _check_fits(name: str, world_size: int, num_cpus: float, num_gpus: float) -> None:
@@ -281,20 +345,26 @@ class WorkerGroup:
         self._processes: list[tuple[str, int]] = []  # (Ray node id, pid) per rank
         self.start_time_s = 0.0
         t0 = time.monotonic()
-        _check_fits(name, world_size, num_cpus, num_gpus)
-        remote_cls = ray.remote(cls)
+        with RAY_GATE.call(f"starting {name} workers"):
+            if cancel is not None:
+                cancel.raise_if_cancelled(f"starting {name} workers")
+            _check_fits(name, world_size, num_cpus, num_gpus)
+            remote_cls = ray.remote(cls)
         runtime_env = {"env_vars": dict(env or {})}
         try:
             for rank in range(world_size):
-                self.actors.append(
-                    remote_cls.options(
-                        num_cpus=num_cpus,
-                        num_gpus=num_gpus,
-                        runtime_env=runtime_env,
-                        name=None,
-                        max_restarts=0,
-                    ).remote(rank, world_size, *args, **(kwargs or {}))
-                )
+                with RAY_GATE.call(f"starting {name} rank {rank}"):
+                    if cancel is not None:
+                        cancel.raise_if_cancelled(f"starting {name} workers")
+                    self.actors.append(
+                        remote_cls.options(
+                            num_cpus=num_cpus,
+                            num_gpus=num_gpus,
+                            runtime_env=runtime_env,
+                            name=None,
+                            max_restarts=0,
+                        ).remote(rank, world_size, *args, **(kwargs or {}))
+                    )
             self._processes = ray_get(
                 [a.process_ids.remote() for a in self.actors], what=f"starting {name} workers", cancel=cancel, deadline=deadline
             )
@@ -308,7 +378,10 @@ class WorkerGroup:
 
     def call_async(self, method: str, *args: Any, ranks: Sequence[int] | None = None, **kwargs: Any) -> list[Any]:
         ranks = range(self.world_size) if ranks is None else ranks
-        return [getattr(self.actors[r], method).remote(*args, **kwargs) for r in ranks]
+        with RAY_GATE.call(f"{self.name}: {method}"):
+            if self.cancel is not None:
+                self.cancel.raise_if_cancelled(f"{self.name}: {method}")
+            return [getattr(self.actors[r], method).remote(*args, **kwargs) for r in ranks]
 
     def get(self, refs: Any, *, what: str, deadline: Deadline | None = None) -> Any:
         deadline = deadline or Deadline(self.timeout_s, f"{self.name}: {what}")
@@ -329,21 +402,21 @@ class WorkerGroup:
 
     def _local_processes(self) -> list[Any]:
         """The workers' processes on this host, with their descendants (``psutil.Process``)."""
-        import psutil
         import ray
 
         here = ray.get_runtime_context().get_node_id()
-        found: dict[int, Any] = {}
-        for node, pid in self._processes:
-            if node != here:
-                continue  # another host's process: ray.kill is all the driver can do
-            try:
-                proc = psutil.Process(pid)
-                for p in [proc, *proc.children(recursive=True)]:
-                    found[p.pid] = p
-            except psutil.Error:
-                continue
-        return list(found.values())
+        # Another host's process: ray.kill is all the driver can do.
+        return _processes_of([pid for node, pid in self._processes if node == here])
+
+    def _teardown(self, graceful_s: float) -> None:
+        """Ask every rank to release its resources (``teardown``); bounded by ``graceful_s``."""
+        import ray
+
+        try:
+            refs = [a.teardown.remote() for a in self.actors]
+            ray.wait(refs, num_returns=len(refs), timeout=graceful_s)
+        except Exception as err:  # dead actors cannot tear down; kill them anyway
+            log.debug("%s: graceful teardown failed: %s", self.name, err)
 
     def shutdown(self, graceful_s: float = 10.0, exit_s: float = 10.0) -> None:
         """Tear every actor down and return once its processes have exited.
@@ -352,27 +425,37 @@ class WorkerGroup:
         then wait up to ``exit_s`` for the workers' processes on this host (and their
         children, e.g. an engine's subprocesses) to exit, and SIGKILL what is left.
         Idempotent; never raises for a worker that is already dead.
+
+        Once the run is cancelled (an interrupt, another task's failure) the graceful step
+        is skipped: an actor busy in a long call would only run ``teardown`` after it. When
+        the cluster is shutting down (:data:`RAY_GATE` closed) no Ray call is made at all:
+        the processes recorded at start are killed directly.
         """
         import ray
 
         if not self.actors:
             return
         if not ray.is_initialized():
-            # The cluster is gone and its workers with it; any Ray call here would start a
-            # new local cluster (Ray's auto-init), which a shutdown must never do.
+            # The cluster is gone and its workers with it; no Ray call may follow (with
+            # auto-init on, one would start a new local cluster).
             self.actors, self._processes = [], []
             return
-        procs = self._local_processes()
         try:
-            refs = [a.teardown.remote() for a in self.actors]
-            ray.wait(refs, num_returns=len(refs), timeout=graceful_s)
-        except Exception as err:  # dead actors cannot tear down; kill them anyway
-            log.debug("%s: graceful teardown failed: %s", self.name, err)
-        for a in self.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception as err:
-                log.debug("%s: ray.kill failed: %s", self.name, err)
+            with RAY_GATE.call(f"{self.name}: shutdown"):
+                procs = self._local_processes()
+                if not (self.cancel is not None and self.cancel.cancelled):
+                    self._teardown(graceful_s)
+                for a in self.actors:
+                    try:
+                        ray.kill(a, no_restart=True)
+                    except Exception as err:
+                        log.debug("%s: ray.kill failed: %s", self.name, err)
+        except Cancelled:
+            # The cluster is going down: kill this host's worker processes ourselves.
+            procs = _processes_of([pid for _, pid in self._processes])
+            for p in procs:
+                with contextlib.suppress(Exception):
+                    p.kill()
         self.actors = []
         self._processes = []
         left = wait_exited(procs, exit_s)
@@ -389,6 +472,21 @@ class WorkerGroup:
             left = wait_exited(left, 5.0)
             if left:
                 log.error("%s: processes %s survived SIGKILL", self.name, [p.pid for p in left])
+
+
+def _processes_of(pids: Sequence[int]) -> list[Any]:
+    """``psutil.Process`` objects of ``pids`` and all their descendants (those still there)."""
+    import psutil
+
+    found: dict[int, Any] = {}
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            for p in [proc, *proc.children(recursive=True)]:
+                found[p.pid] = p
+        except psutil.Error:
+            continue
+    return list(found.values())
 
 
 def wait_exited(procs: Sequence[Any], timeout_s: float, poll_s: float = 0.05) -> list[Any]:
