@@ -52,6 +52,22 @@ Protocol of :func:`publish_dir`, and why each step exists:
    After the winning rename the parent directory is fsynced so the new entry
    itself survives a power loss.
 
+Before step 3, publishers of one destination elect a writer, so that concurrent
+runs convert a checkpoint once instead of each converting and all but one
+discarding the result: a publisher *claims* the destination by creating a
+symlink ``.publishing.<name>`` in the parent whose target text names its owner
+(host, pid, process start time, a unique id). ``symlink(2)`` fails if the name
+exists, so exactly one claim succeeds, and ``readlink`` reads an owner whole.
+A publisher that finds a live owner's claim waits (with its own cancel token and
+deadline) until the destination is complete, or until the claim goes away (the
+owner failed and released it), and then claims again. A claim whose owner died
+(SIGKILL) is taken over: moved aside by a rename (one taker wins), after which
+the claim is retried. The claim is an optimisation, never a condition for
+correctness: the rename in step 7 still elects one winner if two publishers
+write (a claim of another host cannot be checked for liveness, so such a claim
+is not waited for), and the claim is released when ``publish_dir`` returns or
+raises.
+
 Readers call :func:`wait_for_artifact`, which polls :func:`is_complete` with the
 run's cancellation token and deadline.
 
@@ -64,6 +80,7 @@ must have distinct host names.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -93,6 +110,8 @@ MARKER_FORMAT = 1
 STAGING_PREFIX = ".staging."
 #: Name prefix of directories moved aside for deletion.
 TRASH_PREFIX = ".trash."
+#: Name prefix of a destination's claim: a symlink whose target names the publisher writing it.
+CLAIM_PREFIX = ".publishing."
 
 # How often the rename is retried when an incomplete occupant keeps coming back.
 _MAX_RENAME_ATTEMPTS = 50
@@ -449,7 +468,8 @@ def _stale_reason(path: Path, max_age_s: float | None) -> str | None:
 
 
 def clean_stale_staging(parent: Path, *, max_age_s: float | None = None) -> list[Path]:
-    """Remove ``.staging.*`` and ``.trash.*`` entries in ``parent`` that no one will finish.
+    """Remove ``.staging.*`` and ``.trash.*`` entries (and ``.publishing.*`` claims) in
+    ``parent`` that no one will finish.
 
     An entry is removed if the process that created it ran on this host and is
     gone (its pid is not alive, is a zombie, or now belongs to a process started
@@ -467,6 +487,13 @@ def clean_stale_staging(parent: Path, *, max_age_s: float | None = None) -> list
         return []
     removed: list[Path] = []
     for name in names:
+        if name.startswith(CLAIM_PREFIX):
+            found = _claim_owner(parent / name)
+            if found is not None and found[1] is not None and found[1].host == _host_tag():
+                if not _owner_alive(found[1]):
+                    _take_over(parent / name, found[0])
+                    removed.append(parent / name)
+            continue
         if not name.startswith((STAGING_PREFIX, TRASH_PREFIX)):
             continue
         path = parent / name
@@ -487,6 +514,110 @@ def clean_stale_staging(parent: Path, *, max_age_s: float | None = None) -> list
         log.info("removed stale %s: %s", path, reason)
         removed.append(path)
     return removed
+
+
+# ----------------------------------------------------------------------------
+# Claiming: one writer per destination while its owner lives
+# ----------------------------------------------------------------------------
+
+
+def _claim_path(destination: Path) -> Path:
+    name = destination.name
+    if len(name) > _NAME_ROOM:  # keep long names distinct within the 255-byte limit
+        name = f"{name[:_NAME_ROOM]}-{uuid.uuid5(uuid.NAMESPACE_URL, name).hex[:16]}"
+    return destination.parent / f"{CLAIM_PREFIX}{name}"
+
+
+def _owner_text() -> str:
+    return f"{_host_tag()}.{os.getpid()}.{_own_start_token()}.{uuid.uuid4().hex}"
+
+
+def _claim_owner(claim: Path) -> tuple[str, _Owner | None] | None:
+    """(text, owner) of a claim; None if there is none. The owner is None if garbled."""
+    try:
+        text = os.readlink(claim)
+    except FileNotFoundError:
+        return None
+    except OSError:  # not a symlink: nothing of ours, so nobody to wait for
+        return "", None
+    m = _SCRATCH_TAIL_RE.match(text)
+    return text, (None if m is None else _Owner(m["host"], int(m["pid"]), m["token"]))
+
+
+def _owner_alive(owner: _Owner | None) -> bool:
+    return owner is not None and owner.host == _host_tag() and _pid_alive(owner.pid, owner.token)
+
+
+def _take_over(claim: Path, text: str) -> None:
+    """Remove the claim ``text`` of a dead owner (moved aside first: one taker wins)."""
+    aside = claim.parent / _scratch_name(TRASH_PREFIX, "claim")
+    try:
+        os.rename(claim, aside)
+    except FileNotFoundError:
+        return  # another taker was first
+    try:
+        if os.readlink(aside) != text:
+            # A live publisher claimed it between our look and our rename: give it back.
+            with contextlib.suppress(OSError):
+                os.rename(aside, claim)
+            return
+    except OSError:
+        pass
+    log.info("took over the claim %s of a dead publisher (%s)", claim, text)
+    _remove(aside)
+
+
+def _claim(
+    destination: Path, cancel: CancelToken | None, deadline: Deadline | None, what: str
+) -> str | None:
+    """Claim ``destination`` for this publisher; returns the claim's text, or None when it
+    need not write: the destination became complete while a live owner wrote it, or the
+    claim belongs to another host (whose liveness cannot be checked here)."""
+    claim = _claim_path(destination)
+    mine = _owner_text()
+    while True:
+        if cancel is not None:
+            cancel.raise_if_cancelled(what)
+        if deadline is not None:
+            deadline.raise_if_expired(what)
+        try:
+            os.symlink(mine, claim)
+            return mine
+        except FileExistsError:
+            pass
+        found = _claim_owner(claim)
+        if found is None:
+            continue  # released meanwhile
+        text, owner = found
+        if owner is not None and owner.host != _host_tag():
+            return None  # not waited for: write, the rename still elects one winner
+        if not _owner_alive(owner):
+            _take_over(claim, text)
+            clean_stale_staging(destination.parent)  # the dead owner's staging directory
+            continue
+        assert owner is not None
+        log.info("%s is being written by pid %d; waiting for it", destination, owner.pid)
+
+        def settled(text: str = text, owner: _Owner = owner) -> bool:
+            current = _claim_owner(claim)
+            return is_complete(destination) or current is None or current[0] != text or not _owner_alive(owner)
+
+        wait_until(
+            settled,
+            what=f"{destination}, being written by pid {owner.pid} on this host",
+            cancel=cancel,
+            deadline=deadline,
+        )
+        if is_complete(destination):
+            return None
+
+
+def _release(destination: Path, text: str) -> None:
+    claim = _claim_path(destination)
+    found = _claim_owner(claim)
+    if found is not None and found[0] == text:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(claim)
 
 
 # ----------------------------------------------------------------------------
@@ -578,6 +709,9 @@ def publish_dir(
     writing when it returns and must not create :data:`MARKER_NAME`. If
     ``destination`` is already complete, ``write`` is not called. Concurrent
     callers end with exactly one winner; all of them return ``destination``.
+    A caller that finds a live publisher of this host already writing
+    ``destination`` waits for it (observing ``cancel`` and ``deadline``) instead
+    of writing too, and writes itself only if that publisher fails or dies.
     See the module docstring for the protocol.
 
     Raises:
@@ -595,11 +729,25 @@ def publish_dir(
     parent = destination.parent
     parent.mkdir(parents=True, exist_ok=True)
     clean_stale_staging(parent)
-    if cancel is not None:
-        cancel.raise_if_cancelled(what)
-    if deadline is not None:
-        deadline.raise_if_expired(what)
+    claim = _claim(destination, cancel, deadline, what)
+    try:
+        if is_complete(destination):  # published by the owner we waited for (or just before)
+            return destination
+        return _stage_and_publish(destination, write, cancel, deadline, what)
+    finally:
+        if claim is not None:
+            _release(destination, claim)
 
+
+def _stage_and_publish(
+    destination: Path,
+    write: Callable[[Path], None],
+    cancel: CancelToken | None,
+    deadline: Deadline | None,
+    what: str,
+) -> Path:
+    """Steps 3-7 of the protocol: stage, write, flush, mark, rename into place."""
+    parent = destination.parent
     staging = parent / _scratch_name(STAGING_PREFIX, destination.name)
     staging.mkdir()
     log.debug("staging %s in %s", destination, staging)

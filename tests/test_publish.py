@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
 import os
 import random
@@ -20,6 +21,7 @@ import pytest
 from rlcore import publish
 from rlcore.errors import Cancelled, DeadlineExceeded, PublishError
 from rlcore.publish import (
+    CLAIM_PREFIX,
     MARKER_NAME,
     STAGING_PREFIX,
     TRASH_PREFIX,
@@ -95,7 +97,9 @@ def owner_of(dest: Path) -> int:
 def scratch_entries(parent: Path) -> list[Path]:
     if not parent.exists():
         return []
-    return sorted(p for p in parent.iterdir() if p.name.startswith((STAGING_PREFIX, TRASH_PREFIX)))
+    return sorted(
+        p for p in parent.iterdir() if p.name.startswith((STAGING_PREFIX, TRASH_PREFIX, CLAIM_PREFIX))
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -420,6 +424,125 @@ def test_concurrent_processes_one_winner(tmp_path: Path, trial: int, leaks: Leak
 
 
 # ----------------------------------------------------------------------------
+# cooperation: a live writer is waited for, a dead one taken over
+# ----------------------------------------------------------------------------
+
+
+class _SetOnLog(logging.Handler):
+    """Sets ``event`` when rlcore.publish logs a message containing ``text``."""
+
+    def __init__(self, text: str, event: mp.Event) -> None:
+        super().__init__(logging.INFO)
+        self.text, self.event = text, event
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+def _counting_publisher(
+    dest: Path, ident: int, calls: Path, go: mp.Event, results: mp.Queue,
+    in_write: mp.Event | None = None, waiting: mp.Event | None = None, block: bool = False,
+) -> None:
+    """Publish ``dest``; every call of ``write`` leaves a file in ``calls``."""
+    if waiting is not None:
+        logger = logging.getLogger("rlcore.publish")
+        logger.setLevel(logging.INFO)
+        logger.addHandler(_SetOnLog("waiting for it", waiting))
+
+    def write(staging: Path) -> None:
+        (calls / f"{ident}.{os.getpid()}").write_text("")
+        if in_write is not None:
+            in_write.set()
+        if block:  # until SIGKILLed (not an mp.Event: one whose waiter was killed hangs set())
+            time.sleep(120)
+        writer_for(content_for(ident), chunk_delay=0.02, chunks=4)(staging)
+
+    go.wait(20)
+    try:
+        out = publish_dir(dest, write, deadline=Deadline(60, "convert"))
+        results.put((ident, str(out), None))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent
+        results.put((ident, None, repr(err)))
+
+
+def test_concurrent_publishers_write_once(tmp_path: Path, leaks: LeakCheck) -> None:
+    """Four processes convert one checkpoint at once: one writes, three wait for it."""
+    parent, calls = tmp_path / "cache", tmp_path / "calls"
+    parent.mkdir()
+    calls.mkdir()
+    dest = parent / "megatron.checkpoint"
+    go, results = CTX.Event(), CTX.Queue()
+    procs = [CTX.Process(target=_counting_publisher, args=(dest, i, calls, go, results)) for i in range(4)]
+    for p in procs:
+        p.start()
+    go.set()
+    reports = [results.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert sorted(r[1] for r in reports) == [str(dest)] * 4, reports
+    (call,) = os.listdir(calls)  # write ran exactly once...
+    assert owner_of(dest) == int(call.split(".")[0])  # ...and its result is the one published
+    assert sorted(p.name for p in parent.iterdir()) == ["megatron.checkpoint"]  # claim released
+
+
+def test_waiter_takes_over_when_the_writer_is_killed(tmp_path: Path, leaks: LeakCheck) -> None:
+    parent, calls = tmp_path / "cache", tmp_path / "calls"
+    parent.mkdir()
+    calls.mkdir()
+    dest = parent / "megatron.checkpoint"
+    go, results = CTX.Event(), CTX.Queue()
+    go.set()
+    in_write, waiting = CTX.Event(), CTX.Event()
+    first = CTX.Process(target=_counting_publisher, args=(dest, 1, calls, go, results, in_write, None, True))
+    first.start()
+    assert in_write.wait(20), "the first publisher never started writing"
+    second = CTX.Process(target=_counting_publisher, args=(dest, 2, calls, go, results, None, waiting))
+    second.start()
+    try:
+        assert waiting.wait(20), "the second publisher did not wait for the first"
+        assert os.listdir(calls) == [f"1.{first.pid}"]  # it waits instead of writing
+        os.kill(first.pid, signal.SIGKILL)
+        first.join(10)
+        ident, out, err = results.get(timeout=60)
+    finally:
+        for proc in (first, second):
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.join(30)
+    assert (ident, out, err) == (2, str(dest), None)
+    assert sorted(os.listdir(calls)) == sorted([f"1.{first.pid}", f"2.{second.pid}"])
+    assert owner_of(dest) == 2
+    assert sorted(p.name for p in parent.iterdir()) == ["megatron.checkpoint"]  # dead staging, claim gone
+
+
+def test_a_waiter_observes_cancel_and_deadline(tmp_path: Path, leaks: LeakCheck) -> None:
+    dest = tmp_path / "a"
+    in_write, release = threading.Event(), threading.Event()
+
+    def slow(staging: Path) -> None:
+        in_write.set()
+        release.wait(30)
+        writer_for(content_for(1))(staging)
+
+    writer = threading.Thread(target=publish_dir, args=(dest, slow))
+    writer.start()
+    try:
+        assert in_write.wait(20)
+        cancel = CancelToken()
+        threading.Timer(0.1, cancel.cancel, args=("run interrupted",)).start()
+        with pytest.raises(Cancelled, match="run interrupted"):
+            publish_dir(dest, writer_for(content_for(2)), cancel=cancel)
+        with pytest.raises(DeadlineExceeded, match="being written by pid"):
+            publish_dir(dest, writer_for(content_for(2)), deadline=Deadline(0.1, "init:policy"))
+    finally:
+        release.set()
+        writer.join(30)
+    assert owner_of(dest) == 1
+
+
+# ----------------------------------------------------------------------------
 # crashes (SIGKILL)
 # ----------------------------------------------------------------------------
 
@@ -533,7 +656,7 @@ def test_sigkill_at_chosen_moments(tmp_path: Path, point: str, leaks: LeakCheck)
     if point == "after_rename":
         assert is_complete(dest)
         assert_content(dest, content_for(8))
-        assert leftovers == []
+        assert [p.name.startswith(CLAIM_PREFIX) for p in leftovers] == [True]  # its claim, dead
         _recover_and_republish(dest, 8)
         return
     assert not is_complete(dest)
@@ -621,7 +744,7 @@ def test_clean_never_removes_live_publisher(tmp_path: Path, leaks: LeakCheck) ->
     proc.start()
     try:
         assert ready.wait(20)
-        (staging,) = scratch_entries(tmp_path)
+        (staging,) = [p for p in scratch_entries(tmp_path) if p.name.startswith(STAGING_PREFIX)]
         old = time.time() - 7200
         os.utime(staging, (old, old))
         assert clean_stale_staging(tmp_path) == []

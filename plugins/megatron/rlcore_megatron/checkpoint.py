@@ -276,7 +276,9 @@ def convert_and_publish(
     converts into the private staging directory that atomic publish gives
     (:func:`convert_to_directory`) and returns the published path; concurrent
     callers for the same key all return that path, and exactly one conversion
-    is published.
+    is published. A caller that finds another live converter of this host at
+    work on the key waits for its result instead of converting too, and
+    converts only if that one fails or dies (:func:`rlcore.publish.publish_dir`).
 
     Args:
         hf_dir: Hugging Face checkpoint directory (safetensors).
