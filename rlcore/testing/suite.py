@@ -452,7 +452,7 @@ class BackendConformance:
         if not isinstance(handle, BackendHandle):
             _fail(f"init:{role} returned {type(handle).__name__}, which has no shutdown()")
         try:
-            self._check_handle(h, r, handle)
+            self._check_handle(h, r, handle, config)
         finally:
             h.shutdown(handle, what=f"{role} handle")
         outcome = call_bounded(handle.shutdown, self.shutdown_timeout_s, "second shutdown")
@@ -464,14 +464,15 @@ class BackendConformance:
             )
         self._assert_no_leaks(leaks, f"init:{role} then shutdown()")
 
-    def _check_handle(self, h: Harness, role: Role, handle: Any) -> None:
+    def _check_handle(self, h: Harness, role: Role, handle: Any, config: Any) -> None:
         decl = h.declaration
-        if role is Role.GENERATION and decl.openai_endpoint:
+        if role is Role.GENERATION and decl.serves_endpoint(role_view(config, role, decl)):
             endpoint = getattr(handle, "endpoint", None)
             if not isinstance(endpoint, Endpoint):
                 _fail(
-                    f"backend '{decl.name}' declares openai_endpoint=True, but its generation "
-                    f"handle's `endpoint` is {endpoint!r}, not an rlcore.handles.Endpoint"
+                    f"backend '{decl.name}' serves an OpenAI endpoint in this config "
+                    f"(openai_endpoint), but its generation handle's `endpoint` is {endpoint!r}, "
+                    "not an rlcore.handles.Endpoint"
                 )
             if self.probe_endpoint:
                 self._probe_endpoint(endpoint)

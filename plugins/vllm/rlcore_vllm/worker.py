@@ -174,6 +174,10 @@ class VLLMWorker(DistributedWorker):
             raise ValueError(f"{len(prompt_ids)} prompts but {len(seeds)} seeds")
         if not prompt_ids:
             return []
+        if temperature <= 0 and n > 1:
+            # vLLM refuses n > 1 with greedy sampling; every greedy sample is the same one.
+            groups = self.generate(prompt_ids, 1, max_tokens, temperature, seeds)
+            return [[{**g[0], "token_ids": list(g[0]["token_ids"])} for _ in range(n)] for g in groups]
         if self.server is not None:
             return self._map(
                 lambda i: self._server_generate(
