@@ -466,12 +466,17 @@ def _counting_publisher(
         results.put((ident, None, repr(err)))
 
 
-def test_concurrent_publishers_write_once(tmp_path: Path, leaks: LeakCheck) -> None:
-    """Four processes convert one checkpoint at once: one writes, three wait for it."""
+def _converter_dirs(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(cache parent, directory of write calls, destination) of a conversion race."""
     parent, calls = tmp_path / "cache", tmp_path / "calls"
     parent.mkdir()
     calls.mkdir()
-    dest = parent / "megatron.checkpoint"
+    return parent, calls, parent / "megatron.checkpoint"
+
+
+def test_concurrent_publishers_write_once(tmp_path: Path, leaks: LeakCheck) -> None:
+    """Four processes convert one checkpoint at once: one writes, three wait for it."""
+    parent, calls, dest = _converter_dirs(tmp_path)
     go, results = CTX.Event(), CTX.Queue()
     procs = [CTX.Process(target=_counting_publisher, args=(dest, i, calls, go, results)) for i in range(4)]
     for p in procs:
@@ -488,10 +493,7 @@ def test_concurrent_publishers_write_once(tmp_path: Path, leaks: LeakCheck) -> N
 
 
 def test_waiter_takes_over_when_the_writer_is_killed(tmp_path: Path, leaks: LeakCheck) -> None:
-    parent, calls = tmp_path / "cache", tmp_path / "calls"
-    parent.mkdir()
-    calls.mkdir()
-    dest = parent / "megatron.checkpoint"
+    parent, calls, dest = _converter_dirs(tmp_path)
     go, results = CTX.Event(), CTX.Queue()
     go.set()
     in_write, waiting = CTX.Event(), CTX.Event()
