@@ -33,9 +33,10 @@ def ray_cluster() -> Iterator[None]:
 def server(
     ray_cluster: None, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Any]:
-    """One refit-fed SGLang server (through the real init hook), shared by a module's tests."""
+    """One refit-fed SGLang server (through the real init hook), shared by a module's tests;
+    its handle's ``endpoint`` is rlcore's in front of it (SGLang's own is ``endpoints[0]``)."""
     from sglang_helpers import start
 
-    gen = start(tiny_model, tmp_path_factory.mktemp("sglang-server"))
+    gen = start(tiny_model, tmp_path_factory.mktemp("sglang-server"), endpoint="rlcore")
     yield gen
     gen.shutdown()

@@ -53,7 +53,7 @@ def refit(gen: Any, spec: channels.ChannelSpec, step: int, state: dict[str, Any]
 
 def server_logprobs(gen: Any, batch: list[tuple[list[int], list[int]]]) -> list[list[float]]:
     """Logprobs straight from SGLang's /generate (past the handle's stale-weights guard)."""
-    base = gen.endpoint.base_url.removesuffix("/v1")
+    base = gen.endpoints[0].base_url.removesuffix("/v1")  # SGLang's own
     rows = []
     for prompt, completion in batch:
         body = {"input_ids": prompt + completion, "sampling_params": {"max_new_tokens": 1},
@@ -105,11 +105,23 @@ def test_samples_follow_the_handle_formats(server: Any, tiny_model: Path) -> Non
     eos = 3
     for _, completion in batch:
         assert eos not in completion[:-1]
+    def complete(base_url: str, body: dict[str, Any]) -> Any:
+        req = urllib.request.Request(base_url + "/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    own = server.endpoints[0]  # SGLang's /v1
+    assert own.base_url != server.endpoint.base_url
+    assert len(complete(own.base_url, {"model": own.model, "prompt": "12+7=", "max_tokens": 4, "n": 2})["choices"]) == 2
+    # rlcore's endpoint in front (endpoint: rlcore): vLLM's token-id extensions, which Gym needs
     ep = server.endpoint
-    body = {"model": ep.model, "prompt": "12+7=", "max_tokens": 4, "n": 2}
-    req = urllib.request.Request(ep.base_url + "/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        assert len(json.loads(r.read())["choices"]) == 2
+    body = {"model": ep.model, "prompt": PROMPTS[0], "max_tokens": 4, "logprobs": 0,
+            "return_tokens_as_token_ids": True, "seed": 3}
+    choice = complete(ep.base_url, body)["choices"][0]
+    tokens = choice["logprobs"]["tokens"]
+    assert tokens and all(t.startswith("token_id:") for t in tokens), tokens
+    ids = [int(t.removeprefix("token_id:")) for t in tokens]
+    assert max_diff([choice["logprobs"]["token_logprobs"]], server.logprobs([(PROMPTS[0], ids)])) < TOL
 
 
 def test_generate_is_seeded(server: Any) -> None:
