@@ -6,7 +6,8 @@ real SGLang servers: init/shutdown without leaks (and SGLang's /v1 answering
 ``GET /models``), cancellation and a passed deadline, two servers starting at the
 same moment (non-colocated overlap safety), refit-fed start, and refit round trips
 over collective, disk and shared memory (checked by generation-vs-policy logprobs).
-It starts six servers: a few minutes on two cores, hence ``slow``.
+It starts eight SGLang servers (and FSDP peers): 12 minutes on two cores shared with
+other jobs (load ~8), hence ``slow``.
 """
 
 from __future__ import annotations
