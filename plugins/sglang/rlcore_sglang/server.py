@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.errors import ConfigError, RlcoreError
+from rlcore.proc import log_tail, signal_group, stop_group
 
 log = logging.getLogger(__name__)
 
@@ -178,40 +179,11 @@ class ServerProcess:
         return json.loads(raw) if raw else None
 
     def log_tail(self, n: int = 30) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(lines[-n:])
+        return log_tail(self.log_path, n)
 
     def stop(self, grace_s: float = 5.0) -> None:
         """End the whole process group: SIGTERM, then SIGKILL after ``grace_s``. Idempotent."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            _signal_group(self.pgid, sig)
-            if self._group_gone(grace_s):
-                return
-        log.warning("SGLang server process group %d survived SIGKILL", self.pgid)
-
-    def _group_gone(self, timeout_s: float) -> bool:
-        end = time.monotonic() + timeout_s
-        while True:
-            self.proc.poll()  # reap the guard: a zombie still counts as a group member
-            try:
-                os.killpg(self.pgid, 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:
-                pass
-            if time.monotonic() >= end:
-                return False
-            time.sleep(0.1)
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+        stop_group(self.pgid, grace_s, reap=[self.proc], what="SGLang server")
 
 
 # ------------------------------------------------------------------------ guard
@@ -245,12 +217,12 @@ def _guard(watch_pid: int, cmd: list[str]) -> int:
         rc = child.poll()
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     pgid = os.getpgrp()
-    _signal_group(pgid, signal.SIGTERM)
+    signal_group(pgid, signal.SIGTERM)
     try:
         child.wait(5.0)
     except subprocess.TimeoutExpired:
         pass
-    _signal_group(pgid, signal.SIGKILL)  # whatever is left, this process included
+    signal_group(pgid, signal.SIGKILL)  # whatever is left, this process included
     return rc or 0
 
 
