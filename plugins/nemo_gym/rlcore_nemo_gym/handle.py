@@ -34,7 +34,9 @@ from rlcore.handles import Endpoint, Rollout, RolloutRequest
 from rlcore.waiting import CancelToken, Deadline
 from rlcore.workers import free_port
 from rlcore_nemo_gym.servers import (
+    REPORT_WAIT_S,
     GymError,
+    GymServerDied,
     GymServers,
     LaunchSpec,
     check_env_name,
@@ -192,7 +194,21 @@ class NemoGymEnv:
         limit = Deadline(timeout_s, f"nemo_gym {what}")
         if deadline is not None:
             limit = deadline.sooner(timeout_s, f"nemo_gym {what}")
-        return asyncio.run(self._post_all(bodies, what, limit))
+        try:
+            return asyncio.run(self._post_all(bodies, what, limit))
+        except GymServerDied:
+            raise  # named already
+        except GymError as err:
+            # A failed POST is often the first sign of a dead server (the agent answers
+            # 500 for a resources server it cannot reach): name the dead part instead.
+            dead = self.servers.wait_dead_part(REPORT_WAIT_S)
+            if dead is None:
+                raise
+            first = str(err).split("\n", 1)[0]
+            raise GymError(
+                f"nemo_gym {what}: {dead} (the rollouts failed: {first[:300]}); "
+                f"end of {self.servers.log_path}:\n{self.servers.log_tail(20)}"
+            ) from err
 
     async def _post_all(
         self, bodies: list[dict[str, Any]], what: str, deadline: Deadline

@@ -288,6 +288,14 @@ class Stop:
         self.request("stdin closed (the rlcore process is gone)")
 
 
+def _dead(helper: Any) -> dict[str, Any]:
+    """Which server ended and its exit status (``server``, ``returncode``) for the status file."""
+    for name, proc in getattr(helper, "_processes", {}).items():
+        if proc.poll() is not None:
+            return {"server": name, "returncode": proc.returncode}
+    return {"server": "head", "returncode": None}  # RunHelper: its head server thread ended
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[1]).read_text())
     if spec.get("nice"):
@@ -355,7 +363,7 @@ def main(argv: list[str]) -> int:
             helper.poll()  # raises when a server process has exited
         except Exception as err:
             log(f"a Gym server died: {err}")
-            write_status(status, state="failed", kind="died", error=str(err)[:4000])
+            write_status(status, state="failed", kind="died", error=str(err)[:4000], **_dead(helper))
             code = 4
             break
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -36,6 +36,49 @@ class GymError(RlcoreError):
     """NeMo Gym's servers failed to start, died, or answered a rollout with an error."""
 
 
+class GymServerDied(GymError):
+    """A Gym server (or the launcher with the head server) is gone; the message names it."""
+
+
+#: Gym's server types (the config's second level) in an operator's words.
+SERVER_KINDS = {
+    "resources_servers": "resources server",
+    "responses_api_agents": "agent server",
+    "responses_api_models": "model server",
+    "environment_servers": "environment server",
+}
+#: How long a failure waits for the launcher to report a dead server's exit status (it
+#: polls its servers every second).
+REPORT_WAIT_S = 2.5
+#: The environment variable Gym sets in each server process: the server's name in the config.
+SERVER_NAME_ENV = "NEMO_GYM_CONFIG_PATH"
+#: The Gym processes' environment for Ray, should any of them start it despite
+#: ``RLCORE_GYM_NO_RAY``: never by auto-init, and bound to 127.0.0.1 (Ray's single-host
+#: switch, which rlcore's embedded cluster uses too): Gym runs on this host only.
+RAY_LOOPBACK_ENV = {"RAY_ENABLE_AUTO_CONNECT": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def exit_status(code: int | None) -> str:
+    """``exit code 3``, ``killed by SIGKILL``, or ``exit status not known yet``."""
+    if code is None:
+        return "exit status not known yet"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _running(proc: Any) -> bool:
+    import psutil
+
+    try:
+        return bool(proc.is_running()) and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def find_gym_python(option: str | None) -> Path:
     """The Gym venv's python: the option, else ``$RLCORE_GYM_PYTHON``, else ``.venv-gym``
     beside the running venv or in a parent directory of this package (a source checkout).
@@ -143,6 +186,8 @@ class GymServers:
         self.proc: subprocess.Popen[bytes] | None = None
         self.pgid: int | None = None
         self.info: dict[str, Any] | None = None
+        #: Each Gym server's process by its name in the config, found once they are ready.
+        self.server_processes: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ start
 
@@ -158,6 +203,7 @@ class GymServers:
         }
         # Only the sitecustomize that keeps Gym's servers off Ray; nothing of rlcore's venv.
         env.update(PYTHONPATH=str(SITE_DIR), RLCORE_GYM_NO_RAY="1", PYTHONUNBUFFERED="1")
+        env.update(RAY_LOOPBACK_ENV)
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
                 [str(self.python), "-I", str(LAUNCHER), str(spec_path)],
@@ -186,6 +232,7 @@ class GymServers:
         state = st.get("state") if st else None
         if state == "ready":
             self.info = st
+            self.server_processes = self._find_server_processes()
             return st
         if state == "failed":
             if st.get("kind") == "config":
@@ -215,20 +262,83 @@ class GymServers:
                 )
             cancel.sleep(min(0.1, deadline.remaining() or 0.1))
 
+    def _find_server_processes(self) -> dict[str, Any]:
+        """``{server name: psutil.Process}``: the topmost process of each Gym server
+        (Gym starts each with its name in ``NEMO_GYM_CONFIG_PATH``)."""
+        import psutil
+
+        found: dict[str, Any] = {}
+        for pid in self.pids():
+            try:
+                proc = psutil.Process(pid)
+                name = proc.environ().get(SERVER_NAME_ENV)
+                if not name:
+                    continue
+                parent = proc.parent()
+                if parent is not None and parent.environ().get(SERVER_NAME_ENV) == name:
+                    continue  # a child of the server's own process (a shell's python, a worker)
+            except psutil.Error:
+                continue
+            found[name] = proc
+        return found
+
+    def describe_server(self, name: str) -> str:
+        """``Gym's resources server 'x' (http://127.0.0.1:port)``."""
+        if name == "head":
+            pid = self.proc.pid if self.proc is not None else "?"
+            return f"Gym's head server (in the launcher, pid {pid})"
+        server = ((self.info or {}).get("servers") or {}).get(name) or {}
+        kind = SERVER_KINDS.get(server.get("type"), "server")
+        url = f" ({server['url']})" if server.get("url") else ""
+        return f"Gym's {kind} '{name}'{url}"
+
+    def dead_part(self) -> tuple[str, bool] | None:
+        """What of Gym died, in words, and whether its exit status is known; ``None``
+        while the launcher and every server run."""
+        if self.proc is None:
+            return None
+        st = self.status() or {}
+        if st.get("state") == "failed" and st.get("kind") == "died":
+            name = str(st.get("server") or "?")
+            if name == "head":
+                return f"{self.describe_server('head')} stopped", True
+            return f"{self.describe_server(name)} died ({exit_status(st.get('returncode'))})", True
+        if self.proc.poll() is not None:
+            return (
+                f"the Gym launcher, which runs Gym's head server (pid {self.proc.pid}), exited "
+                f"({exit_status(self.proc.returncode)})",
+                True,
+            )
+        for name, proc in self.server_processes.items():
+            if not _running(proc):
+                return f"{self.describe_server(name)} died (pid {proc.pid})", False
+        return None
+
+    def wait_dead_part(self, timeout_s: float) -> str | None:
+        """:meth:`dead_part`, waiting up to ``timeout_s`` for a death to be seen (a failed
+        request is often the first sign) and for the launcher to report its exit status."""
+        end = time.monotonic() + timeout_s
+        while True:
+            found = self.dead_part()
+            if (found is not None and found[1]) or time.monotonic() >= end:
+                return None if found is None else found[0]
+            time.sleep(0.05)
+
     def alive(self) -> bool:
-        """Launcher running and not reporting a dead server."""
-        if self.proc is None or self.proc.poll() is not None:
-            return False
-        st = self.status()
-        return not (st and st.get("state") == "failed")
+        """Launcher and every Gym server running, no dead server reported."""
+        return self.proc is not None and self.dead_part() is None and (
+            (self.status() or {}).get("state") != "failed"
+        )
 
     def check_alive(self) -> None:
-        if not self.alive():
+        """Raise a :class:`GymError` naming what died (server, kind, exit status, log tail)."""
+        if self.alive():
+            return
+        dead = self.wait_dead_part(REPORT_WAIT_S)
+        if dead is None:
             st = self.status() or {}
-            raise GymError(
-                f"{self.name}: NeMo Gym's servers are gone ({st.get('error') or 'launcher exited'}); "
-                f"end of {self.log_path}:\n{self.log_tail()}"
-            )
+            dead = f"NeMo Gym's servers are gone ({st.get('error') or 'launcher not started'})"
+        raise GymServerDied(f"{self.name}: {dead}; end of {self.log_path}:\n{self.log_tail()}")
 
     # ------------------------------------------------------------------ endpoint
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from rlcore.errors import Cancelled, ConfigError, DeadlineExceeded, RlcoreError
 from rlcore.handles import Endpoint
 from rlcore.testing import LeakCheck
 from rlcore_nemo_gym.handle import NemoGymEnv, start_env
+from rlcore_nemo_gym.servers import GymError
 
 pytestmark = pytest.mark.skipif(
     gym_python() is None, reason="the NeMo Gym venv (.venv-gym) is not installed: run install.sh"
@@ -296,24 +298,52 @@ def test_cancel_during_start_stops_everything(tmp_path: Path, leaks: LeakCheck) 
     assert time.monotonic() - t0 < 25
 
 
-def test_a_dead_server_fails_the_next_rollouts(
-    tmp_path: Path, stub: StubEndpoint, leaks: LeakCheck
+# Each of Gym's server kinds, killed between two steps (as a crash meets a run): the
+# next rollouts fail naming that server, its kind, its exit status and the log's tail.
+DEAD_PARTS = {
+    "resources": ("resources_servers", r"Gym's resources server '{name}' \(http://127\.0\.0\.1:\d+\) died \(killed by SIGKILL\)"),
+    "agent": ("responses_api_agents", r"Gym's agent server '{name}' \(http://127\.0\.0\.1:\d+\) died \(killed by SIGKILL\)"),
+    "model": ("responses_api_models", r"Gym's model server '{name}' \(http://127\.0\.0\.1:\d+\) died \(killed by SIGKILL\)"),
+    "head": (None, r"the Gym launcher, which runs Gym's head server \(pid {pid}\), exited \(killed by SIGKILL\)"),
+}
+
+
+@pytest.mark.parametrize("part", list(DEAD_PARTS))
+def test_a_dead_server_is_named_by_the_next_rollouts(
+    tmp_path: Path, stub: StubEndpoint, leaks: LeakCheck, part: str
 ) -> None:
+    server_type, expected = DEAD_PARTS[part]
     ctx = make_ctx(tmp_path, {"env_name": ENV, "verify_on_init": False}, grpo=GRPO)
     ctx.events.post("generation.endpoint", stub.endpoint)
     env = start_env(ctx)
     try:
-        victim = next(
-            p
-            for p in env.pids()
-            if f"resources_servers/{ENV}" in " ".join(psutil.Process(p).cmdline())
-        )
+        if part == "resources":  # while all run: every socket of Gym's processes is on loopback
+            outside = [
+                f"{pid}: {c.laddr.ip}:{c.laddr.port}"
+                for pid in env.pids()
+                for c in psutil.Process(pid).net_connections("inet")
+                if c.status == psutil.CONN_LISTEN and c.laddr.ip not in ("127.0.0.1", "::1")
+            ]
+            assert not outside, outside
+        assert len(env.collect_rollouts(rollout_request(1, 2, step=1))) == 1  # step 1 works
+        servers = env.servers.info["servers"]
+        if server_type is None:
+            name, victim = "head", env.servers.proc.pid
+        else:
+            name = next(n for n, s in servers.items() if s["type"] == server_type)
+            victim = env.servers.server_processes[name].pid
+        assert env.servers.alive()
         os.kill(victim, signal.SIGKILL)
-        time.sleep(2.5)  # the launcher polls its servers every second
-        with pytest.raises(RlcoreError, match="finished unexpectedly|gone|failed"):
-            env.collect_rollouts(rollout_request(2, 2, step=1))
+        if part == "head":  # the rollouts do not need the head: the check before them sees it
+            env.servers.proc.wait(timeout=10)
+        with pytest.raises(GymError) as err:
+            env.collect_rollouts(rollout_request(2, 2, step=2))
     finally:
         env.shutdown()
+    message = str(err.value)
+    assert re.search(expected.format(name=re.escape(name), pid=victim), message), message
+    assert f"end of {env.servers.log_path}" in message
+    assert "ClientPayloadError" not in message.split("(the rollouts failed")[0]
     assert env.pids() == []
 
 
