@@ -170,7 +170,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """``rlcore run``: SIGINT/SIGTERM stop it cleanly (exit 130/143, one line saying what
     was interrupted); a second signal, or 9 s of teardown, kills its processes at once."""
-    from rlcore.interrupts import RunInterrupted, SignalGuard, signal_name, signum_of
+    from rlcore.interrupts import RunInterrupted, SignalGuard, end_leftovers, signal_name, signum_of
     from rlcore.run import run_job
 
     config_path = args.config or default_config_path()
@@ -184,6 +184,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         try:
             run_dir = run_job(str(config_path), args.overrides, out=args.out, console=_console(), resume=args.resume)
         except RunInterrupted as err:
+            left = end_leftovers()  # the CLI's process is the run: nothing of it may outlive it
+            if left:
+                err.problems.append(f"ended leftover processes {', '.join(left)}")
             _console(stderr=True).print(escape(err.line()))
             return err.exit_code
         except KeyboardInterrupt as err:  # before the run directory existed: nothing to stop

@@ -112,6 +112,23 @@ def descendants() -> list[Any]:
         return []
 
 
+def end_leftovers(grace_s: float = 2.0) -> list[str]:
+    """After a teardown: SIGTERM what this process still has running (a shutdown that was
+    abandoned at its bound), SIGKILL it after ``grace_s``; returns ``name (pid)`` of each."""
+    from rlcore.workers import wait_exited
+
+    procs = descendants()
+    names = []
+    for p in procs:
+        with contextlib.suppress(Exception):
+            names.append(f"{p.name()} ({p.pid})")
+            p.terminate()
+    for p in wait_exited(procs, grace_s):
+        with contextlib.suppress(Exception):
+            p.kill()
+    return names
+
+
 def kill_tree() -> None:
     """SIGKILL every descendant of this process."""
     for p in descendants():
