@@ -6,7 +6,7 @@ real SGLang servers: init/shutdown without leaks (and SGLang's /v1 answering
 ``GET /models``), cancellation and a passed deadline, two servers starting at the
 same moment (non-colocated overlap safety), refit-fed start, and refit round trips
 over collective, disk and shared memory (checked by generation-vs-policy logprobs).
-It starts eight SGLang servers (and FSDP peers): 12 minutes on two cores shared with
+It starts eight SGLang servers (and FSDP peers): 9-12 minutes on two cores shared with
 other jobs (load ~8), hence ``slow``.
 """
 
