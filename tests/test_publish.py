@@ -393,6 +393,19 @@ def _race_publisher(dest: Path, ident: int, size: int, go: mp.Event, results: mp
         results.put((ident, os.getpid(), called, None, repr(err)))
 
 
+def _race(targets: list[tuple[Callable[..., None], tuple]], go: mp.Event, results: mp.Queue) -> list:
+    """Start one process per (target, args), release them at once, return their reports."""
+    procs = [CTX.Process(target=target, args=args) for target, args in targets]
+    for p in procs:
+        p.start()
+    go.set()
+    reports = [results.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    return reports
+
+
 @pytest.mark.parametrize("trial", range(5))
 def test_concurrent_processes_one_winner(tmp_path: Path, trial: int, leaks: LeakCheck) -> None:
     parent = tmp_path / "cache"
@@ -402,16 +415,7 @@ def test_concurrent_processes_one_winner(tmp_path: Path, trial: int, leaks: Leak
         writer_for(content_for(99, n_files=2))(dest)
     go = CTX.Event()
     results = CTX.Queue()
-    procs = [
-        CTX.Process(target=_race_publisher, args=(dest, i, 300_000, go, results)) for i in range(8)
-    ]
-    for p in procs:
-        p.start()
-    go.set()
-    reports = [results.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    reports = _race([(_race_publisher, (dest, i, 300_000, go, results)) for i in range(8)], go, results)
     assert [r[4] for r in reports] == [None] * 8
     assert {r[3] for r in reports} == {str(dest)}
     assert is_complete(dest)
@@ -478,14 +482,7 @@ def test_concurrent_publishers_write_once(tmp_path: Path, leaks: LeakCheck) -> N
     """Four processes convert one checkpoint at once: one writes, three wait for it."""
     parent, calls, dest = _converter_dirs(tmp_path)
     go, results = CTX.Event(), CTX.Queue()
-    procs = [CTX.Process(target=_counting_publisher, args=(dest, i, calls, go, results)) for i in range(4)]
-    for p in procs:
-        p.start()
-    go.set()
-    reports = [results.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    reports = _race([(_counting_publisher, (dest, i, calls, go, results)) for i in range(4)], go, results)
     assert sorted(r[1] for r in reports) == [str(dest)] * 4, reports
     (call,) = os.listdir(calls)  # write ran exactly once...
     assert owner_of(dest) == int(call.split(".")[0])  # ...and its result is the one published
