@@ -10,37 +10,23 @@ carries SGLang's own OpenAI-compatible endpoint (``endpoint``).
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Sequence
 from typing import Any
 
 from rlcore.context import InitContext
-from rlcore.errors import ConfigError, RlcoreError
+from rlcore.errors import ConfigError
+from rlcore.generation_group import GroupGeneration
 from rlcore.handles import Endpoint
 from rlcore.workers import WorkerGroup
 from rlcore_sglang.options import SGLangOptions
-from rlcore_sglang.worker import Sample, SGLangWorker
+from rlcore_sglang.worker import SGLangWorker
 
 log = logging.getLogger(__name__)
 
 GROUP_NAME = "sglang-generation"
 
 
-def sample_seed(seed: int, index: int) -> int:
-    """The seed of prompt ``index`` of a call made with ``seed`` (sample ``j`` uses it ``+ j``).
-
-    48 random bits drawn from ``(seed, index)``: the streams of different calls and
-    prompts do not meet, and do not depend on how prompts are split over replicas.
-    """
-    return random.Random(f"rlcore-sglang:{seed}:{index}").getrandbits(48)
-
-
-def shard_bounds(count: int, parts: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of each of ``parts`` contiguous shards of ``count`` items."""
-    return [(count * i // parts, count * (i + 1) // parts) for i in range(parts)]
-
-
-class SGLangGeneration:
+class SGLangGeneration(GroupGeneration):
     """Handle of the ``sglang`` generation backend: ``workers`` independent SGLang servers.
 
     Attributes:
@@ -66,26 +52,9 @@ class SGLangGeneration:
         self.device_type = device_type
         self._specs = list(specs)
         self._closed = False
+        self.backend = "sglang"
         #: rlcore's OpenAI-compatible endpoint in front of :meth:`generate` (option ``endpoint: rlcore``).
         self.front: Any = None
-
-    # ------------------------------------------------------------ refit side
-
-    def weight_specs(self) -> list[Any]:
-        """``TensorSpec`` of every weight the servers expect (Hugging Face names)."""
-        return list(self._specs)
-
-    def open_refit_channel(self, spec: Any) -> list[Any]:
-        """Every server joins channel ``spec`` (server ``i`` as rank ``1 + i``); Ray refs."""
-        return [a.open_refit_channel.remote(spec, 1 + i) for i, a in enumerate(self._actors())]
-
-    def refit_ceiling(self, spec: Any, step: int, nbytes: int) -> list[Any]:
-        """Every server receives ``nbytes`` raw over the channel (for ``bench/``); Ray refs."""
-        return [a.refit_ceiling.remote(spec, 1 + i, step, nbytes) for i, a in enumerate(self._actors())]
-
-    def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
-        """Every server receives and loads the buckets; Ray refs that resolve when all have loaded."""
-        return [a.receive_weights.remote(spec, step, buckets) for a in self._actors()]
 
     # -------------------------------------------------------- training loop
 
@@ -97,55 +66,11 @@ class SGLangGeneration:
             return self.front.endpoint
         return self.endpoints[0] if self.endpoints else None
 
-    def generate(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        *,
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        seed: int,
-    ) -> list[list[Sample]]:
-        """``n`` samples per prompt, each ``{"token_ids": [...], "logprobs": [...]}``.
-
-        Prompts are split into contiguous slices over the servers; prompt ``i``
-        samples with seed :func:`sample_seed` ``(seed, i)``.
-        """
-        seeds = [sample_seed(seed, i) for i in range(len(prompt_ids))]
-        calls = [
-            (actor, a, b)
-            for actor, (a, b) in zip(
-                self._actors(), shard_bounds(len(prompt_ids), self.refit_ranks), strict=True
-            )
-            if b > a
-        ]
-        refs = [
-            actor.generate.remote([list(p) for p in prompt_ids[a:b]], n, max_tokens, temperature, seeds[a:b])
-            for actor, a, b in calls
-        ]
-        return [g for part in self.group.get(refs, what="generate") for g in part]
-
-    def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
-        """Per-token log-probabilities of each ``(prompt_ids, completion_ids)`` pair's completion."""
-        refs = [
-            actor.logprobs.remote([(list(p), list(c)) for p, c in batch[a:b]])
-            for actor, (a, b) in zip(
-                self._actors(), shard_bounds(len(batch), self.refit_ranks), strict=True
-            )
-            if b > a
-        ]
-        return [row for part in self.group.get(refs, what="logprobs") for row in part]
-
     def weight_versions(self) -> list[str]:
         """Each server's ``weight_version`` (``step-<n>`` after refit step n)."""
         return list(self.group.call("weight_version", what="weight version"))
 
     # ------------------------------------------------------------ lifecycle
-
-    def _actors(self) -> list[Any]:
-        if self._closed:
-            raise RlcoreError(f"{GROUP_NAME}: the sglang generation handle was shut down")
-        return self.group.actors
 
     def shutdown(self) -> None:
         """Stop every server's process group and the workers. Idempotent."""

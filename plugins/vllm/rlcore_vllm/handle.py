@@ -8,7 +8,6 @@ it) and the calls the training loop makes (``generate``, ``logprobs``).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections.abc import Sequence
@@ -16,42 +15,18 @@ from dataclasses import asdict
 from typing import Any
 
 from rlcore.context import InitContext
-from rlcore.errors import RlcoreError
+from rlcore.generation_group import GroupGeneration
 from rlcore.handles import Endpoint
 from rlcore.workers import WorkerGroup
 from rlcore_vllm.plugin import VLLMOptions
-from rlcore_vllm.worker import Sample, VLLMWorker
+from rlcore_vllm.worker import VLLMWorker
 
 log = logging.getLogger(__name__)
 
 GROUP_NAME = "vllm-generation"
 
 
-def prompt_seed(seed: int, index: int) -> int:
-    """The sampling seed of prompt ``index`` of a call made with ``seed``.
-
-    vLLM seeds the ``j``-th sample of a request ``seed + j``, so consecutive
-    per-prompt seeds (``seed + index``) would make prompt 0's second sample and
-    prompt 1's first share a random stream. A 48-bit hash keeps every
-    (call, prompt, sample) stream distinct, and does not depend on how the
-    prompts are split across workers.
-    """
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=6).digest()
-    return int.from_bytes(digest, "big")
-
-
-def _split(count: int, parts: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, end)`` ranges of ``count`` items over ``parts`` workers (sizes differ by <= 1)."""
-    base, extra = divmod(count, parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        out.append((start, end))
-        start = end
-    return out
-
-
-class VLLMGeneration:
+class VLLMGeneration(GroupGeneration):
     """Handle of the ``vllm`` generation backend: ``workers`` independent engines.
 
     Attributes:
@@ -79,24 +54,7 @@ class VLLMGeneration:
         self.device_type = device_type
         self._specs = list(specs)
         self._closed = False
-
-    # ------------------------------------------------------------ refit side
-
-    def weight_specs(self) -> list[Any]:
-        """``TensorSpec`` of every weight the engines expect (Hugging Face names)."""
-        return list(self._specs)
-
-    def open_refit_channel(self, spec: Any) -> list[Any]:
-        """Every engine joins channel ``spec`` (engine ``i`` as rank ``1 + i``); Ray refs."""
-        return [a.open_refit_channel.remote(spec, 1 + i) for i, a in enumerate(self._actors())]
-
-    def refit_ceiling(self, spec: Any, step: int, nbytes: int) -> list[Any]:
-        """Every engine receives ``nbytes`` raw over the channel (for bench/refit.py); Ray refs."""
-        return [a.refit_ceiling.remote(spec, 1 + i, step, nbytes) for i, a in enumerate(self._actors())]
-
-    def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
-        """Every engine receives and loads the buckets; Ray refs that resolve when all have loaded."""
-        return [a.receive_weights.remote(spec, step, buckets) for a in self._actors()]
+        self.backend = "vllm"
 
     # -------------------------------------------------------- training loop
 
@@ -108,55 +66,8 @@ class VLLMGeneration:
         """
         return self.endpoints[0] if self.endpoints else None
 
-    def generate(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        *,
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        seed: int,
-    ) -> list[list[Sample]]:
-        """``n`` samples per prompt, each ``{"token_ids": [...], "logprobs": [...]}``.
-
-        Prompts are split into contiguous slices over the engines; prompt ``i``
-        samples with seed :func:`prompt_seed` ``(seed, i)``, so results do not
-        depend on the number of engines.
-        """
-        seeds = [prompt_seed(seed, i) for i in range(len(prompt_ids))]
-        refs = [
-            actor.generate.remote(
-                [list(p) for p in prompt_ids[a:b]], n, max_tokens, temperature, seeds[a:b]
-            )
-            for actor, (a, b) in zip(
-                self._actors(), _split(len(prompt_ids), self.refit_ranks), strict=True
-            )
-            if b > a
-        ]
-        parts = self.group.get(refs, what="generate")
-        return [group for part in parts for group in part]
-
-    def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
-        """Per-token log-probabilities of each ``(prompt_ids, completion_ids)`` pair's completion."""
-        refs = [
-            actor.logprobs.remote([(list(p), list(c)) for p, c in batch[a:b]])
-            for actor, (a, b) in zip(
-                self._actors(), _split(len(batch), self.refit_ranks), strict=True
-            )
-            if b > a
-        ]
-        parts = self.group.get(refs, what="logprobs")
-        return [row for part in parts for row in part]
-
-    # ------------------------------------------------------------ lifecycle
-
-    def _actors(self) -> list[Any]:
-        if self._closed:
-            raise RlcoreError(f"{GROUP_NAME}: the vllm generation handle was shut down")
-        return self.group.actors
-
     def shutdown(self) -> None:
-        """Stop every engine and server process; Idempotent."""
+        """Stop every engine and server process. Idempotent."""
         if self._closed:
             return
         self._closed = True

@@ -48,14 +48,3 @@ def test_plugin_import_is_light() -> None:
         if m.split(".")[0] in ("vllm", "torch", "ray", "transformers")
     ]
     assert heavy == []
-
-
-def test_prompt_seeds_are_distinct_and_split_is_contiguous() -> None:
-    from rlcore_vllm.handle import _split, prompt_seed
-
-    seeds = [prompt_seed(7, i) for i in range(1000)]
-    # vLLM gives sample j of a prompt seed + j: no two prompts' sample streams may meet.
-    streams = {s + j for s in seeds for j in range(16)}
-    assert len(streams) == 16 * len(seeds)
-    assert prompt_seed(7, 3) == prompt_seed(7, 3) != prompt_seed(8, 3)
-    assert _split(5, 2) == [(0, 3), (3, 5)] and _split(1, 3) == [(0, 1), (1, 1), (1, 1)]
