@@ -200,7 +200,11 @@ def _unpack(buf: Any, bucket: Sequence[TensorSpec]) -> list[Any]:
     return out
 
 
-def _step_dir(spec: ChannelSpec, step: int) -> Path:
+def step_dir(spec: ChannelSpec, step: int) -> Path:
+    """Where a file transport (disk, shared memory) publishes the buckets of ``step``:
+    one directory per step, published atomically (a receiver that loads a whole
+    directory, e.g. a server's load-from-disk API, waits for it with
+    :func:`rlcore.publish.wait_for_artifact`)."""
     assert spec.root is not None
     return Path(spec.root) / spec.key / f"step-{step:06d}"
 
@@ -301,7 +305,7 @@ def send_weights(
             sent += sum(t.numel() * t.element_size() for t in payload.values())
 
     try:
-        publish_dir(_step_dir(spec, step), write)
+        publish_dir(step_dir(spec, step), write)
     except PublishError as err:
         if isinstance(err.__cause__, RefitError):  # the stream's fault, not the disk's
             raise err.__cause__ from None
@@ -346,7 +350,7 @@ def receive_weights(
     from rlcore.publish import wait_for_artifact
     from rlcore.waiting import Deadline
 
-    directory = wait_for_artifact(_step_dir(spec, step), deadline=Deadline(spec.timeout_s, "refit files"))
+    directory = wait_for_artifact(step_dir(spec, step), deadline=Deadline(spec.timeout_s, "refit files"))
     for i, bucket in enumerate(buckets):
         with safe_open(str(directory / f"bucket-{i:05d}.safetensors"), framework="pt", device=str(device or "cpu")) as f:
             for s in bucket:
@@ -356,9 +360,9 @@ def receive_weights(
 def remove_step(spec: ChannelSpec, step: int) -> None:
     """Delete a file transport's step directory once every receiver has loaded it."""
     if spec.transport != "collective" and spec.root:
-        shutil.rmtree(_step_dir(spec, step), ignore_errors=True)
+        shutil.rmtree(step_dir(spec, step), ignore_errors=True)
         with contextlib.suppress(OSError):  # the channel's directory, once empty
-            os.rmdir(_step_dir(spec, step).parent)
+            os.rmdir(step_dir(spec, step).parent)
 
 
 def shm_root() -> str:
@@ -394,7 +398,7 @@ def ceiling(spec: ChannelSpec, rank: int, step: int, nbytes: int) -> float:
     from rlcore.publish import publish_dir, wait_for_artifact
     from rlcore.waiting import Deadline
 
-    directory = _step_dir(spec, step)
+    directory = step_dir(spec, step)
     if rank == 0:
         publish_dir(directory, lambda d: (d / "raw.bin").write_bytes(b"\x01" * nbytes))
     else:

@@ -284,7 +284,7 @@ class SGLangWorker(DistributedWorker):
         from rlcore.waiting import Deadline
 
         directory = wait_for_artifact(
-            channels._step_dir(spec, step), deadline=Deadline(spec.timeout_s, "refit files")
+            channels.step_dir(spec, step), deadline=Deadline(spec.timeout_s, "refit files")
         )
         body = {
             "model_path": str(directory), "load_format": "safetensors",
