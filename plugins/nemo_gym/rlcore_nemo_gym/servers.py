@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.errors import ConfigError, DeadlineExceeded, RlcoreError
+from rlcore.proc import group_members, log_tail, stop_group
 from rlcore.waiting import CancelToken, Deadline
 
 log = logging.getLogger(__name__)
@@ -353,18 +354,7 @@ class GymServers:
 
     def pids(self) -> list[int]:
         """Every live process of the launcher's group (itself and all Gym servers)."""
-        if self.pgid is None:
-            return []
-        import psutil
-
-        out = []
-        for p in psutil.process_iter(["pid"]):
-            try:
-                if os.getpgid(p.pid) == self.pgid and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p.pid)
-            except (ProcessLookupError, PermissionError, psutil.Error):
-                pass
-        return out
+        return [] if self.pgid is None else group_members(self.pgid)
 
     def stop(self, grace_s: float = 15.0) -> None:
         """Ask the launcher to stop its servers; after ``grace_s`` kill the whole group. Idempotent."""
@@ -391,44 +381,10 @@ class GymServers:
             except OSError:
                 pass
         # Whatever is left of the group (a server that ignored SIGINT, a grandchild).
-        if not self._group_gone(0.0):
-            _signal_group(self.pgid, signal.SIGTERM)
-            if not self._group_gone(3.0):
-                _signal_group(self.pgid, signal.SIGKILL)
-                if not self._group_gone(3.0):
-                    log.warning("%s: process group %s survived SIGKILL", self.name, self.pgid)
+        stop_group(self.pgid, 3.0, reap=[proc], what=self.name)
         proc.poll()
 
-    def _group_gone(self, timeout_s: float) -> bool:
-        assert self.pgid is not None
-        end = time.monotonic() + timeout_s
-        while True:
-            if self.proc is not None:
-                self.proc.poll()  # reap the launcher: a zombie still counts as a group member
-            try:
-                os.killpg(self.pgid, 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:
-                pass
-            if not self.pids():  # only zombies left (their parents reap them)
-                return True
-            if time.monotonic() >= end:
-                return False
-            time.sleep(0.05)
-
     def log_tail(self, n: int = 40) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(lines[-n:])
+        return log_tail(self.log_path, n)
 
 
-def _signal_group(pgid: int | None, sig: int) -> None:
-    if pgid is None:
-        return
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
