@@ -56,17 +56,23 @@ def group_gone(
     while True:
         for p in reap:
             p.poll()
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass
-        if not group_members(pgid):
+        if _no_live_member(pgid):
+            for p in reap:  # one that died since the poll above is a zombie: reap it
+                p.poll()
             return True
         if time.monotonic() >= end:
             return False
         time.sleep(poll_s)
+
+
+def _no_live_member(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return not group_members(pgid)
 
 
 def stop_group(
