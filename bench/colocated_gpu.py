@@ -123,7 +123,7 @@ def main() -> None:  # noqa: PLR0915 - one measurement after the other, top to b
 
     from rlcore.refit.channels import ChannelSpec
     from rlcore.refit.specs import plan_buckets
-    from rlcore.workers import free_port
+    from rlcore.runtime.workers import free_port
 
     t_start = time.monotonic()
     if args.small:

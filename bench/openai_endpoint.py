@@ -1,6 +1,6 @@
 """What does the OpenAI-compatible endpoint cost in front of an engine?
 
-Sets up a real config whose generation serves ``rlcore.openai_endpoint`` (default:
+Sets up a real config whose generation serves ``rlcore.serve.openai_endpoint`` (default:
 ``examples/megatron.yaml`` with ``generation.options.serve_openai=true``), then,
 in one run, generates the same N completions three ways and prints the times as
 ratios to the first:
@@ -39,10 +39,10 @@ def main(argv: list[str]) -> None:
 
     import httpx
 
-    from rlcore.cluster import Cluster
     from rlcore.config import load_config
-    from rlcore.registry import load_registry, plan_for
-    from rlcore.setup import run_setup
+    from rlcore.runtime.cluster import Cluster
+    from rlcore.setup.registry import load_registry, plan_for
+    from rlcore.setup.runner import run_setup
 
     config = load_config(args.config, ["generation.options.serve_openai=true", *args.overrides])
     registry = load_registry(config.plugins.allow)

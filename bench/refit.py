@@ -41,12 +41,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--transports", default="collective,shared_memory,disk")
     args = parser.parse_args(argv)
 
-    from rlcore.cluster import Cluster
     from rlcore.config import load_config
-    from rlcore.registry import load_registry
-    from rlcore.setup import refit_context, run_setup
+    from rlcore.runtime.cluster import Cluster
+    from rlcore.runtime.workers import ray_get
+    from rlcore.setup.registry import load_registry
+    from rlcore.setup.runner import refit_context, run_setup
     from rlcore.waiting import CancelToken
-    from rlcore.workers import ray_get
 
     with tempfile.TemporaryDirectory() as tmp:
         config = load_config(args.config, [*DEFAULTS, f"setup.cache_dir={tmp}/cache", *args.overrides])

@@ -28,9 +28,9 @@ from pathlib import Path
 
 from rlcore.config import load_config
 from rlcore.declarations import Artifact, BackendDeclaration, Condition, Need, OverlapSafety, Role
-from rlcore.executor import TaskSpec, execute
-from rlcore.plan import Edge, Plan
-from rlcore.planner import build_plan
+from rlcore.setup.executor import TaskSpec, execute
+from rlcore.setup.plan import Edge, Plan
+from rlcore.setup.planner import build_plan
 
 P, G, E = Role.POLICY, Role.GENERATION, Role.ENV
 
@@ -122,9 +122,9 @@ def synthetic() -> None:
 
 
 def real(config_path: str, overrides: list[str], rounds: int = 2) -> None:
-    from rlcore.cluster import Cluster
-    from rlcore.registry import load_registry, plan_for
-    from rlcore.setup import run_setup
+    from rlcore.runtime.cluster import Cluster
+    from rlcore.setup.registry import load_registry, plan_for
+    from rlcore.setup.runner import run_setup
 
     config = load_config(config_path, overrides)
     registry = load_registry(config.plugins.allow)

@@ -48,8 +48,8 @@ def _context(config: Any, backend: str, options_cls: type, run_dir: Path) -> Any
 def generation_throughput(args: argparse.Namespace) -> None:
     import random
 
-    from rlcore.cluster import Cluster
     from rlcore.config import load_config
+    from rlcore.runtime.cluster import Cluster
     from rlcore_sglang.options import SGLangOptions
     from rlcore_sglang.plugin import rlcore_init_generation as init_sglang
     from rlcore_vllm.plugin import VLLMOptions

@@ -1,3 +1,3 @@
-from rlcore.cli import entrypoint
+from rlcore.app.cli import entrypoint
 
 entrypoint()

@@ -41,5 +41,5 @@ def no_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
     def trap(*_a: object, **_k: object) -> None:
         raise AssertionError("Cluster.start or a WorkerGroup was reached: a check ran after the cluster start")
 
-    monkeypatch.setattr("rlcore.cluster.Cluster.start", trap)
-    monkeypatch.setattr("rlcore.workers.WorkerGroup.__init__", trap)
+    monkeypatch.setattr("rlcore.runtime.cluster.Cluster.start", trap)
+    monkeypatch.setattr("rlcore.runtime.workers.WorkerGroup.__init__", trap)

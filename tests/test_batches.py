@@ -1,6 +1,6 @@
 import pytest
 
-from rlcore.batches import check_rows, check_train_inputs, shard_range
+from rlcore.runtime.batches import check_rows, check_train_inputs, shard_range
 
 
 def test_shard_range_covers_rows_once() -> None:

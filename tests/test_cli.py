@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.cli import _split_overrides, main
+from rlcore.app.cli import _split_overrides, main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,7 +70,7 @@ def test_overrides_after_options(monkeypatch, tmp_path: Path) -> None:
         seen.update(config=config, overrides=overrides, out=out, resume=resume)
         return tmp_path
 
-    monkeypatch.setattr("rlcore.run.run_job", fake_run_job)
+    monkeypatch.setattr("rlcore.app.run.run_job", fake_run_job)
     assert main(["run", "c.yaml", "--out", "d", "a=1", "b=2"]) == 0
     assert seen == {"config": "c.yaml", "overrides": ["a=1", "b=2"], "out": "d", "resume": False}
     assert main(["run", "c.yaml", "--out", "d", "--resume"]) == 0
@@ -96,7 +96,7 @@ def test_plugins_in_a_pipe_prints_whole_names() -> None:
 def test_plugins_in_a_narrow_terminal_folds_names(monkeypatch, capsys) -> None:
     from rich.console import Console
 
-    import rlcore.cli as cli
+    import rlcore.app.cli as cli
 
     monkeypatch.setattr(cli, "_console", lambda stderr=False: Console(width=60, force_terminal=True))
     assert main(["plugins"]) == 0

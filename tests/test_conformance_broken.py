@@ -344,10 +344,10 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """One Ray cluster and one reference policy and generation actor for every case."""
     import ray
 
-    from rlcore.cluster import Cluster
     from rlcore.config import ClusterConfig, ModelConfig
+    from rlcore.runtime.cluster import Cluster
+    from rlcore.runtime.workers import WorkerGroup
     from rlcore.tinymodel import ensure_model
-    from rlcore.workers import WorkerGroup
 
     ray_pickle = ray.cloudpickle
     ray_pickle.register_pickle_by_value(sys.modules[__name__])

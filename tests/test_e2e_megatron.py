@@ -22,10 +22,10 @@ import pytest
 
 pytest.importorskip("rlcore_megatron")
 
-from rlcore.grpo import token_mult_prob_error  # noqa: E402
+from rlcore.app.grpo import token_mult_prob_error  # noqa: E402
+from rlcore.app.run import run_job  # noqa: E402
 from rlcore.hookspecs import hookimpl  # noqa: E402
-from rlcore.metrics import read_metrics  # noqa: E402
-from rlcore.run import run_job  # noqa: E402
+from rlcore.setup.metrics import read_metrics  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -151,7 +151,7 @@ class BeforeFirstRefit:
 
 def test_checkpoint_mode_generation_waits_for_the_published_checkpoint(tmp_path: Path) -> None:
     from rlcore.config import load_config
-    from rlcore.registry import load_registry, plan_for
+    from rlcore.setup.registry import load_registry, plan_for
 
     overrides = [
         "generation.refit_fed=false",

@@ -18,10 +18,10 @@ import pytest
 pytest.importorskip("rlcore_fsdp")
 pytest.importorskip("rlcore_vllm")
 
+from rlcore.app.run import run_job  # noqa: E402
 from rlcore.errors import RlcoreError  # noqa: E402
 from rlcore.hookspecs import hookimpl  # noqa: E402
-from rlcore.metrics import read_metrics  # noqa: E402
-from rlcore.run import run_job  # noqa: E402
+from rlcore.setup.metrics import read_metrics  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = str(REPO / "examples" / "quickstart.yaml")

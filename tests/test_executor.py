@@ -9,7 +9,7 @@ import pytest
 
 from rlcore.errors import Cancelled, DeadlineExceeded, PlanError, SetupError
 from rlcore.events import EventBoard
-from rlcore.executor import ExecutionResult, TaskRun, TaskSpec, execute
+from rlcore.setup.executor import ExecutionResult, TaskRun, TaskSpec, execute
 from rlcore.waiting import CancelToken, Deadline, wait_until
 
 

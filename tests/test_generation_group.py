@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from rlcore.errors import RlcoreError
-from rlcore.generation_group import GroupGeneration, prompt_seed
+from rlcore.runtime.generation_group import GroupGeneration, prompt_seed
 
 
 class Remote:

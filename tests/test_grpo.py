@@ -3,10 +3,10 @@ from typing import Any
 
 import pytest
 
+from rlcore.app.grpo import Handoff, group_advantages, probe_batch, run_grpo, token_mult_prob_error
 from rlcore.config import GRPOConfig
 from rlcore.envs import PromptAndScoreEnv
 from rlcore.errors import DivergenceError, ProtocolError
-from rlcore.grpo import Handoff, group_advantages, probe_batch, run_grpo, token_mult_prob_error
 from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.handles import RefitReport
 

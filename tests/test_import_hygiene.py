@@ -19,19 +19,19 @@ _SCRIPT = """
 import contextlib, importlib, importlib.util, io, json, sys
 
 import rlcore
-import rlcore.registry
-from rlcore.registry import load_registry
+import rlcore.setup.registry
+from rlcore.setup.registry import load_registry
 
 load_registry()
-done = ["rlcore", "rlcore.registry", "load_registry()"]
-for mod in ("rlcore.config", "rlcore.planner", "rlcore.plan"):
+done = ["rlcore", "rlcore.setup.registry", "load_registry()"]
+for mod in ("rlcore.config", "rlcore.setup.planner", "rlcore.setup.plan"):
     if importlib.util.find_spec(mod) is not None:
         importlib.import_module(mod)
         done.append(mod)
-if importlib.util.find_spec("rlcore.cli") is not None:
-    import rlcore.cli
+if importlib.util.find_spec("rlcore.app.cli") is not None:
+    import rlcore.app.cli
     with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
-        rlcore.cli.main(["plugins", "--json"])
+        rlcore.app.cli.main(["plugins", "--json"])
     done.append("rlcore plugins --json")
 sys.__stdout__.write(json.dumps({"done": done, "modules": sorted(sys.modules)}))
 """
@@ -45,7 +45,7 @@ def test_light_imports_do_not_load_heavy_frameworks() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert {"rlcore", "rlcore.registry", "load_registry()"} <= set(result["done"])
+    assert {"rlcore", "rlcore.setup.registry", "load_registry()"} <= set(result["done"])
     heavy = sorted(m for m in result["modules"] if m.split(".")[0] in HEAVY)
     assert heavy == [], f"{', '.join(result['done'])} imported heavy modules: {heavy}"
 

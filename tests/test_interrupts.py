@@ -231,10 +231,10 @@ def test_an_abandoned_ray_wait_makes_no_call_after_the_cluster_shut_down() -> No
     import ray
     import ray.cloudpickle
 
-    from rlcore.cluster import Cluster, _ray_processes
     from rlcore.config import ClusterConfig
     from rlcore.errors import Cancelled
-    from rlcore.workers import RAY_GATE, WorkerGroup
+    from rlcore.runtime.cluster import Cluster, _ray_processes
+    from rlcore.runtime.workers import RAY_GATE, WorkerGroup
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker class travels by value
     cluster = Cluster(ClusterConfig(num_cpus=1)).start()

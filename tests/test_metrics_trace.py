@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.executor import ExecutionResult, TaskRecord, TaskSpec, execute
-from rlcore.metrics import MetricsWriter, read_metrics, setup_metrics
-from rlcore.plan import Edge, Plan, Task, Wait
-from rlcore.trace import TraceRecorder
+from rlcore.setup.executor import ExecutionResult, TaskRecord, TaskSpec, execute
+from rlcore.setup.metrics import MetricsWriter, read_metrics, setup_metrics
+from rlcore.setup.plan import Edge, Plan, Task, Wait
+from rlcore.setup.trace import TraceRecorder
 
 T0 = 1000.0
 

@@ -1,4 +1,4 @@
-"""rlcore.openai_endpoint over a scripted engine (HTTP through httpx, real uvicorn).
+"""rlcore.serve.openai_endpoint over a scripted engine (HTTP through httpx, real uvicorn).
 
 The engine here is a test double that records its calls and returns tokens
 derived from the prompt, so every field of the responses can be checked
@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from rlcore.errors import NotServingError, RlcoreError
-from rlcore.openai_endpoint import OpenAIEndpoint, RequestBatcher
+from rlcore.serve.openai_endpoint import OpenAIEndpoint, RequestBatcher
 from rlcore.tinymodel import build_tokenizer
 
 EOS = 2

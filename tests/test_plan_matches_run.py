@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.cli import main
+from rlcore.app.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))

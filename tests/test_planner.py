@@ -1,4 +1,4 @@
-"""Table-driven tests of the planner's rules (the module doc of rlcore.planner).
+"""Table-driven tests of the planner's rules (the module doc of rlcore.setup.planner).
 
 The declarations here are test data shaped like the real backends' (the real
 plugins' own tests check that their declarations plan the same way).
@@ -20,7 +20,7 @@ from rlcore.declarations import (
     Role,
 )
 from rlcore.errors import ConfigError, PlanError
-from rlcore.planner import build_plan
+from rlcore.setup.planner import build_plan
 
 P, G, E = Role.POLICY, Role.GENERATION, Role.ENV
 CKPT = "megatron.checkpoint"

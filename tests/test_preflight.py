@@ -1,4 +1,4 @@
-"""Every check that needs no cluster runs before the cluster starts (rlcore.preflight).
+"""Every check that needs no cluster runs before the cluster starts (rlcore.setup.preflight).
 
 Each bad input goes through the real ``rlcore run`` entry point: in-process for the
 whole table (Ray's start is replaced by a trap, so a check that ran too late fails
@@ -18,10 +18,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rlcore.cli import main
+from rlcore.app.cli import main
 from rlcore.config import load_config
 from rlcore.errors import ConfigError
-from rlcore.preflight import check_model, check_safetensors, host_cpus, one_line
+from rlcore.setup.preflight import check_model, check_safetensors, host_cpus, one_line
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
@@ -281,7 +281,7 @@ def test_truncation_is_found_by_size_not_by_loading(tmp_path: Path) -> None:
 
 
 def test_resume_accepts_a_non_empty_out_dir(tmp_path: Path, monkeypatch) -> None:
-    from rlcore.preflight import check_run_dir
+    from rlcore.setup.preflight import check_run_dir
 
     used = _non_empty_dir(tmp_path)
     with pytest.raises(ConfigError, match="--resume"):

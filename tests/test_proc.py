@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlcore.proc import group_gone, group_members, log_tail, stop_group
+from rlcore.runtime.proc import group_gone, group_members, log_tail, stop_group
 
 IGNORES_TERM = (
     "import signal, subprocess, sys, time\n"

@@ -11,7 +11,7 @@ import pytest
 from rlcore.errors import RefitError
 from rlcore.refit.channels import ChannelSpec, open_channel, receive_weights, send_weights
 from rlcore.refit.specs import TensorSpec, check_specs, plan_buckets, spec_of
-from rlcore.workers import free_port
+from rlcore.runtime.workers import free_port
 
 torch = pytest.importorskip("torch")
 

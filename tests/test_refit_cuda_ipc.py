@@ -26,7 +26,7 @@ from rlcore.errors import ConfigError, RefitError
 from rlcore.refit import channels, cuda_ipc
 from rlcore.refit.channels import ChannelSpec
 from rlcore.refit.specs import plan_buckets, spec_of
-from rlcore.workers import free_port
+from rlcore.runtime.workers import free_port
 
 
 class ThreadIpc:
@@ -442,8 +442,8 @@ def test_planner_prefers_cuda_ipc_colocated_on_cuda(accelerator: str, colocated:
     CUDA with both sides declaring it, the planner picks it; on CPU or not colocated, not."""
     from rlcore.config import load_config
     from rlcore.declarations import BackendDeclaration, Role
-    from rlcore.planner import choose_transport
     from rlcore.refit import transports
+    from rlcore.setup.planner import choose_transport
 
     assert transports.implemented("cuda")[Transport.CUDA_IPC].channel is not None
     assert Transport.CUDA_IPC not in transports.implemented("cpu")

@@ -11,7 +11,7 @@ from rlcore.config import load_config
 from rlcore.errors import RefitError
 from rlcore.refit import transports
 from rlcore.refit.sessions import RefitSessions
-from rlcore.setup import refit_context
+from rlcore.setup.runner import refit_context
 from rlcore.waiting import CancelToken
 
 

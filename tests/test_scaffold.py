@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.cli import main as cli_main
+from rlcore.app.cli import main as cli_main
+from rlcore.app.scaffold import NAME_RULE, write_backend_package
 from rlcore.declarations import CONTRACT_VERSION
 from rlcore.errors import ConfigError
-from rlcore.scaffold import NAME_RULE, write_backend_package
 
 
 def _env(*paths: Path) -> dict[str, str]:

@@ -29,9 +29,9 @@ from rlcore.errors import (
 )
 from rlcore.handles import Endpoint, RefitReport
 from rlcore.hookspecs import hookimpl
-from rlcore.planner import role_view
-from rlcore.registry import load_registry
-from rlcore.setup import SetupResult, run_setup
+from rlcore.setup.planner import role_view
+from rlcore.setup.registry import load_registry
+from rlcore.setup.runner import SetupResult, run_setup
 
 # -- fake backends ----------------------------------------------------------------
 

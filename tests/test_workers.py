@@ -10,8 +10,8 @@ import pytest
 
 from rlcore.config import ClusterConfig
 from rlcore.errors import Cancelled, DeadlineExceeded
+from rlcore.runtime.workers import DistributedWorker, WorkerError, WorkerGroup
 from rlcore.waiting import CancelToken, Deadline
-from rlcore.workers import DistributedWorker, WorkerError, WorkerGroup
 
 ray = pytest.importorskip("ray")
 
@@ -71,7 +71,7 @@ def cluster():
     import ray.cloudpickle
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # test classes travel by value
-    from rlcore.cluster import Cluster
+    from rlcore.runtime.cluster import Cluster
 
     c = Cluster(ClusterConfig(num_cpus=2)).start()
     yield c
@@ -106,7 +106,7 @@ def test_rendezvous_and_gloo_listen_on_loopback_only(cluster) -> None:
 def test_tcp_store_binds_loopback_for_a_loopback_host() -> None:
     import psutil
 
-    from rlcore.workers import free_port, tcp_store
+    from rlcore.runtime.workers import free_port, tcp_store
 
     port = free_port()
     store = tcp_store("127.0.0.1", port, 1, True, 10.0)
@@ -165,7 +165,7 @@ def test_ray_get_of_nothing_never_touches_ray(monkeypatch) -> None:
     """Handles that work in the driver return no refs; waiting on them must not start Ray."""
     import types
 
-    from rlcore.workers import ray_get
+    from rlcore.runtime.workers import ray_get
 
     fake = types.ModuleType("ray")
     fake.wait = lambda *a, **k: (_ for _ in ()).throw(AssertionError("ray used"))  # type: ignore[attr-defined]

@@ -58,7 +58,7 @@ class RefitSessions:
 
     def open(self, policy: RefitSender, generation: RefitReceiver, ctx: RefitContext) -> Session:
         """The session for this pair over ``ctx.transport``, opening the channel the first time."""
-        from rlcore.workers import ray_get
+        from rlcore.runtime.workers import ray_get
 
         key = (id(policy), id(generation), ctx.transport)
         with self._lock:

@@ -15,7 +15,7 @@ from rlcore.errors import RefitError
 from rlcore.handles import RefitReceiver, RefitReport, RefitSender
 from rlcore.refit.channels import remove_step
 from rlcore.refit.specs import check_specs, plan_buckets
-from rlcore.workers import ray_get
+from rlcore.runtime.workers import ray_get
 
 log = logging.getLogger(__name__)
 

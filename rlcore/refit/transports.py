@@ -4,7 +4,7 @@ A backend *declares* the transports it can send or receive over
 (:class:`rlcore.declarations.Transport`); this module says which of them the core
 can actually run, and builds the :class:`~rlcore.refit.channels.ChannelSpec` both
 sides open. The planner chooses only transports listed here (see
-:func:`rlcore.planner.choose_transport`), so a plan never names a transport that
+:func:`rlcore.setup.planner.choose_transport`), so a plan never names a transport that
 setup cannot run.
 
 Adding a transport to the core means: its worker-side ends in

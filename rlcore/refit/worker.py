@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from rlcore.workers import free_port, node_ip
+from rlcore.runtime.workers import free_port, node_ip
 
 if TYPE_CHECKING:
     from rlcore.refit.channels import ChannelSpec
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 class RefitChannels:
-    """Channel bookkeeping of one rank (a mixin for :class:`rlcore.workers.DistributedWorker`)."""
+    """Channel bookkeeping of one rank (a mixin for :class:`rlcore.runtime.workers.DistributedWorker`)."""
 
     rank: int
 

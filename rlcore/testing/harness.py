@@ -5,7 +5,7 @@ or a notebook too. :mod:`rlcore.testing.suite` turns it into test classes.
 
 A :class:`Harness` owns one registry (the plugin under test, an optional peer
 plugin and a spy wrapper on ``rlcore_publish``), one run config, one
-cancellation token and one event board, exactly as :func:`rlcore.setup.run_setup`
+cancellation token and one event board, exactly as :func:`rlcore.setup.runner.run_setup`
 would build them, and tracks every handle it started so that a failing test
 still shuts everything down.
 """
@@ -31,8 +31,8 @@ from rlcore.context import InitContext
 from rlcore.declarations import BackendDeclaration, Role
 from rlcore.events import EventBoard
 from rlcore.hookspecs import hookimpl
-from rlcore.planner import role_view
-from rlcore.registry import PluginInfo, Registry, load_registry
+from rlcore.setup.planner import role_view
+from rlcore.setup.registry import PluginInfo, Registry, load_registry
 from rlcore.waiting import CancelToken, Deadline
 
 log = logging.getLogger(__name__)
@@ -119,8 +119,8 @@ def registration_name(ref: PluginRef, explicit: str | None) -> str:
 _LIGHTNESS_SCRIPT = r"""
 import importlib, json, sys, threading, time
 mod_name, attr, reg_name = sys.argv[1], sys.argv[2] or None, sys.argv[3]
-import rlcore.registry
-from rlcore.registry import load_registry
+import rlcore.setup.registry
+from rlcore.setup.registry import load_registry
 before = set(sys.modules)
 threads_before = threading.active_count()
 t0 = time.monotonic()
@@ -331,7 +331,7 @@ class Started:
 
 @dataclass
 class Harness:
-    """Starts roles of the plugin under test (and its peer) like ``rlcore.setup`` does.
+    """Starts roles of the plugin under test (and its peer) like ``rlcore.setup.runner`` does.
 
     Attributes:
         plugin: the plugin under test.
@@ -452,7 +452,7 @@ class Harness:
         deadline: Deadline | None = None,
         board: EventBoard | None = None,
     ) -> InitContext:
-        """An InitContext built as ``rlcore.setup.run_setup`` builds it."""
+        """An InitContext built as ``rlcore.setup.runner.run_setup`` builds it."""
         info = self.serving(role)
         if info is None or info.declaration is None:
             raise NotApplicable(f"no plugin of this test serves role '{role}'")

@@ -4,7 +4,7 @@
 :class:`rlcore.testing.BackendConformance` use it as the default ``peer_plugin``) that
 serves ``policy`` and ``generation`` with plain Hugging Face ``transformers`` on the
 run's model (``model.path``, or the tiny model of :func:`rlcore.tinymodel.ensure_model`).
-Each role is one worker (a :class:`rlcore.workers.WorkerGroup` of one Ray actor) and
+Each role is one worker (a :class:`rlcore.runtime.workers.WorkerGroup` of one Ray actor) and
 follows every convention of :mod:`rlcore.handles`:
 
 * :class:`ReferencePolicy` implements :class:`~rlcore.handles.PolicyHandle` (logprobs
@@ -36,9 +36,9 @@ from typing import Any
 from rlcore.context import InitContext
 from rlcore.declarations import BackendDeclaration, OverlapSafety, Role, Transport
 from rlcore.hookspecs import hookimpl
-from rlcore.policy_group import GroupPolicy
 from rlcore.refit.worker import RefitChannels, RefitSenderWorker
-from rlcore.workers import DistributedWorker
+from rlcore.runtime.policy_group import GroupPolicy
+from rlcore.runtime.workers import DistributedWorker
 
 #: The reference peer's backend name (``policy.backend`` / ``generation.backend``).
 REFERENCE_NAME = "rlcore-reference"
@@ -226,7 +226,7 @@ class _Group:
         return list(self._specs)
 
     def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
-        from rlcore.batches import put_rows
+        from rlcore.runtime.batches import put_rows
 
         self._check_open()
         return list(self.group.call("logprobs", put_rows(batch), ranks=[0], what="logprobs")[0])
@@ -271,7 +271,7 @@ class ReferenceGeneration(_Group):
         temperature: float,
         seed: int,
     ) -> list[list[Any]]:
-        from rlcore.batches import shard_range
+        from rlcore.runtime.batches import shard_range
 
         self._check_open()
         size = self.group.world_size
@@ -322,15 +322,15 @@ class ReferencePlugin:
     def _start(self, ctx: InitContext, worker: type, handle: type, empty: bool) -> Any:
         import ray
 
+        from rlcore.runtime.workers import WorkerGroup
         from rlcore.tinymodel import ensure_model
-        from rlcore.workers import WorkerGroup
 
         if not ray.is_initialized():
             from rlcore.errors import ConfigError
 
             raise ConfigError(
                 f"backend '{self.name}' runs in Ray actors: start a cluster first "
-                "(rlcore.cluster.Cluster(config.cluster).start(); `rlcore run` and the "
+                "(rlcore.runtime.cluster.Cluster(config.cluster).start(); `rlcore run` and the "
                 "conformance suite do)"
             )
         ctx.cancel.raise_if_cancelled(ctx.task)

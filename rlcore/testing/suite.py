@@ -13,7 +13,7 @@ test for a feature the backend does not claim is skipped with the reason::
         config_overrides = ["model.tiny.hidden_size=64"]  # a cheap config for this backend
 
 Every init goes through the real hook, with an :class:`~rlcore.context.InitContext`
-built as :func:`rlcore.setup.run_setup` builds it, so wrapper plugins, the
+built as :func:`rlcore.setup.runner.run_setup` builds it, so wrapper plugins, the
 publish hook and option checking behave as in a real run.
 """
 
@@ -45,9 +45,9 @@ from rlcore.handles import (
     RefitSender,
     RolloutRequest,
 )
-from rlcore.planner import detect_accelerator, role_view
 from rlcore.publish import STAGING_PREFIX, TRASH_PREFIX, is_complete
-from rlcore.registry import load_registry
+from rlcore.setup.planner import detect_accelerator, role_view
+from rlcore.setup.registry import load_registry
 from rlcore.testing.harness import (
     HEAVY_MODULES,
     ConformanceFailure,
@@ -79,7 +79,7 @@ def _fail(message: str) -> None:
 
 
 def _mult_err(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> float:
-    from rlcore.grpo import token_mult_prob_error
+    from rlcore.app.grpo import token_mult_prob_error
 
     return token_mult_prob_error(a, b)
 
@@ -223,8 +223,8 @@ class BackendConformance:
 
         if ray.is_initialized():
             return
-        from rlcore.cluster import Cluster
         from rlcore.config import ClusterConfig
+        from rlcore.runtime.cluster import Cluster
 
         cls._cluster = Cluster(ClusterConfig(num_cpus=cls.ray_num_cpus)).start()
 
@@ -759,7 +759,7 @@ class BackendConformance:
 
     def _round_trip(self, h: Harness, *, refit_fed: bool) -> None:
         from rlcore.refit import transports as core_transports
-        from rlcore.setup import refit_context
+        from rlcore.setup.runner import refit_context
 
         decl = h.declaration
         if not decl.roles & {Role.POLICY, Role.GENERATION}:

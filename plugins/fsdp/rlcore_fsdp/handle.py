@@ -6,19 +6,19 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from rlcore.batches import put_rows
-from rlcore.policy_group import GroupPolicy
 from rlcore.refit.specs import TensorSpec
-from rlcore.workers import WorkerGroup
+from rlcore.runtime.batches import put_rows
+from rlcore.runtime.policy_group import GroupPolicy
+from rlcore.runtime.workers import WorkerGroup
 
 
 class FSDPPolicy(GroupPolicy):
     """A started FSDP policy: N :class:`~rlcore_fsdp.worker.FSDPWorker` ranks in Ray actors.
 
     Implements :class:`rlcore.handles.RefitSender` (rank 0 sends; every rank takes
-    part in the export) and the policy side of :func:`rlcore.grpo.run_grpo`
+    part in the export) and the policy side of :func:`rlcore.app.grpo.run_grpo`
     (``logprobs``, ``train_step``). Every call waits through
-    :meth:`rlcore.workers.WorkerGroup.call`, i.e. with the group's cancellation token
+    :meth:`rlcore.runtime.workers.WorkerGroup.call`, i.e. with the group's cancellation token
     and a deadline (``policy.options.timeout_s``), and names the failing rank.
 
     Attributes:

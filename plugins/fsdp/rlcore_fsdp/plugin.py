@@ -88,11 +88,11 @@ def rlcore_init_policy(ctx: InitContext) -> FSDPPolicy:
     if not ray.is_initialized():
         raise RuntimeError(
             "the fsdp policy backend needs a running Ray cluster: start one with "
-            "rlcore.cluster.Cluster(config.cluster).start() before calling rlcore_init_policy "
+            "rlcore.runtime.cluster.Cluster(config.cluster).start() before calling rlcore_init_policy "
             "(`rlcore run` does this)"
         )
+    from rlcore.runtime.workers import WorkerGroup
     from rlcore.tinymodel import ensure_model
-    from rlcore.workers import WorkerGroup
     from rlcore_fsdp.handle import FSDPPolicy
     from rlcore_fsdp.worker import FSDPWorker
 

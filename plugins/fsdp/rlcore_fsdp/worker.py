@@ -1,6 +1,6 @@
 """One rank of the FSDP policy: a Hugging Face causal LM sharded with FSDP1.
 
-:class:`FSDPWorker` is a plain class. :class:`rlcore.workers.WorkerGroup` runs N
+:class:`FSDPWorker` is a plain class. :class:`rlcore.runtime.workers.WorkerGroup` runs N
 of them as Ray actors that form a torch.distributed group (gloo on CPU, NCCL on
 CUDA); a test can run one in-process after ``init_process_group`` with world
 size 1.
@@ -38,11 +38,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlcore.batches import Row, check_rows, check_train_inputs, shard_range
-from rlcore.losses import clipped_pg_loss
 from rlcore.refit.specs import TensorSpec, plan_buckets
 from rlcore.refit.worker import RefitSenderWorker
-from rlcore.workers import DistributedWorker
+from rlcore.runtime.batches import Row, check_rows, check_train_inputs, shard_range
+from rlcore.runtime.losses import clipped_pg_loss
+from rlcore.runtime.workers import DistributedWorker
 
 if TYPE_CHECKING:
     from rlcore_fsdp.plugin import FSDPOptions

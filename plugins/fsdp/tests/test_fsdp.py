@@ -27,6 +27,7 @@ from rlcore.context import InitContext
 from rlcore.declarations import Role, validate_declaration
 from rlcore.events import EventBoard
 from rlcore.refit.specs import plan_buckets, spec_of
+from rlcore.runtime.workers import free_port
 from rlcore.testing.reference import (
     GRPO_ADVANTAGES,
     GRPO_BATCH,
@@ -39,7 +40,6 @@ from rlcore.testing.reference import (
 from rlcore.testing.waits import wait_for
 from rlcore.tinymodel import write_tiny_model
 from rlcore.waiting import CancelToken, Deadline
-from rlcore.workers import free_port
 from rlcore_fsdp.plugin import FSDPOptions, rlcore_declare_backend, rlcore_init_policy
 from rlcore_fsdp.worker import FSDPWorker, micro_batch_count, shard_range
 
@@ -228,7 +228,7 @@ def init_context(tmp: Path, *overrides: str) -> InitContext:
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    from rlcore.cluster import Cluster
+    from rlcore.runtime.cluster import Cluster
 
     cluster = Cluster(ClusterConfig(num_cpus=2)).start()
     try:
@@ -297,7 +297,7 @@ def test_ray_train_step_matches_reference(policy: Any, policy_model_dir: Path) -
 
 def test_ray_refit_disk_roundtrip(policy: Any, policy_tmp: Path) -> None:
     from rlcore.refit.channels import ChannelSpec, receive_weights
-    from rlcore.workers import ray_get
+    from rlcore.runtime.workers import ray_get
 
     spec = ChannelSpec("disk", "fsdp-test", 2, root=str(policy_tmp / "refit"), timeout_s=30)
     specs = policy.weight_specs()
@@ -313,7 +313,7 @@ def test_ray_refit_disk_roundtrip(policy: Any, policy_tmp: Path) -> None:
 def test_ray_refit_collective_roundtrip(policy: Any) -> None:
     """This process joins the gloo refit channel as the receiving rank 1."""
     from rlcore.refit.channels import ChannelSpec, close_channel, open_channel, receive_weights
-    from rlcore.workers import ray_get
+    from rlcore.runtime.workers import ray_get
 
     host, port = policy.refit_address()
     spec = ChannelSpec("collective", "fsdp-test-coll", 2, addr=host, port=port, timeout_s=30)
@@ -368,7 +368,7 @@ def test_ray_tied_embeddings_two_ranks(
 @pytest.mark.timeout(240)
 def test_ray_init_failure_cleans_up(ray_cluster: None, policy_tmp: Path, model_dir: Path) -> None:
     """Rank 0 cannot read the weights: every rank fails at once and no actor is left."""
-    from rlcore.workers import WorkerError
+    from rlcore.runtime.workers import WorkerError
 
     broken = policy_tmp / "broken-model"
     shutil.copytree(model_dir, broken)
@@ -413,7 +413,7 @@ def test_options_are_checked() -> None:
 def test_entry_point_is_light() -> None:
     script = (
         "import sys, json\n"
-        "from rlcore.registry import load_registry\n"
+        "from rlcore.setup.registry import load_registry\n"
         "reg = load_registry(['fsdp'])\n"
         "import rlcore_fsdp.plugin as p\n"
         "p.rlcore_declare_backend()\n"

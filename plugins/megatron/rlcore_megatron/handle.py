@@ -33,14 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlcore.batches import put_rows
 from rlcore.context import InitContext
 from rlcore.errors import ConfigError, RlcoreError
 from rlcore.handles import Endpoint
-from rlcore.policy_group import GroupPolicy
 from rlcore.refit.specs import TensorSpec
+from rlcore.runtime.batches import put_rows
+from rlcore.runtime.policy_group import GroupPolicy
+from rlcore.runtime.workers import WorkerGroup
 from rlcore.waiting import CancelToken
-from rlcore.workers import WorkerGroup
 from rlcore_megatron.plugin import CHECKPOINT_ARTIFACT, MegatronOptions, resolve_engine
 
 log = logging.getLogger(__name__)
@@ -217,8 +217,8 @@ class MegatronPolicy(GroupPolicy, _Handle):
     ranks (tensor parallel ``options.tensor_model_parallel_size``, the rest data parallel).
 
     Implements :class:`rlcore.handles.RefitSender` (rank 0 sends; the ranks of
-    replica 0 gather in lockstep) and the policy side of :func:`rlcore.grpo.run_grpo`.
-    Every call waits through :meth:`rlcore.workers.WorkerGroup.call` (cancellation,
+    replica 0 gather in lockstep) and the policy side of :func:`rlcore.app.grpo.run_grpo`.
+    Every call waits through :meth:`rlcore.runtime.workers.WorkerGroup.call` (cancellation,
     a deadline of ``options.timeout_s``, the failing rank named).
 
     Attributes:
@@ -255,7 +255,7 @@ class MegatronPolicy(GroupPolicy, _Handle):
         return list(self._specs)
 
     # refit_address, open_refit_channel, refit_ceiling, send_weights and train_step:
-    # rlcore.policy_group.GroupPolicy; logprobs: _Handle.
+    # rlcore.runtime.policy_group.GroupPolicy; logprobs: _Handle.
 
 
 class MegatronGeneration(_Handle):
@@ -265,8 +265,8 @@ class MegatronGeneration(_Handle):
 
     Implements :class:`rlcore.handles.RefitReceiver` (every rank is a receiver:
     rank ``i`` is refit channel rank ``1 + i`` and loads its own slices) and the
-    generation side of :func:`rlcore.grpo.run_grpo`. With ``serve_openai`` it also
-    serves an OpenAI-compatible endpoint (:mod:`rlcore.openai_endpoint`, in this
+    generation side of :func:`rlcore.app.grpo.run_grpo`. With ``serve_openai`` it also
+    serves an OpenAI-compatible endpoint (:mod:`rlcore.serve.openai_endpoint`, in this
     process, from its own thread) over :meth:`generate`; ``endpoint`` says where
     (else None). Calls to the ranks go through ``_submit``, so requests the endpoint
     serves and the refits of the training loop reach every rank in one order.
@@ -475,7 +475,7 @@ def _prepare(ctx: InitContext, role: str) -> _Start:
     if not ray.is_initialized():
         raise RuntimeError(
             f"the megatron {role} backend needs a running Ray cluster: start one with "
-            f"rlcore.cluster.Cluster(config.cluster).start() before calling rlcore_init_{role} "
+            f"rlcore.runtime.cluster.Cluster(config.cluster).start() before calling rlcore_init_{role} "
             "(`rlcore run` does this)"
         )
     from rlcore.tinymodel import ensure_model
@@ -675,7 +675,7 @@ def _start_endpoint(
     handle: MegatronGeneration, model_dir: Path, options: MegatronOptions, ctx: InitContext
 ) -> Any:
     """The OpenAI-compatible endpoint over ``handle.generate`` (``serve_openai``)."""
-    from rlcore.openai_endpoint import OpenAIEndpoint
+    from rlcore.serve.openai_endpoint import OpenAIEndpoint
     from rlcore_megatron.worker import eos_token_ids
 
     replicas = max(1, len(handle._leads))

@@ -80,7 +80,7 @@ class MegatronOptions:
     #: ``/v1/completions``, ``/v1/models``, ``/tokenize``) in the driver, in front of the
     #: engine: environments such as NeMo Gym reach the policy through it. Requests are
     #: batched into the same ``generate`` calls the training loop makes
-    #: (:mod:`rlcore.openai_endpoint`).
+    #: (:mod:`rlcore.serve.openai_endpoint`).
     serve_openai: bool = False
     #: (generation, serve_openai) The model name requests use and ``/v1/models`` lists.
     served_model_name: str = "policy"
@@ -123,7 +123,7 @@ def resolve_engine(engine: str, device_type: str) -> str:
 def _transports() -> set[Transport]:
     """Refit transports both roles run: cuda_ipc (colocated on one GPU) where this host has
     NVIDIA devices, as the planner detects them (no torch import)."""
-    from rlcore.planner import detect_accelerator
+    from rlcore.setup.planner import detect_accelerator
 
     cuda = {Transport.CUDA_IPC} if detect_accelerator() == "cuda" else set()
     return {Transport.COLLECTIVE, Transport.DISK, Transport.SHARED_MEMORY, *cuda}
@@ -168,7 +168,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
         memory_handoff=True,
         send_transports=_transports(),
         receive_transports=_transports(),
-        # With generation.options.serve_openai (rlcore.openai_endpoint in front of the
+        # With generation.options.serve_openai (rlcore.serve.openai_endpoint in front of the
         # engine; megatron-core's own server needs its dynamic engine and CUDA).
         openai_endpoint=True,
         openai_endpoint_when=(Condition("options.serve_openai", True),),

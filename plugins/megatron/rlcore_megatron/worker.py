@@ -9,8 +9,8 @@
   CUDA or its static engine on CPU (:mod:`rlcore_megatron.inference`), loaded from
   the published checkpoint or fed by refit.
 
-Both are :class:`rlcore.workers.DistributedWorker` subclasses: a
-:class:`rlcore.workers.WorkerGroup` gives them a torch.distributed default group
+Both are :class:`rlcore.runtime.workers.DistributedWorker` subclasses: a
+:class:`rlcore.runtime.workers.WorkerGroup` gives them a torch.distributed default group
 (gloo on CPU, NCCL on CUDA), over which they initialise megatron-core's parallel
 state; ``bench/megatron_gpu.py`` drives the same classes from
 ``torch.multiprocessing`` processes, and tests drive one rank in-process.
@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from rlcore.batches import Row, check_rows, check_train_inputs, shard_range
 from rlcore.errors import NotServingError
-from rlcore.losses import clipped_pg_loss
 from rlcore.refit.worker import RefitChannels, RefitSenderWorker
-from rlcore.workers import DistributedWorker
+from rlcore.runtime.batches import Row, check_rows, check_train_inputs, shard_range
+from rlcore.runtime.losses import clipped_pg_loss
+from rlcore.runtime.workers import DistributedWorker
 
 if TYPE_CHECKING:
     from rlcore.refit.channels import ChannelSpec

@@ -15,7 +15,7 @@ from rlcore.declarations import Transport
 from rlcore.errors import DeadlineExceeded
 from rlcore.refit.channels import ChannelSpec
 from rlcore.refit.specs import plan_buckets
-from rlcore.workers import free_port
+from rlcore.runtime.workers import free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # megatron-core's own
 
@@ -25,10 +25,10 @@ def test_cuda_ipc_is_declared_only_where_cuda_is(monkeypatch: pytest.MonkeyPatch
     """Both roles send and receive over cuda_ipc on a host with NVIDIA devices (as the
     planner detects them), never elsewhere: a declared transport must be one the backend
     can run where it is installed."""
-    import rlcore.planner
+    import rlcore.setup.planner
     from rlcore_megatron import plugin
 
-    monkeypatch.setattr(rlcore.planner, "detect_accelerator", lambda: accelerator)
+    monkeypatch.setattr(rlcore.setup.planner, "detect_accelerator", lambda: accelerator)
     decl = plugin.rlcore_declare_backend()
     base = {Transport.COLLECTIVE, Transport.DISK, Transport.SHARED_MEMORY}
     want = base | {Transport.CUDA_IPC} if accelerator == "cuda" else base

@@ -57,7 +57,7 @@ class Pair:
     def __init__(self, model_dir: str) -> None:
         from rlcore.refit.channels import ChannelSpec
         from rlcore.refit.specs import plan_buckets
-        from rlcore.workers import free_port
+        from rlcore.runtime.workers import free_port
 
         self.policy = ProcActor("policy", ENV)
         self.gen = ProcActor("generation", ENV)

@@ -28,7 +28,7 @@ def test_declaration_is_valid_and_says_what_the_brief_says() -> None:
     both = {Transport.COLLECTIVE, Transport.DISK, Transport.SHARED_MEMORY}
     assert decl.send_transports == both and decl.receive_transports == both
     assert decl.refit_fed and decl.options is MegatronOptions
-    # rlcore.openai_endpoint in front of either engine (generation.options.serve_openai).
+    # rlcore.serve.openai_endpoint in front of either engine (generation.options.serve_openai).
     assert decl.openai_endpoint and "serve_openai" in (decl.option_names() or [])
 
 

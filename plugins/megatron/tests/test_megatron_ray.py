@@ -93,7 +93,7 @@ def context(role: Role, tmp: Path, *overrides: str, deadline_s: float = 180.0) -
             *overrides,
         ],
     )
-    from rlcore.registry import load_registry, plan_for
+    from rlcore.setup.registry import load_registry, plan_for
 
     # What the core's setup tells the init: which of its artifacts a reader needs.
     needed = plan_for(load_registry(cfg.plugins.allow), cfg).consumed.get(f"init:{role.value}", ())
@@ -119,7 +119,7 @@ def context(role: Role, tmp: Path, *overrides: str, deadline_s: float = 180.0) -
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    from rlcore.cluster import Cluster
+    from rlcore.runtime.cluster import Cluster
 
     cluster = Cluster(ClusterConfig(num_cpus=2)).start()
     try:
@@ -175,7 +175,7 @@ def pair(ray_cluster: None, work: Path, llama_dir: Path) -> Iterator[tuple[Any, 
 
 def core_refit(policy: Any, generation: Any, transport: str, step: int) -> Any:
     from rlcore.refit.sync import refit
-    from rlcore.setup import refit_context
+    from rlcore.setup.runner import refit_context
 
     cfg = load_config(
         None, ["policy.backend=megatron", "generation.backend=megatron", "refit.bucket_mb=0.05"]
@@ -404,7 +404,7 @@ def test_generation_waits_inside_init_for_the_published_checkpoint(
 def test_broken_checkpoint_fails_policy_init_without_leaks(
     ray_cluster: None, tmp_path: Path, llama_dir: Path
 ) -> None:
-    from rlcore.workers import WorkerError
+    from rlcore.runtime.workers import WorkerError
 
     broken = tmp_path / "broken-model"
     shutil.copytree(llama_dir, broken)

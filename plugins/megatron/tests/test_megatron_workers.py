@@ -28,7 +28,7 @@ from _megatron_helpers import (
 from rlcore.errors import NotServingError
 from rlcore.refit.channels import ChannelSpec
 from rlcore.refit.specs import plan_buckets, spec_of
-from rlcore.workers import free_port
+from rlcore.runtime.workers import free_port
 from rlcore_megatron import convert
 from rlcore_megatron.plugin import MegatronOptions
 from rlcore_megatron.worker import MegatronGenerationWorker, MegatronPolicyWorker, shard_range

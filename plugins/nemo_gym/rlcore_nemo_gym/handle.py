@@ -31,8 +31,8 @@ from rlcore.context import InitContext
 from rlcore.declarations import ENDPOINT_EVENT
 from rlcore.errors import Cancelled, ConfigError, DeadlineExceeded
 from rlcore.handles import Endpoint, Rollout, RolloutRequest
+from rlcore.runtime.workers import free_port
 from rlcore.waiting import CancelToken, Deadline
-from rlcore.workers import free_port
 from rlcore_nemo_gym.servers import (
     REPORT_WAIT_S,
     GymError,

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.errors import ConfigError, DeadlineExceeded, RlcoreError
-from rlcore.proc import group_members, log_tail, stop_group
+from rlcore.runtime.proc import group_members, log_tail, stop_group
 from rlcore.waiting import CancelToken, Deadline
 
 log = logging.getLogger(__name__)

@@ -73,7 +73,7 @@ def test_generation_without_its_endpoint_fails_at_plan_time(backend: str) -> Non
     """The real declarations say the endpoint exists only with serve_openai: the plan
     refuses Gym beside a generation without it, before anything starts."""
     from rlcore.config import load_config
-    from rlcore.registry import load_registry, plan_for
+    from rlcore.setup.registry import load_registry, plan_for
 
     config = load_config(
         None,
@@ -166,7 +166,7 @@ def test_example_plan_starts_gym_at_once_and_waits_for_the_endpoint_inside() -> 
     pytest.importorskip("rlcore_fsdp")
     pytest.importorskip("rlcore_vllm")
     from rlcore.config import load_config
-    from rlcore.registry import load_registry, plan_for
+    from rlcore.setup.registry import load_registry, plan_for
 
     repo = Path(__file__).resolve().parents[3]
     config = load_config(repo / "examples" / "nemo_gym.yaml")

@@ -15,9 +15,9 @@ from typing import Any
 
 from rlcore.context import InitContext
 from rlcore.errors import ConfigError
-from rlcore.generation_group import GroupGeneration
 from rlcore.handles import Endpoint
-from rlcore.workers import WorkerGroup
+from rlcore.runtime.generation_group import GroupGeneration
+from rlcore.runtime.workers import WorkerGroup
 from rlcore_sglang.options import SGLangOptions
 from rlcore_sglang.worker import SGLangWorker
 
@@ -156,7 +156,7 @@ def _front_endpoint(handle: SGLangGeneration, model_dir: Any, options: SGLangOpt
     """rlcore's OpenAI-compatible endpoint over ``handle.generate`` (option ``endpoint: rlcore``)."""
     import json
 
-    from rlcore.openai_endpoint import OpenAIEndpoint
+    from rlcore.serve.openai_endpoint import OpenAIEndpoint
 
     eos: set[int] = set()
     for name in ("config.json", "generation_config.json"):

@@ -13,7 +13,7 @@ class SGLangOptions:
     #: ``.venv-sglang/bin/python`` beside the running venv or above this package.
     python: str | None = None
     #: The OpenAI-compatible endpoint the handle offers: ``sglang`` (SGLang's own ``/v1``
-    #: of server 0), or ``rlcore`` (:mod:`rlcore.openai_endpoint` in front of the handle's
+    #: of server 0), or ``rlcore`` (:mod:`rlcore.serve.openai_endpoint` in front of the handle's
     #: ``generate``, speaking vLLM's token-id extensions, ``return_tokens_as_token_ids``
     #: and ``return_token_ids``, which SGLang's ``/v1`` lacks and NeMo Gym's training
     #: model server requires).

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.errors import ConfigError, RlcoreError
-from rlcore.proc import log_tail, signal_group, stop_group
+from rlcore.runtime.proc import log_tail, signal_group, stop_group
 
 log = logging.getLogger(__name__)
 

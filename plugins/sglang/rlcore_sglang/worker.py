@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.errors import RefitError
-from rlcore.workers import DistributedWorker, free_port
+from rlcore.runtime.workers import DistributedWorker, free_port
 from rlcore_sglang.server import ServerError, ServerProcess, find_sglang_python
 
 log = logging.getLogger(__name__)

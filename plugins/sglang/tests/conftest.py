@@ -21,8 +21,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    from rlcore.cluster import Cluster
     from rlcore.config import ClusterConfig
+    from rlcore.runtime.cluster import Cluster
 
     cluster = Cluster(ClusterConfig(num_cpus=2)).start()
     yield

@@ -34,7 +34,7 @@ def make_config(model_dir: Path, cache_dir: Path, *, refit_fed: bool = True, **o
 
 
 def init_context(config: RunConfig, run_dir: Path, deadline_s: float = 300.0) -> InitContext:
-    """An InitContext built as rlcore.setup builds it for init:generation."""
+    """An InitContext built as rlcore.setup.runner builds it for init:generation."""
     cancel = CancelToken()
     options = resolve_options(config.generation.options, SGLangOptions, section="generation", backend="sglang")
     return InitContext(

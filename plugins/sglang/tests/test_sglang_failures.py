@@ -39,8 +39,8 @@ def test_bad_checkpoint(ray_cluster: None, tiny_model: Path, tmp_path: Path) -> 
 def test_port_taken_is_a_setup_error(ray_cluster: None, tiny_model: Path, tmp_path: Path) -> None:
     from rlcore.config import load_config
     from rlcore.errors import SetupError
-    from rlcore.registry import load_registry
-    from rlcore.setup import run_setup
+    from rlcore.setup.registry import load_registry
+    from rlcore.setup.runner import run_setup
 
     repo = Path(__file__).resolve().parents[3]
     with socket.socket() as taken:

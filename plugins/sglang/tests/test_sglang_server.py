@@ -20,7 +20,7 @@ from sglang_helpers import PROMPTS, ThreadSender, hf_state, named, reference_log
 from rlcore.errors import RefitError
 from rlcore.refit import channels
 from rlcore.refit.specs import TensorSpec, plan_buckets, spec_of
-from rlcore.workers import WorkerError, free_port
+from rlcore.runtime.workers import WorkerError, free_port
 
 TOL = 1e-4
 PROBE = [(p, [10, 11, 12, 3]) for p in PROMPTS]

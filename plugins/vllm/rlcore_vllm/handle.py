@@ -15,9 +15,9 @@ from dataclasses import asdict
 from typing import Any
 
 from rlcore.context import InitContext
-from rlcore.generation_group import GroupGeneration
 from rlcore.handles import Endpoint
-from rlcore.workers import WorkerGroup
+from rlcore.runtime.generation_group import GroupGeneration
+from rlcore.runtime.workers import WorkerGroup
 from rlcore_vllm.plugin import VLLMOptions
 from rlcore_vllm.worker import VLLMWorker
 

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from rlcore.workers import DistributedWorker, free_port
+from rlcore.runtime.workers import DistributedWorker, free_port
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from rlcore.refit.channels import ChannelSpec
 from rlcore.refit.sessions import RefitSessions
 from rlcore.refit.specs import TensorSpec, plan_buckets
 from rlcore.refit.sync import refit
-from rlcore.setup import refit_context
+from rlcore.runtime.workers import WorkerError
+from rlcore.setup.runner import refit_context
 from rlcore.waiting import CancelToken
-from rlcore.workers import WorkerError
 from rlcore_vllm.plugin import rlcore_init_generation
 
 #: The refit channels of this module's handles (a run owns its sessions; so does this module).

@@ -37,7 +37,7 @@ def make_config(model_dir: Path, cache_dir: Path, workers: int = 1, **options: A
 
 
 def init_context(config: RunConfig, run_dir: Path, deadline_s: float = 300.0) -> InitContext:
-    """An InitContext built as rlcore.setup builds it for init:generation."""
+    """An InitContext built as rlcore.setup.runner builds it for init:generation."""
     cancel = CancelToken()
     options = resolve_options(
         config.generation.options, VLLMOptions, section="generation", backend="vllm"
@@ -83,7 +83,7 @@ class _PolicyActor:
         return [spec_of(n, t) for n, t in self.model.state_dict().items()]
 
     def refit_address(self) -> tuple[str, int]:
-        from rlcore.workers import free_port, node_ip
+        from rlcore.runtime.workers import free_port, node_ip
 
         return node_ip(), free_port()
 

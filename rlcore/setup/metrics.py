@@ -24,8 +24,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from rlcore.executor import ExecutionResult
-from rlcore.plan import Plan, longest_path
+from rlcore.setup.executor import ExecutionResult
+from rlcore.setup.plan import Plan, longest_path
 
 PREFIX = "timing/setup/"
 

@@ -21,18 +21,18 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from rlcore.cluster import Cluster
+from rlcore.app.grpo import Handoff, check_divergence, probe_batch, run_grpo, token_mult_prob_error
+from rlcore.app.interrupts import RunInterrupted, signal_name, signum_of
+from rlcore.app.plots import plot_reward, plot_setup_timeline
 from rlcore.config import RunConfig, cache_dir, load_config
 from rlcore.errors import ConfigError
-from rlcore.grpo import Handoff, check_divergence, probe_batch, run_grpo, token_mult_prob_error
 from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
-from rlcore.interrupts import RunInterrupted, signal_name, signum_of
-from rlcore.metrics import MetricsWriter
-from rlcore.plots import plot_reward, plot_setup_timeline
-from rlcore.preflight import check_before_start, run_dir_for
-from rlcore.registry import load_registry
-from rlcore.setup import SetupResult, run_setup
-from rlcore.trace import TraceRecorder
+from rlcore.runtime.cluster import Cluster
+from rlcore.setup.metrics import MetricsWriter
+from rlcore.setup.preflight import check_before_start, run_dir_for
+from rlcore.setup.registry import load_registry
+from rlcore.setup.runner import SetupResult, run_setup
+from rlcore.setup.trace import TraceRecorder
 from rlcore.waiting import CancelToken
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 def make_run_dir(config: RunConfig, out: str | None) -> Path:
     """Create the run directory (``out``, else a new ``<output_dir>/<name>-<time>[-k]``).
 
-    :func:`rlcore.preflight.check_before_start` has checked that it can be written and
+    :func:`rlcore.setup.preflight.check_before_start` has checked that it can be written and
     that ``out`` is empty unless the run resumes.
     """
     path = base = run_dir_for(config, out)
@@ -96,7 +96,7 @@ def run_job(
 
     ``extra_plugins`` are (name, plugin) pairs registered beside the installed ones
     (wrapper plugins for tracing or fault injection when embedding rlcore).
-    Every check that needs no cluster runs first (:mod:`rlcore.preflight`): a bad
+    Every check that needs no cluster runs first (:mod:`rlcore.setup.preflight`): a bad
     input raises :class:`~rlcore.errors.ConfigError` before any process starts.
     ``resume`` lets ``out`` be a non-empty run directory (metrics are appended).
     """
@@ -149,7 +149,7 @@ def run_job(
         phase.now = "teardown"
         return run_dir
     except KeyboardInterrupt as err:
-        # SIGINT/SIGTERM (rlcore.interrupts.SignalGuard) or Ctrl-C: a bounded teardown,
+        # SIGINT/SIGTERM (rlcore.app.interrupts.SignalGuard) or Ctrl-C: a bounded teardown,
         # the records written first, then one error that says what was interrupted.
         raise _stop_interrupted(
             err, phase.now, cancel, setup, cluster, trace, metrics_writer, run_dir, plan

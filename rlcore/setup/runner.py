@@ -4,13 +4,13 @@
 
 1. resolve the backend of each role (``env`` only when ``env.backend`` is set)
    and check its ``<role>.options`` against the backend's options dataclass;
-2. build the plan (:func:`rlcore.planner.build_plan`) unless one is given;
+2. build the plan (:func:`rlcore.setup.planner.build_plan`) unless one is given;
 3. turn each task into an executor task: ``init:<role>`` calls
    ``rlcore_init_<role>`` of the selected backend (plus wrapper plugins and the
    core's own), ``refit:initial`` calls ``rlcore_refit`` for the policy and
    generation backends; after a task, post the core events the plan says it
    makes available (``generation.endpoint``);
-4. run them (:func:`rlcore.executor.execute`): each starts the moment its
+4. run them (:func:`rlcore.setup.executor.execute`): each starts the moment its
    dependencies are done; the first failure cancels the rest, started backends
    are shut down in reverse order and :class:`~rlcore.errors.SetupError` names
    the task, backend, role and root cause;
@@ -37,18 +37,18 @@ from rlcore.context import InitContext, RefitContext
 from rlcore.declarations import ENDPOINT_EVENT, Role
 from rlcore.errors import ConfigError, PlanError, PluginError, RefitError
 from rlcore.events import EventBoard
-from rlcore.executor import ExecutionResult, TaskRun, TaskSpec, execute
 from rlcore.hookspecs import hookimpl
-from rlcore.metrics import PREFIX, setup_metrics
-from rlcore.plan import REFIT_TASK, Plan
-from rlcore.plan import init_task as init_task_name
-from rlcore.planner import build_plan, choose_transport, selected_roles
 from rlcore.refit.sessions import RefitSessions
-from rlcore.trace import TraceRecorder
+from rlcore.setup.executor import ExecutionResult, TaskRun, TaskSpec, execute
+from rlcore.setup.metrics import PREFIX, setup_metrics
+from rlcore.setup.plan import REFIT_TASK, Plan
+from rlcore.setup.plan import init_task as init_task_name
+from rlcore.setup.planner import build_plan, choose_transport, selected_roles
+from rlcore.setup.trace import TraceRecorder
 from rlcore.waiting import CancelToken, Deadline
 
 if TYPE_CHECKING:
-    from rlcore.registry import PluginInfo, Registry
+    from rlcore.setup.registry import PluginInfo, Registry
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class SetupResult:
         plan: the plan that ran.
         handles: started backends by role (``policy``, ``generation``, ``env``).
         execution: per-task records and results (times for metrics and traces).
-        metrics: ``timing/setup/*`` (see :mod:`rlcore.metrics`), plus
+        metrics: ``timing/setup/*`` (see :mod:`rlcore.setup.metrics`), plus
             ``weight_sync_time_s`` and ``collective_init_time_s`` of the first refit.
         trace_events: Chrome-trace events of the setup (origin: its first start).
         plugins: the selected backends' plugins by role (for later hook calls).
@@ -201,7 +201,7 @@ def _shutdown_handle(handle: Any) -> None:
 class _StartedCapture:
     """Core wrapper, innermost in each init hook's chain: tells the executor about a
     handle the moment the backend's init returns it, before any outer wrapper
-    can fail and lose it (see :meth:`rlcore.executor.TaskRun.started`)."""
+    can fail and lose it (see :meth:`rlcore.setup.executor.TaskRun.started`)."""
 
     def __init__(self) -> None:
         self._runs: dict[int, TaskRun] = {}
@@ -240,7 +240,7 @@ class _StartedCapture:
 
 @contextmanager
 def _registered(registry: Registry, plugin: object) -> Iterator[None]:
-    name = f"rlcore.setup.capture-{id(plugin):x}"
+    name = f"rlcore.setup.runner.capture-{id(plugin):x}"
     registry.pm.register(plugin, name=name)
     try:
         yield
@@ -282,7 +282,7 @@ class _SetupRun:
     def __init__(
         self, config: RunConfig, registry: Registry, plan: Plan | None, run_dir: Path, cancel: CancelToken
     ) -> None:
-        from rlcore.registry import selected_backends
+        from rlcore.setup.registry import selected_backends
 
         self.config, self.registry, self.run_dir = config, registry, Path(run_dir)
         self.infos = selected_backends(registry, config)
@@ -437,7 +437,7 @@ def run_setup(
 
     Args:
         config: the run config.
-        registry: the loaded plugins (:func:`rlcore.registry.load_registry`).
+        registry: the loaded plugins (:func:`rlcore.setup.registry.load_registry`).
         run_dir: the run's output directory (passed to backends).
         plan: a plan to run instead of building one from the declarations.
         cancel: the run's cancellation token (e.g. set on Ctrl-C); a new one if omitted.

@@ -2,7 +2,7 @@
 
 The CLI wraps a run in :class:`SignalGuard`. The first SIGINT or SIGTERM raises
 :class:`Interrupted` (a ``KeyboardInterrupt``) in the main thread, wherever it waits;
-:func:`rlcore.run.run_job` catches it, cancels the run, shuts everything down (bounded),
+:func:`rlcore.app.run.run_job` catches it, cancels the run, shuts everything down (bounded),
 writes ``metrics.jsonl`` and ``trace.json`` and raises :class:`RunInterrupted`, whose
 :meth:`~RunInterrupted.line` the CLI prints before exiting with ``128 + signal``.
 
@@ -55,7 +55,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """A run stopped by a signal, after its teardown. Raised by :func:`rlcore.run.run_job`.
+    """A run stopped by a signal, after its teardown. Raised by :func:`rlcore.app.run.run_job`.
 
     Attributes:
         signum: the signal (SIGINT for a plain ``KeyboardInterrupt``).
@@ -115,7 +115,7 @@ def descendants() -> list[Any]:
 def end_leftovers(grace_s: float = 2.0) -> list[str]:
     """After a teardown: SIGTERM what this process still has running (a shutdown that was
     abandoned at its bound), SIGKILL it after ``grace_s``; returns ``name (pid)`` of each."""
-    from rlcore.workers import wait_exited
+    from rlcore.runtime.workers import wait_exited
 
     procs = descendants()
     names = []

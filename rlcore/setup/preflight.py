@@ -8,7 +8,7 @@ a second with one line that names the key and the fix:
 
 1. the selected backends exist and serve their roles, their options are valid,
    and the declarations make a plan (refit transport included) — the same
-   :func:`rlcore.registry.plan_for` that setup runs;
+   :func:`rlcore.setup.registry.plan_for` that setup runs;
 2. ``setup.task_deadline_s`` names tasks of that plan;
 3. ``model.path`` is a loadable Hugging Face checkpoint: ``config.json`` parses,
    a tokenizer is there, and every safetensors file's header is read and its
@@ -36,8 +36,8 @@ from rlcore.config import RunConfig, cache_dir
 from rlcore.errors import ConfigError
 
 if TYPE_CHECKING:
-    from rlcore.plan import Plan
-    from rlcore.registry import Registry
+    from rlcore.setup.plan import Plan
+    from rlcore.setup.registry import Registry
 
 #: Largest safetensors header read (the format's own limit is 100 MB).
 MAX_HEADER_BYTES = 100 * 2**20
@@ -104,8 +104,8 @@ def check_before_start(
 def check_plan(config: RunConfig, registry: Registry, *, accelerator: str | None = None) -> Plan:
     """The plan setup would run, with every backend, option and transport error as one line."""
     from rlcore.errors import BackendNotFoundError, PlanError
-    from rlcore.planner import build_plan, selected_roles
-    from rlcore.registry import selected_backends
+    from rlcore.setup.planner import build_plan, selected_roles
+    from rlcore.setup.registry import selected_backends
 
     try:
         selected = selected_backends(registry, config)

@@ -1,5 +1,5 @@
-"""Driver-side methods a generation handle over a :class:`rlcore.workers.WorkerGroup` of
-independent engines shares (the generation counterpart of :mod:`rlcore.policy_group`).
+"""Driver-side methods a generation handle over a :class:`rlcore.runtime.workers.WorkerGroup` of
+independent engines shares (the generation counterpart of :mod:`rlcore.runtime.policy_group`).
 
 :class:`GroupGeneration` implements :class:`rlcore.handles.RefitReceiver` (engine ``i``
 is rank ``1 + i`` of every refit channel) and the generation calls of
@@ -15,9 +15,9 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from rlcore.batches import shard_range
 from rlcore.errors import RlcoreError
 from rlcore.handles import Pair, Sample
+from rlcore.runtime.batches import shard_range
 
 
 def prompt_seed(seed: int, index: int) -> int:

@@ -12,7 +12,7 @@ from rlcore.hookspecs import hookimpl
 from rlcore.waiting import CancelToken, Deadline
 
 #: Name under which the registry registers this module.
-PLUGIN_NAME = "rlcore.builtin"
+PLUGIN_NAME = "rlcore.setup.builtin"
 
 
 @hookimpl(trylast=True)

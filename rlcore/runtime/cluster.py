@@ -5,12 +5,12 @@ whole process: starting it twice reuses it, and only the owner shuts it down.
 
 The embedded cluster is a single-host one: its node address is 127.0.0.1, so Ray's
 servers and agents, the worker groups' rendezvous stores and gloo all listen on
-loopback only (:func:`rlcore.workers.tcp_store`). Joining a cluster by address keeps
+loopback only (:func:`rlcore.runtime.workers.tcp_store`). Joining a cluster by address keeps
 Ray's choice (the node's outward address): several hosts must reach each other.
 
 No thread of a run can start a second cluster: Ray's auto-init (which ``ray.get`` and
 friends run when Ray is not connected) is switched off when the cluster starts, and
-:meth:`Cluster.shutdown` first closes :data:`rlcore.workers.RAY_GATE`, so a thread the
+:meth:`Cluster.shutdown` first closes :data:`rlcore.runtime.workers.RAY_GATE`, so a thread the
 setup abandoned makes no Ray call during or after ``ray.shutdown()``. The shutdown of an
 embedded cluster returns once every process of it (GCS, raylet, Ray's agents, workers)
 has exited. ``ray.init`` replaces the driver's SIGTERM (and, in its C++ core, SIGINT)
@@ -41,7 +41,7 @@ LOOPBACK = "127.0.0.1"
 def loopback_env() -> dict[str, str]:
     """Environment of the embedded cluster's workers: gloo and NCCL's bootstrap on the
     loopback interface (unless this process already chose interfaces)."""
-    from rlcore.workers import loopback_interface
+    from rlcore.runtime.workers import loopback_interface
 
     iface = loopback_interface()
     return {
@@ -109,7 +109,7 @@ def _ray_processes() -> list[Any]:
     try:
         from ray._private import worker as ray_worker
 
-        from rlcore.workers import _processes_of
+        from rlcore.runtime.workers import _processes_of
 
         node = ray_worker._global_node
         if node is None:
@@ -129,7 +129,7 @@ class Cluster:
         self.start_time_s: float | None = None
 
     def start(self) -> Cluster:
-        from rlcore.workers import RAY_GATE
+        from rlcore.runtime.workers import RAY_GATE
 
         with _lock:
             import ray
@@ -176,13 +176,13 @@ class Cluster:
     def shutdown(self, reason: str = "the run's Ray cluster is shut down", exit_s: float = 5.0) -> list[str]:
         """Stop the cluster if this object started it; returns what was left to SIGKILL.
 
-        Ray calls are refused from here on (:data:`rlcore.workers.RAY_GATE`, with up to
+        Ray calls are refused from here on (:data:`rlcore.runtime.workers.RAY_GATE`, with up to
         2 s for calls in flight to return), then ``ray.shutdown()``; then every process of
         the embedded cluster still there half a second later gets SIGTERM, and ``exit_s`` to
         exit before it is SIGKILLed (Ray's agents otherwise linger for a minute after their
         raylet is gone).
         """
-        from rlcore.workers import RAY_GATE, wait_exited
+        from rlcore.runtime.workers import RAY_GATE, wait_exited
 
         with _lock:
             if not self.owned:

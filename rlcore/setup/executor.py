@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlcore.errors import Cancelled, DeadlineExceeded, PlanError, SetupError
-from rlcore.graph import topological_order
+from rlcore.setup.graph import topological_order
 from rlcore.waiting import CancelToken, Deadline
 
 log = logging.getLogger(__name__)
@@ -617,7 +617,7 @@ def execute(
         on_cancel: called once with the reason when the token is set (e.g. to
             wake waiters that do not poll the token).
         interrupt_shutdown_s: bound on each shutdown when a ``KeyboardInterrupt``
-            (SIGINT, SIGTERM under :class:`rlcore.interrupts.SignalGuard`) reaches the
+            (SIGINT, SIGTERM under :class:`rlcore.app.interrupts.SignalGuard`) reaches the
             scheduler: running tasks are abandoned at once (they observe the token),
             started results are shut down, and the interrupt is re-raised carrying the
             :class:`ExecutionResult` as ``.execution`` (for the run's trace).

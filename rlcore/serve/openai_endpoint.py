@@ -51,7 +51,7 @@ Sample = dict[str, list]
 
 
 class TokenGenerator(Protocol):
-    """What the endpoint drives: a generation handle's ``generate`` (see :mod:`rlcore.grpo`)."""
+    """What the endpoint drives: a generation handle's ``generate`` (see :mod:`rlcore.app.grpo`)."""
 
     def generate(
         self,

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rlcore.executor import ExecutionResult
-from rlcore.plan import Plan
+from rlcore.setup.executor import ExecutionResult
+from rlcore.setup.plan import Plan
 
 
 class TraceRecorder:
@@ -145,7 +145,7 @@ class TraceRecorder:
         measured critical path."""
         critical: set[str] = set()
         if plan is not None:
-            from rlcore.metrics import measured_critical_path
+            from rlcore.setup.metrics import measured_critical_path
 
             critical = set(measured_critical_path(plan, execution)[1])
         names = list(execution.records)

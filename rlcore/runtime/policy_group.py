@@ -1,4 +1,4 @@
-"""Driver-side methods a policy handle over a :class:`rlcore.workers.WorkerGroup` shares.
+"""Driver-side methods a policy handle over a :class:`rlcore.runtime.workers.WorkerGroup` shares.
 
 :class:`GroupPolicy` implements the channel part of
 :class:`rlcore.handles.RefitSender` for handles whose workers are
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rlcore.batches import put_train_inputs
+from rlcore.runtime.batches import put_train_inputs
 
 
 class GroupPolicy:

@@ -1,6 +1,6 @@
 """The setup plan as data: tasks, edges with reasons, in-init waits, critical path.
 
-The planner (:mod:`rlcore.planner`) builds a :class:`Plan`; the executor runs
+The planner (:mod:`rlcore.setup.planner`) builds a :class:`Plan`; the executor runs
 it; ``rlcore plan`` prints it; tests assert on it directly.
 """
 
@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rlcore.graph import topological_order, waits_for
+from rlcore.setup.graph import topological_order, waits_for
 
 if TYPE_CHECKING:
     from rlcore.declarations import Role
@@ -35,7 +35,7 @@ class Task:
 
 @dataclass(frozen=True)
 class Edge:
-    """``dst`` starts only after ``src`` has finished, for ``reason`` (rule ``rule`` of :mod:`rlcore.planner`)."""
+    """``dst`` starts only after ``src`` has finished, for ``reason`` (rule ``rule`` of :mod:`rlcore.setup.planner`)."""
 
     src: str
     dst: str

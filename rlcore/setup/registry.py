@@ -2,7 +2,7 @@
 
 :func:`load_registry` builds a :class:`Registry`: a pluggy ``PluginManager`` with
 the hooks of :mod:`rlcore.hookspecs`, the core's own implementations
-(:mod:`rlcore.builtin`), and every plugin installed under the entry-point group
+(:mod:`rlcore.setup.builtin`), and every plugin installed under the entry-point group
 ``rlcore.backends`` that the allowlist lets through.
 
 Each plugin is checked when it is registered:
@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 import pluggy
 
-from rlcore import builtin, hookspecs
+from rlcore import hookspecs
 from rlcore.declarations import (
     CONTRACT_VERSION,
     BackendDeclaration,
@@ -49,6 +49,7 @@ from rlcore.declarations import (
     validate_declaration,
 )
 from rlcore.errors import BackendNotFoundError, DeclarationError
+from rlcore.setup import builtin
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ class Registry:
         wrappers: wrapper-only plugins, in registration order.
         failures: plugins that were reported and skipped.
         disabled: entry-point names not loaded because of the allowlist.
-        core: the core's own plugins (:mod:`rlcore.builtin`): neither backends
+        core: the core's own plugins (:mod:`rlcore.setup.builtin`): neither backends
             nor wrappers, always called.
     """
 
@@ -686,7 +687,7 @@ def selected_backends(registry: Registry, config: Any) -> dict[Role, PluginInfo]
 
     Raises :class:`BackendNotFoundError` naming the config key for a missing backend.
     """
-    from rlcore.planner import selected_roles
+    from rlcore.setup.planner import selected_roles
 
     found: dict[Role, PluginInfo] = {}
     problems: list[str] = []
@@ -702,7 +703,7 @@ def selected_backends(registry: Registry, config: Any) -> dict[Role, PluginInfo]
 
 def plan_for(registry: Registry, config: Any) -> Any:
     """The setup plan of ``config`` with the declarations of its selected backends."""
-    from rlcore.planner import build_plan
+    from rlcore.setup.planner import build_plan
 
     decls = {r: i.declaration for r, i in selected_backends(registry, config).items()}
     return build_plan(config, decls)  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
 """``rlcore new-backend NAME``: write a ready backend plugin package.
 
-:func:`write_backend_package` fills the templates in ``rlcore/templates/backend``
+:func:`write_backend_package` fills the templates in ``rlcore/app/templates/backend``
 (package data) for the chosen roles and writes::
 
     rlcore-<name>/
@@ -78,7 +78,7 @@ def parse_roles(roles: str) -> list[Role]:
 
 
 def _template(name: str) -> str:
-    return (resources.files("rlcore") / "templates" / "backend" / name).read_text(encoding="utf-8")
+    return (resources.files("rlcore.app") / "templates" / "backend" / name).read_text(encoding="utf-8")
 
 
 def _select_blocks(text: str, roles: set[str]) -> str:

@@ -26,8 +26,8 @@ from typing import Any
 from rlcore.config import RunConfig, resolve_options
 from rlcore.declarations import ENDPOINT_EVENT, BackendDeclaration, Role, Transport
 from rlcore.errors import ConfigError, PlanError
-from rlcore.graph import topological_order, waits_for
-from rlcore.plan import REFIT_TASK, Edge, Plan, Task, Wait, init_task, longest_path
+from rlcore.setup.graph import topological_order, waits_for
+from rlcore.setup.plan import REFIT_TASK, Edge, Plan, Task, Wait, init_task, longest_path
 
 # When two inits may not overlap, this order decides who goes first: generation
 # engines that profile free device memory must measure before policy fills it.

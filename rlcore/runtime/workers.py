@@ -76,7 +76,7 @@ class RayGate:
 
 
 #: The process's gate (one Ray connection per process): closed by
-#: :meth:`rlcore.cluster.Cluster.shutdown`, opened by :meth:`rlcore.cluster.Cluster.start`.
+#: :meth:`rlcore.runtime.cluster.Cluster.shutdown`, opened by :meth:`rlcore.runtime.cluster.Cluster.start`.
 RAY_GATE = RayGate()
 
 
@@ -154,7 +154,7 @@ def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout_s:
 
 def node_ip() -> str:
     """This process's address for rendezvous: the Ray node's address, which is loopback
-    for rlcore's embedded single-host cluster (:mod:`rlcore.cluster`)."""
+    for rlcore's embedded single-host cluster (:mod:`rlcore.runtime.cluster`)."""
     try:
         import ray
 

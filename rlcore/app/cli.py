@@ -51,7 +51,7 @@ def default_config_path() -> Path | None:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from rlcore.registry import load_registry
+    from rlcore.setup.registry import load_registry
 
     registry = load_registry()
     if args.json:
@@ -123,10 +123,10 @@ def _endpoint_cell(d: BackendDeclaration) -> str:
 
 def build_plan_from_args(config_path: str | None, overrides: Sequence[str]) -> tuple[Any, Any]:
     """Load the config and the plugins it allows; run every check ``rlcore run`` makes
-    before it starts anything (:func:`rlcore.preflight.check_before_start`); plan."""
+    before it starts anything (:func:`rlcore.setup.preflight.check_before_start`); plan."""
     from rlcore.config import load_config
-    from rlcore.preflight import check_before_start
-    from rlcore.registry import load_registry
+    from rlcore.setup.preflight import check_before_start
+    from rlcore.setup.registry import load_registry
 
     config = load_config(config_path, overrides)
     return config, check_before_start(config, load_registry(config.plugins.allow))
@@ -170,8 +170,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """``rlcore run``: SIGINT/SIGTERM stop it cleanly (exit 130/143, one line saying what
     was interrupted); a second signal, or 9 s of teardown, kills its processes at once."""
-    from rlcore.interrupts import RunInterrupted, SignalGuard, end_leftovers, signal_name, signum_of
-    from rlcore.run import run_job
+    from rlcore.app.interrupts import (
+        RunInterrupted,
+        SignalGuard,
+        end_leftovers,
+        signal_name,
+        signum_of,
+    )
+    from rlcore.app.run import run_job
 
     config_path = args.config or default_config_path()
     if config_path is None:
@@ -201,7 +207,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_new_backend(args: argparse.Namespace) -> int:
-    from rlcore.scaffold import write_backend_package
+    from rlcore.app.scaffold import write_backend_package
 
     path = write_backend_package(args.name, Path(args.dir), roles=args.roles)
     _console().print(f"wrote plugin package {path}; install it with: pip install -e {path}")

@@ -1,0 +1,1 @@
+"""The application: ``rlcore run`` (GRPO loop, trace, plots), the CLI and the backend scaffold."""
