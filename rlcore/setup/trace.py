@@ -67,25 +67,19 @@ class TraceRecorder:
             if tid is None:
                 tid = len(self._lanes) + 1
                 self._lanes[name] = tid
-                self._meta.append(
-                    {
-                        "ph": "M",
-                        "name": "thread_name",
-                        "pid": self.pid,
-                        "tid": tid,
-                        "args": {"name": name},
-                    }
-                )
-                self._meta.append(
-                    {
-                        "ph": "M",
-                        "name": "thread_sort_index",
-                        "pid": self.pid,
-                        "tid": tid,
-                        "args": {"sort_index": tid},
-                    }
-                )
+                for meta, args in (("thread_name", {"name": name}), ("thread_sort_index", {"sort_index": tid})):
+                    self._meta.append({"ph": "M", "name": meta, "pid": self.pid, "tid": tid, "args": args})
             return tid
+
+    def _record(
+        self, event: dict[str, Any], *, lane: str, args: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
+        event.update(pid=self.pid, tid=self.lane(lane))
+        if args:
+            event["args"] = _plain(args)
+        with self._lock:
+            self._events.append(event)
+        return event
 
     def add_span(
         self,
@@ -98,20 +92,9 @@ class TraceRecorder:
         args: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Record a complete event from ``start_s`` to ``end_s`` on ``lane``."""
-        event: dict[str, Any] = {
-            "ph": "X",
-            "name": name,
-            "cat": cat,
-            "ts": self._us(start_s),
-            "dur": round(max(0.0, end_s - start_s) * 1e6, 3),
-            "pid": self.pid,
-            "tid": self.lane(lane),
-        }
-        if args:
-            event["args"] = _plain(args)
-        with self._lock:
-            self._events.append(event)
-        return event
+        duration_us = round(max(0.0, end_s - start_s) * 1e6, 3)
+        event: dict[str, Any] = {"ph": "X", "name": name, "cat": cat, "ts": self._us(start_s), "dur": duration_us}
+        return self._record(event, lane=lane, args=args)
 
     def add_instant(
         self,
@@ -123,20 +106,8 @@ class TraceRecorder:
         args: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Record a point in time (``"ph": "i"``, thread scope) on ``lane``."""
-        event: dict[str, Any] = {
-            "ph": "i",
-            "s": "t",
-            "name": name,
-            "cat": cat,
-            "ts": self._us(t_s),
-            "pid": self.pid,
-            "tid": self.lane(lane),
-        }
-        if args:
-            event["args"] = _plain(args)
-        with self._lock:
-            self._events.append(event)
-        return event
+        event: dict[str, Any] = {"ph": "i", "s": "t", "name": name, "cat": cat, "ts": self._us(t_s)}
+        return self._record(event, lane=lane, args=args)
 
     def add_execution(self, execution: ExecutionResult, plan: Plan | None = None) -> None:
         """One span per task that ran (category ``setup.task``, one lane per task),
