@@ -118,11 +118,21 @@ class RoleConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+#: Values of ``generation.on_worker_loss``.
+WORKER_LOSS_ACTIONS = ("abort", "replace")
+
+
 @dataclass
 class GenerationConfig(RoleConfig):
     #: Start without reading checkpoint weights; the first refit brings them.
     #: Only for backends that declare ``refit_fed``.
     refit_fed: bool = False
+    #: What the run does when a generation worker's process is lost mid-run: ``abort``
+    #: (stop with an error naming the worker) or ``replace`` (shut the generation down,
+    #: start it again through its backend's init hook, refit it from the policy's current
+    #: weights and retry the interrupted phase of the step; see rlcore/app/recovery.py).
+    #: A lost policy rank always aborts.
+    on_worker_loss: str = "abort"
 
 
 @dataclass
@@ -401,6 +411,12 @@ def validate_run_config(cfg: RunConfig) -> None:
             f"config key 'refit.transport' is {cfg.refit.transport!r}; expected one of "
             f"{sorted(allowed_transports)}" + (f" (did you mean '{hint}'?)" if hint else ""),
             key="refit.transport",
+        )
+    if cfg.generation.on_worker_loss not in WORKER_LOSS_ACTIONS:
+        raise ConfigError(
+            f"config key 'generation.on_worker_loss' is {cfg.generation.on_worker_loss!r}; expected "
+            f"one of {list(WORKER_LOSS_ACTIONS)} (abort: stop the run; replace: start a new engine)",
+            key="generation.on_worker_loss",
         )
     for key in ("name", "output_dir"):
         if not str(getattr(cfg, key)).strip():
