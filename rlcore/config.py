@@ -136,9 +136,35 @@ class GenerationConfig(RoleConfig):
 
 
 @dataclass
+class NodeSelector:
+    """Which Ray nodes a role's actors may run on, in Ray's own terms (both must hold).
+
+    ``resources``: custom resources each actor asks for (``{node_a: 0.01}``): Ray places
+    it only on a node that declares them (``ray start --resources='{"node_a": 1}'``).
+    ``labels``: node labels the node must carry (Ray's ``label_selector``, exact values;
+    ``ray start --labels=zone=a``). Empty: anywhere Ray finds room.
+    """
+
+    resources: dict[str, float] = bounded(dict, gt=0)
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RoleNodes:
+    """``placement.nodes``: a :class:`NodeSelector` per role (only on a joined cluster)."""
+
+    policy: NodeSelector = field(default_factory=NodeSelector)
+    generation: NodeSelector = field(default_factory=NodeSelector)
+    env: NodeSelector = field(default_factory=NodeSelector)
+
+
+@dataclass
 class PlacementConfig:
     #: Policy and generation share the same devices (and take turns on them).
     colocated: bool = False
+    #: Where each role's actors run on a cluster joined by ``cluster.address``
+    #: (``placement.nodes.policy.resources: {node_a: 0.01}``); see :class:`NodeSelector`.
+    nodes: RoleNodes = field(default_factory=RoleNodes)
 
 
 @dataclass
