@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlcore.declarations import Role
 from rlcore.events import EventBoard
+from rlcore.placement import Network, RolePlacement, role_placement
 from rlcore.waiting import CancelToken, Deadline
 
 if TYPE_CHECKING:
@@ -44,6 +45,11 @@ class InitContext:
         needed_artifacts: the artifacts this init produces that another selected
             backend needs under this config (from the plan); None when the context
             was not made from a plan (then :meth:`artifact_needed` says yes to all).
+        network: who reaches this run's servers (:class:`rlcore.placement.Network`):
+            with ``network.readers_elsewhere`` a server binds its node's address
+            (:func:`rlcore.runtime.workers.server_host`) and checks ``network.token``
+            (:class:`rlcore.serve.auth.BearerGuard`); otherwise loopback, no token.
+            Set by the core from the placement; the default is a single node.
     """
 
     role: Role
@@ -57,11 +63,18 @@ class InitContext:
     events: EventBoard
     publish_hook: Callable[..., Path] | None = None
     needed_artifacts: frozenset[str] | None = None
+    network: Network = field(default_factory=Network)
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("rlcore.backend"))
 
     @property
     def task(self) -> str:
         return f"init:{self.role.value}"
+
+    @property
+    def placement(self) -> RolePlacement:
+        """The nodes this role's actors may run on (``placement.nodes.<role>``): pass it
+        to :class:`rlcore.runtime.workers.WorkerGroup` (``placement=ctx.placement``)."""
+        return role_placement(self.config, self.role.value)
 
     def artifact_needed(self, name: str) -> bool:
         """Whether another backend of this run needs artifact ``name`` from this init.

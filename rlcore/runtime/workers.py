@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from rlcore.errors import Cancelled, DeadlineExceeded, RlcoreError
+from rlcore.placement import Network, RolePlacement
 from rlcore.waiting import CancelToken, Deadline
 
 log = logging.getLogger(__name__)
@@ -126,10 +127,10 @@ def pin_collectives_to(host: str) -> None:
 def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> Any:
     """A ``torch.distributed.TCPStore`` for rendezvous at ``host:port``.
 
-    torch's store server listens on every interface whatever ``host`` says. When
-    ``host`` is loopback (a single-host run), the master binds the listening socket to
-    it itself and hands it to the store, so the store answers only on this host.
-    Otherwise (a cluster of several hosts) the store listens as torch makes it.
+    torch's store server listens on every interface whatever ``host`` says, so the
+    master binds the listening socket to ``host`` itself and hands it to the store: on
+    loopback (a single-host run) the store answers only on this host; on a node's
+    address (a run across nodes) only on that address, not on every interface.
     """
     import datetime
 
@@ -137,7 +138,7 @@ def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout_s:
 
     timeout = datetime.timedelta(seconds=timeout_s)
     pin_collectives_to(host)
-    if not (is_master and is_loopback(host)):
+    if not is_master:
         return dist.TCPStore(host, port, world_size, is_master, timeout=timeout)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -150,6 +151,12 @@ def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout_s:
         raise
     # The store owns the descriptor from here on (it closes it), so the socket object lets go.
     return dist.TCPStore(host, port, world_size, True, timeout=timeout, master_listen_fd=sock.detach())
+
+
+def server_host(network: Network | None) -> str:
+    """The address a server of this process binds: loopback when the run has no reader
+    on another node (:class:`rlcore.placement.Network`), else this node's address."""
+    return node_ip() if network is not None and network.readers_elsewhere else "127.0.0.1"
 
 
 def node_ip() -> str:
@@ -292,10 +299,20 @@ def _raise_first_failure(
     raise WorkerError(f"{what}: {names[i]} failed: {type(err).__name__}: {err}{also}") from err
 
 
-def _check_fits(name: str, world_size: int, num_cpus: float, num_gpus: float) -> None:
+def _check_fits(name: str, world_size: int, num_cpus: float, num_gpus: float, placement: RolePlacement | None = None) -> None:
     """Fail at once when the cluster can never hold the group (Ray would wait forever)."""
     import ray
 
+    if placement is not None and placement.pinned:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        if not any(placement.matches(n.get("Resources", {}), n.get("Labels", {})) for n in nodes):
+            key = f"placement.nodes.{placement.role}"
+            raise WorkerError(
+                f"{name}: no alive node of the Ray cluster has {placement.describe()} ({key}); "
+                f"the nodes have resources {sorted({r for n in nodes for r in n.get('Resources', {})})} "
+                f"and labels {sorted({f'{k}={v}' for n in nodes for k, v in n.get('Labels', {}).items() if not k.startswith('ray.io/')})}; "
+                f"fix {key} or start the nodes with them (ray start --resources / --labels)"
+            )
     total = ray.cluster_resources()
     for kind, per in (("CPU", num_cpus), ("GPU", num_gpus)):
         need = per * world_size
@@ -317,6 +334,9 @@ class WorkerGroup:
         num_cpus, num_gpus: Ray resources per actor.
         env: environment variables of the actors' processes.
         dist_backend: ``gloo``/``nccl`` to form a torch.distributed group, or None.
+        placement: the nodes the actors may run on (``ctx.placement`` of the init hook);
+            ``None`` or unpinned: wherever Ray finds room. :attr:`nodes` says where
+            each rank landed, and :func:`placed_groups` lists every group started.
     """
 
     def __init__(
@@ -334,21 +354,24 @@ class WorkerGroup:
         timeout_s: float = 300.0,
         cancel: CancelToken | None = None,
         deadline: Deadline | None = None,
+        placement: RolePlacement | None = None,
     ) -> None:
         import ray
 
         self.name = name
+        self.placement = placement
         self.world_size = world_size
         self.cancel = cancel
         self.timeout_s = timeout_s
         self.actors: list[Any] = []
         self._processes: list[tuple[str, int]] = []  # (Ray node id, pid) per rank
+        self.nodes: list[str] = []  # Ray node id per rank, once started
         self.start_time_s = 0.0
         t0 = time.monotonic()
         with RAY_GATE.call(f"starting {name} workers"):
             if cancel is not None:
                 cancel.raise_if_cancelled(f"starting {name} workers")
-            _check_fits(name, world_size, num_cpus, num_gpus)
+            _check_fits(name, world_size, num_cpus, num_gpus, placement)
             remote_cls = ray.remote(cls)
         runtime_env = {"env_vars": dict(env or {})}
         try:
@@ -363,11 +386,14 @@ class WorkerGroup:
                             runtime_env=runtime_env,
                             name=None,
                             max_restarts=0,
+                            **(placement.ray_options() if placement is not None else {}),
                         ).remote(rank, world_size, *args, **(kwargs or {}))
                     )
             self._processes = ray_get(
                 [a.process_ids.remote() for a in self.actors], what=f"starting {name} workers", cancel=cancel, deadline=deadline
             )
+            self.nodes = [node for node, _ in self._processes]
+            _PLACED.append({"group": name, "role": placement.role if placement else None, "nodes": list(self.nodes)})
             if dist_backend:
                 addr, port = ray_get(self.actors[0].rendezvous_address.remote(), what=f"{name} rendezvous", cancel=cancel, deadline=deadline)
                 self.call("init_process_group", addr, port, dist_backend, timeout_s, what=f"{name} process group", deadline=deadline)
@@ -472,6 +498,15 @@ class WorkerGroup:
             left = wait_exited(left, 5.0)
             if left:
                 log.error("%s: processes %s survived SIGKILL", self.name, [p.pid for p in left])
+
+
+#: Every worker group this process started: ``{"group", "role", "nodes"}`` (Ray node id per rank).
+_PLACED: list[dict[str, Any]] = []
+
+
+def placed_groups() -> list[dict[str, Any]]:
+    """Where the worker groups started by this process run (for the run's ``placement.json``)."""
+    return [dict(p) for p in _PLACED]
 
 
 def _processes_of(pids: Sequence[int]) -> list[Any]:

@@ -264,6 +264,9 @@ class OpenAIEndpoint:
         batch_wait_s: how long a batch waits for requests on their way.
         seed: first sampling seed of requests without one.
         host, port: where to listen (port 0: a free port).
+        token: the run's token (:class:`rlcore.placement.Network`): every request but
+            ``/health`` must then carry ``Authorization: Bearer <token>`` (401 without),
+            and ``endpoint.api_key`` is it. Required when ``host`` is not loopback.
 
     An engine error caused (anywhere in its ``__cause__`` chain) by
     :class:`rlcore.errors.NotServingError` is answered with 503, others with 500;
@@ -283,6 +286,7 @@ class OpenAIEndpoint:
         seed: int = 0,
         host: str = "127.0.0.1",
         port: int = 0,
+        token: str | None = None,
     ) -> None:
         self.generator = generator
         self.tokenizer = tokenizer
@@ -291,6 +295,7 @@ class OpenAIEndpoint:
         self.eos_token_ids = {int(t) for t in eos_token_ids}
         self.host = host
         self.port = int(port)
+        self.token = token
         self.batcher = RequestBatcher(
             self._run_batch, max_batch=max(1, int(max_batch)), wait_s=batch_wait_s, seed=seed
         )
@@ -593,6 +598,10 @@ class OpenAIEndpoint:
         app.add_route("/v1/completions", post(self.completion), methods=["POST"])
         app.add_route("/tokenize", post(self.tokenize), methods=["POST"])
         app.add_route("/detokenize", post(self.detokenize), methods=["POST"])
+        if self.token:
+            from rlcore.serve.auth import BearerGuard
+
+            app.add_middleware(BearerGuard, token=self.token)
         return app
 
     @property
@@ -604,6 +613,13 @@ class OpenAIEndpoint:
         """Bind, serve in a daemon thread, return once it accepts connections."""
         import uvicorn
 
+        from rlcore.runtime.workers import is_loopback
+
+        if not is_loopback(self.host) and not self.token:
+            raise RlcoreError(
+                f"the OpenAI-compatible endpoint would listen on {self.host}, beyond loopback, "
+                "without a token; pass token= (the run's InitContext.network.token)"
+            )
         if isinstance(self.tokenizer, str):
             from transformers import AutoTokenizer
 
@@ -638,7 +654,9 @@ class OpenAIEndpoint:
                 )
             time.sleep(0.01)
         self.port = int(port)
-        self._endpoint = Endpoint(base_url=f"http://{host}:{port}/v1", model=self.model_name)
+        self._endpoint = Endpoint(
+            base_url=f"http://{host}:{port}/v1", model=self.model_name, api_key=self.token or "EMPTY"
+        )
         log.info(
             "OpenAI-compatible endpoint for %s on %s", self.model_name, self._endpoint.base_url
         )
