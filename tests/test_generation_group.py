@@ -38,11 +38,9 @@ class Group:
 
 class Handle(GroupGeneration):
     def __init__(self, engines: int) -> None:
-        self.group = Group(engines)
+        super().__init__(Group(engines), backend="fake", role="generation")
         self.refit_ranks = engines
-        self.backend = "fake"
         self._specs = ["spec"]
-        self._closed = False
 
 
 def test_prompt_seeds_are_distinct_and_stable() -> None:

@@ -15,9 +15,9 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from rlcore.errors import RlcoreError
 from rlcore.handles import Pair, Sample
 from rlcore.runtime.batches import shard_range
+from rlcore.runtime.group_handle import GroupHandle
 
 
 def prompt_seed(seed: int, index: int) -> int:
@@ -33,16 +33,13 @@ def prompt_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest, "big")
 
 
-class GroupGeneration:
-    """A mixin for generation handles (see the module doc). The handle sets ``group``,
-    ``refit_ranks`` (the number of engines), ``_specs`` (the ``TensorSpec`` list the
-    engines expect), ``_closed`` and ``backend`` (its name, for errors)."""
+class GroupGeneration(GroupHandle):
+    """A base for generation handles (see the module doc). The handle sets
+    ``refit_ranks`` (the number of engines) and ``_specs`` (the ``TensorSpec`` list the
+    engines expect); its lifecycle is :class:`rlcore.runtime.group_handle.GroupHandle`'s."""
 
-    group: Any
     refit_ranks: int
-    backend: str
     _specs: list[Any]
-    _closed: bool
 
     # ------------------------------------------------------------ refit side
 
@@ -103,6 +100,5 @@ class GroupGeneration:
         return [(a, (s, e)) for a, (s, e) in zip(actors, bounds, strict=True) if e > s]
 
     def _actors(self) -> list[Any]:
-        if self._closed:
-            raise RlcoreError(f"{self.group.name}: the {self.backend} generation handle was shut down")
+        self._check_open()
         return self.group.actors

@@ -4,8 +4,9 @@
 :class:`rlcore.handles.RefitSender` for handles whose workers are
 :class:`rlcore.refit.worker.RefitSenderWorker` ranks (rank 0 names the channel's
 address and sends, every rank runs the export) and the training loop's
-``train_step`` (every rank steps; rank 0 reports). The handle provides ``group``,
-``_check_open()``, ``device_type``, ``weight_specs()`` and ``logprobs()``.
+``train_step`` (every rank steps; rank 0 reports); its lifecycle is
+:class:`rlcore.runtime.group_handle.GroupHandle`'s. The handle provides
+``device_type``, ``weight_specs()`` and ``logprobs()``.
 """
 
 from __future__ import annotations
@@ -14,13 +15,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlcore.runtime.batches import put_train_inputs
+from rlcore.runtime.group_handle import GroupHandle
 
 
-class GroupPolicy:
-    """A mixin for policy handles (see the module doc)."""
-
-    group: Any
-    _check_open: Any  # the handle's: raises once it was shut down
+class GroupPolicy(GroupHandle):
+    """A base for policy handles (see the module doc)."""
 
     def refit_address(self) -> tuple[str, int]:
         """Host and free port on rank 0's node for a collective refit channel."""

@@ -28,7 +28,6 @@ init hooks and in the workers).
 from __future__ import annotations
 
 import hashlib
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +36,7 @@ from rlcore.context import InitContext
 from rlcore.declarations import BackendDeclaration, OverlapSafety, Role, Transport
 from rlcore.hookspecs import hookimpl
 from rlcore.refit.worker import RefitChannels, RefitSenderWorker
+from rlcore.runtime.group_handle import GroupHandle
 from rlcore.runtime.policy_group import GroupPolicy
 from rlcore.runtime.workers import DistributedWorker
 
@@ -204,22 +204,14 @@ class ReferenceGenerationWorker(HFWorker, RefitChannels):
 # -- handles (in the driver) --------------------------------------------------------------
 
 
-class _Group:
-    """What both handles share: the worker group and an idempotent shutdown."""
+class _Group(GroupHandle):
+    """What both handles share: the specs and logprobs (lifecycle: :class:`GroupHandle`)."""
 
-    group: Any
+    role = ""
 
     def __init__(self, group: Any, specs: list[Any]) -> None:
-        self.group = group
+        super().__init__(group, backend="reference", role=self.role)
         self._specs = specs
-        self._closed = False
-        self._lock = threading.Lock()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            from rlcore.errors import RlcoreError
-
-            raise RlcoreError(f"{self.group.name}: the handle was shut down")
 
     def weight_specs(self) -> list[Any]:
         self._check_open()
@@ -231,22 +223,18 @@ class _Group:
         self._check_open()
         return list(self.group.call("logprobs", put_rows(batch), ranks=[0], what="logprobs")[0])
 
-    def shutdown(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self.group.shutdown()
-
 
 class ReferencePolicy(_Group, GroupPolicy):
     """The reference policy handle (PolicyHandle + RefitSender); see the module doc."""
 
+    role = "policy"
     device_type = "cpu"
 
 
 class ReferenceGeneration(_Group):
     """The reference generation handle (GenerationHandle + RefitReceiver); see the module doc."""
+
+    role = "generation"
 
     @property
     def refit_ranks(self) -> int:
@@ -340,6 +328,7 @@ class ReferencePlugin:
         group = WorkerGroup(
             worker, 1, name=f"{self.name}-{ctx.role.value}", args=(str(model_dir), empty),
             num_cpus=options.num_cpus, dist_backend=None, cancel=ctx.cancel, deadline=ctx.deadline,
+            placement=ctx.placement,
         )
         try:
             specs = group.call("weight_specs", what="weight specs", deadline=ctx.deadline)[0]

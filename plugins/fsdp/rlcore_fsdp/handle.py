@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,20 +34,10 @@ class FSDPPolicy(GroupPolicy):
         specs: Sequence[TensorSpec] | None = None,
         info: dict[str, Any] | None = None,
     ) -> None:
-        self.group = group
+        super().__init__(group, backend="fsdp", role="policy")
         self.device_type = device_type
         self.info = dict(info or {})
         self._specs = list(specs) if specs is not None else None
-        self._closed = False
-        self._lock = threading.Lock()
-
-    @property
-    def world_size(self) -> int:
-        return self.group.world_size
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("the fsdp policy has been shut down")
 
     # ------------------------------------------------------------ refit sender
 
@@ -69,18 +58,3 @@ class FSDPPolicy(GroupPolicy):
         self._check_open()
         parts = self.group.call("logprobs", put_rows(batch), what="logprobs")
         return [row for part in parts for row in part]
-
-    # ------------------------------------------------------------ lifecycle
-
-    def pids(self) -> list[int]:
-        """Process ids of the ranks (for leak checks)."""
-        self._check_open()
-        return self.group.pids()
-
-    def shutdown(self) -> None:
-        """Release every actor (graceful teardown, then kill). Safe to call twice."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self.group.shutdown()

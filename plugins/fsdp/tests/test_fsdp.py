@@ -25,6 +25,7 @@ import torch
 from rlcore.config import ClusterConfig, TinyModelConfig, cache_dir, load_config, resolve_options
 from rlcore.context import InitContext
 from rlcore.declarations import Role, validate_declaration
+from rlcore.errors import RlcoreError
 from rlcore.events import EventBoard
 from rlcore.refit.specs import plan_buckets, spec_of
 from rlcore.runtime.workers import free_port
@@ -342,7 +343,7 @@ def test_ray_shutdown_leaves_nothing(policy: Any) -> None:
     assert wait_for(lambda: not (pids & fsdp_actor_pids()), 15.0, step_s=0.1), "FSDP actors still alive"
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(actors[0].ping.remote(), timeout=10)
-    with pytest.raises(RuntimeError, match="shut down"):
+    with pytest.raises(RlcoreError, match="the fsdp policy handle was shut down"):
         policy.logprobs(BATCH)
 
 

@@ -34,10 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.context import InitContext
-from rlcore.errors import ConfigError, RlcoreError
+from rlcore.errors import ConfigError
 from rlcore.handles import Endpoint
 from rlcore.refit.specs import TensorSpec
 from rlcore.runtime.batches import put_rows
+from rlcore.runtime.group_handle import GroupHandle
 from rlcore.runtime.policy_group import GroupPolicy
 from rlcore.runtime.workers import WorkerGroup
 from rlcore.waiting import CancelToken
@@ -97,6 +98,7 @@ def _group_kwargs(
         "timeout_s": options.timeout_s,
         "cancel": ctx.cancel,
         "deadline": ctx.deadline,
+        "placement": ctx.placement,
     }
 
 
@@ -125,33 +127,24 @@ def _check_go(ctx: InitContext) -> None:
     ctx.deadline.raise_if_expired(ctx.task)
 
 
-class _Handle:
-    """What both handles share: the group, its layout, shutdown."""
+class _Handle(GroupHandle):
+    """What both handles share: the group's layout, ordered submission, memory handoff
+    (lifecycle: :class:`GroupHandle`)."""
 
     kind = "megatron"
 
     def __init__(
         self, group: WorkerGroup, layout: Sequence[dict[str, Any]], info: dict[str, Any]
     ) -> None:
-        self.group = group
+        GroupHandle.__init__(self, group, backend="megatron", role=self.kind)
         self.layout = [dict(x) for x in layout]
         self.info = dict(info)
-        self._closed = False
-        self._lock = threading.Lock()
         # The rank that answers for each data-parallel replica: its tensor-parallel rank 0.
         leads = sorted((x["dp_rank"], x["rank"]) for x in self.layout if x["tp_rank"] == 0)
         self._leads = [rank for _, rank in leads]
         self._submit_lock = threading.Lock()
         #: ``placement.colocated``: the loop hands GPU memory over with :meth:`sleep` / :meth:`wake`.
         self.colocated = bool(self.info.get("colocated", False))
-
-    @property
-    def world_size(self) -> int:
-        return self.group.world_size
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RlcoreError(f"{self.group.name}: the megatron {self.kind} handle was shut down")
 
     def _replicas(self, parts: Sequence[Sequence[Any]]) -> list[Any]:
         """Concatenate per-rank shard results, one per data-parallel replica, in order."""
@@ -197,19 +190,6 @@ class _Handle:
             "bytes": float(sum(p["bytes"] for p in parts)),
             "seconds": max((p["seconds"] for p in parts), default=0.0),
         }
-
-    def pids(self) -> list[int]:
-        """Process ids of the ranks (for leak checks)."""
-        self._check_open()
-        return self.group.pids()
-
-    def shutdown(self) -> None:
-        """Release every actor (graceful teardown, then kill). Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self.group.shutdown()
 
 
 class MegatronPolicy(GroupPolicy, _Handle):
@@ -345,12 +325,11 @@ class MegatronGeneration(_Handle):
         )
         return self._replicas(self.group.get(refs, what="generate"))
 
-    def shutdown(self) -> None:
-        """Stop the endpoint (if any), then release the ranks. Idempotent."""
+    def _release(self) -> None:
+        """The endpoint, if any; the ranks go after it."""
         server, self.server = self.server, None
         if server is not None:
             server.stop()
-        super().shutdown()
 
 
 # ---------------------------------------------------------------------------

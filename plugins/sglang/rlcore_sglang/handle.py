@@ -45,14 +45,12 @@ class SGLangGeneration(GroupGeneration):
         start_info: Sequence[dict[str, Any]] = (),
         device_type: str = "cpu",
     ) -> None:
-        self.group = group
+        super().__init__(group, backend="sglang", role="generation")
         self.refit_ranks = group.world_size
         self.endpoints = list(endpoints)
         self.start_info = list(start_info)
         self.device_type = device_type
         self._specs = list(specs)
-        self._closed = False
-        self.backend = "sglang"
         #: rlcore's OpenAI-compatible endpoint in front of :meth:`generate` (option ``endpoint: rlcore``).
         self.front: Any = None
 
@@ -72,14 +70,10 @@ class SGLangGeneration(GroupGeneration):
 
     # ------------------------------------------------------------ lifecycle
 
-    def shutdown(self) -> None:
-        """Stop every server's process group and the workers. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _release(self) -> None:
+        """rlcore's endpoint in front, if any; the servers go with their workers."""
         if self.front is not None:
             self.front.stop()
-        self.group.shutdown()
 
 
 def start_generation(ctx: InitContext) -> SGLangGeneration:
@@ -121,6 +115,7 @@ def start_generation(ctx: InitContext) -> SGLangGeneration:
         timeout_s=options.call_timeout_s,
         cancel=ctx.cancel,
         deadline=ctx.deadline,
+        placement=ctx.placement,
     )
     try:
         remaining = ctx.deadline.remaining()

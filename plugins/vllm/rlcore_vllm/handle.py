@@ -47,14 +47,12 @@ class VLLMGeneration(GroupGeneration):
         start_info: Sequence[dict[str, Any]] = (),
         device_type: str = "cpu",
     ) -> None:
-        self.group = group
+        super().__init__(group, backend="vllm", role="generation")
         self.refit_ranks = group.world_size
         self.endpoints = list(endpoints)
         self.start_info = list(start_info)
         self.device_type = device_type
         self._specs = list(specs)
-        self._closed = False
-        self.backend = "vllm"
 
     # -------------------------------------------------------- training loop
 
@@ -65,13 +63,6 @@ class VLLMGeneration(GroupGeneration):
         Each engine serves its own; spread load over :attr:`endpoints` if needed.
         """
         return self.endpoints[0] if self.endpoints else None
-
-    def shutdown(self) -> None:
-        """Stop every engine and server process. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self.group.shutdown()
 
 
 def _options(raw: Any) -> VLLMOptions:
@@ -126,6 +117,7 @@ def start_generation(ctx: InitContext) -> VLLMGeneration:
         timeout_s=options.call_timeout_s,
         cancel=ctx.cancel,
         deadline=ctx.deadline,
+        placement=ctx.placement,
     )
     try:
         remaining = ctx.deadline.remaining()
