@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from rlcore.setup.graph import topological_order, waits_for
@@ -69,28 +70,37 @@ class Plan:
     #: this config (the init may skip producing the others: ``InitContext.artifact_needed``).
     consumed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
+    # Indexes built once per plan (a plan of 1,000 groups is walked task by task).
+    @cached_property
+    def _by_name(self) -> dict[str, Task]:
+        return {t.name: t for t in self.tasks}
+
+    @cached_property
+    def _adjacency(self) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+        """(predecessors, successors) of every task, over edges."""
+        preds: dict[str, list[str]] = {n: [] for n in self.names}
+        succs: dict[str, list[str]] = {n: [] for n in self.names}
+        for e in self.edges:
+            preds[e.dst].append(e.src)
+            succs[e.src].append(e.dst)
+        return preds, succs
+
     def task(self, name: str) -> Task:
-        for t in self.tasks:
-            if t.name == name:
-                return t
-        raise KeyError(name)
+        return self._by_name[name]
 
     @property
     def names(self) -> list[str]:
         return [t.name for t in self.tasks]
 
     def predecessors(self, name: str) -> list[str]:
-        return [e.src for e in self.edges if e.dst == name]
+        return list(self._adjacency[0].get(name, ()))
 
     def successors(self, name: str) -> list[str]:
-        return [e.dst for e in self.edges if e.src == name]
+        return list(self._adjacency[1].get(name, ()))
 
     def deps(self) -> dict[str, list[str]]:
         """Task -> the tasks it starts after (edges only; a wait is not an edge)."""
-        out: dict[str, list[str]] = {n: [] for n in self.names}
-        for e in self.edges:
-            out[e.dst].append(e.src)
-        return out
+        return {n: list(d) for n, d in self._adjacency[0].items()}
 
     def has_path(self, src: str, dst: str) -> bool:
         """True if ``dst`` is reachable from ``src`` over edges (``dst`` waits for ``src``)."""
@@ -145,14 +155,21 @@ def longest_path(
     Returns (total, chain from first to last). Used for the plan's critical path
     (unit durations) and for the measured ``critical_path_s`` (real durations).
     """
-    memo: dict[str, tuple[float, list[str]]] = {}
-
-    def best(n: str) -> tuple[float, list[str]]:
-        if n not in memo:
-            prev = [best(d) for d in deps.get(n, ())]
-            base = max(prev, key=lambda p: p[0], default=(0.0, []))
-            memo[n] = (base[0] + duration.get(n, 0.0), [*base[1], n])
-        return memo[n]
-
-    results = [best(n) for n in names]
-    return max(results, key=lambda p: p[0], default=(0.0, []))
+    # Iterative (a chain of 1,000 groups is deeper than Python's recursion limit): each
+    # node's best predecessor, in topological order, then the chain read back.
+    order = topological_order(list(names), deps)
+    best: dict[str, tuple[float, str | None]] = {}
+    for n in order:
+        prev = max(deps.get(n, ()), key=lambda d: best[d][0], default=None)
+        base = best[prev][0] if prev is not None else 0.0
+        best[n] = (base + duration.get(n, 0.0), prev)
+    wanted = list(dict.fromkeys(names))
+    if not wanted:
+        return 0.0, []
+    last = max(wanted, key=lambda n: best[n][0])
+    chain: list[str] = []
+    at: str | None = last
+    while at is not None:
+        chain.append(at)
+        at = best[at][1]
+    return best[last][0], chain[::-1]

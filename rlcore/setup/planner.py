@@ -26,7 +26,7 @@ from typing import Any
 from rlcore.config import RunConfig, resolve_options
 from rlcore.declarations import ENDPOINT_EVENT, BackendDeclaration, Role, Transport
 from rlcore.errors import ConfigError, PlanError
-from rlcore.setup.graph import topological_order, waits_for
+from rlcore.setup.graph import topological_order
 from rlcore.setup.plan import REFIT_TASK, Edge, Plan, Task, Wait, init_task, longest_path
 
 # When two inits may not overlap, this order decides who goes first: generation
@@ -60,10 +60,6 @@ def role_view(
         "refit_fed": bool(getattr(section, "refit_fed", False)),
         "options": options,
     }
-
-
-def _who(role: Role, decl: BackendDeclaration) -> str:
-    return f"{init_task(role)} ({decl.name})"
 
 
 def _conditions(need_or_artifact: Any) -> str:
@@ -137,23 +133,72 @@ def choose_transport(
     )
 
 
+@dataclass(frozen=True)
+class Group:
+    """One worker group the setup starts: an init task for one backend in one role.
+
+    A run from a config has one group per selected role (``init:policy``...); a plan
+    may hold many (generation replicas, several envs: :func:`groups_for`), each with
+    its own declaration and config view.
+
+    Attributes:
+        task: the init task's name (``init:generation`` or ``init:generation/3``).
+        role: the role it serves.
+        declaration: its backend's declaration.
+        view: the config view its declaration's conditions read (:func:`role_view`).
+    """
+
+    task: str
+    role: Role
+    declaration: BackendDeclaration
+    view: Mapping[str, Any]
+
+
+def groups_for(
+    config: RunConfig,
+    declarations: Mapping[Role, BackendDeclaration],
+    replicas: Mapping[Role, int] | None = None,
+) -> list[Group]:
+    """The groups of a run: ``replicas[role]`` groups per selected role (default one).
+
+    One group keeps the role's task name (``init:policy``); several are numbered
+    (``init:generation/0``...). Replicas of a role share its declaration and view.
+    """
+    groups = []
+    for role in selected_roles(config):
+        decl = declarations[role]
+        view = role_view(config, role, decl)  # once per role: it resolves options
+        count = (replicas or {}).get(role, 1)
+        base = init_task(role)
+        names = [base] if count == 1 else [f"{base}/{i}" for i in range(count)]
+        groups += [Group(name, role, decl, view) for name in names]
+    return groups
+
+
 @dataclass
 class _Planning:
-    """What the rules read (config, declarations, each role's config view) and the
-    graph they add to: edges (start after) and waits (start at once, wait inside)."""
+    """What the rules read (config, the groups) and the graph they add to: edges
+    (start after) and waits (start at once, wait inside). ``deps`` is kept up to date
+    as edges and waits are added, so no rule rebuilds it (plans of 1,000 groups)."""
 
     config: RunConfig
-    declarations: Mapping[Role, BackendDeclaration]
-    roles: list[Role]
-    views: dict[Role, dict[str, Any]]
+    groups: list[Group]
     edges: list[Edge] = field(default_factory=list)
     waits: list[Wait] = field(default_factory=list)
     posts: dict[str, tuple[str, ...]] = field(default_factory=dict)
     consumed: dict[str, list[str]] = field(default_factory=dict)
+    edge_deps: dict[str, list[str]] = field(default_factory=dict)
+    all_deps: dict[str, list[str]] = field(default_factory=dict)
+    edge_set: set[tuple[str, str]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.position = {g.task: i for i, g in enumerate(self.groups)}
+        self.generation = [g for g in self.groups if g.role is Role.GENERATION]
+        self.policy = [g for g in self.groups if g.role is Role.POLICY]
 
     @property
-    def gen(self) -> BackendDeclaration:
-        return self.declarations[Role.GENERATION]
+    def gen(self) -> Group:
+        return self.generation[0]
 
     @property
     def refit_fed(self) -> bool:
@@ -161,74 +206,95 @@ class _Planning:
 
     @property
     def endpoint_producer(self) -> str:
-        """The task after which the generation endpoint serves real weights."""
-        return REFIT_TASK if self.refit_fed else init_task(Role.GENERATION)
+        """The task after which the generation endpoint serves real weights: the one
+        generation init, or ``refit:initial`` when it is refit-fed or there are several
+        replicas (then all of them are up and hold the same weights)."""
+        if self.refit_fed or len(self.generation) > 1:
+            return REFIT_TASK
+        return self.gen.task
 
-    def deps(self, *, waits: bool = True) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
-        for e in self.edges:
-            out.setdefault(e.dst, []).append(e.src)
-        for w in self.waits if waits else ():
-            out.setdefault(w.task, []).append(w.producer)
-        return out
+    def add_edge(self, edge: Edge) -> None:
+        if (edge.src, edge.dst) in self.edge_set:
+            return
+        self.edge_set.add((edge.src, edge.dst))
+        self.edges.append(edge)
+        self.edge_deps.setdefault(edge.dst, []).append(edge.src)
+        self.all_deps.setdefault(edge.dst, []).append(edge.src)
 
-    def serialized(self, a: str, b: str) -> bool:
-        """One of ``a``/``b`` starts only after the other ended (a wait is not enough:
-        a waiting init is running)."""
-        deps = self.deps(waits=False)
-        return waits_for(deps, b, a) or waits_for(deps, a, b)
+    def add_wait(self, wait: Wait) -> None:
+        self.waits.append(wait)
+        self.all_deps.setdefault(wait.task, []).append(wait.producer)
 
 
 def _check_roles(config: RunConfig, declarations: Mapping[Role, BackendDeclaration]) -> None:
-    """Each selected role has a declaration that serves it; refit-fed only if declared."""
+    """Each selected role has a declaration that serves it."""
     for role in selected_roles(config):
         if role not in declarations:
             raise PlanError(f"no declaration given for role '{role}' ({role.value}.backend)")
-        decl = declarations[role]
-        if not decl.serves(role):
+
+
+def _check_groups(config: RunConfig, groups: list[Group]) -> None:
+    """Each group's backend serves its role; refit-fed only if every generation declares it;
+    at least one policy and one generation group."""
+    for role in (Role.POLICY, Role.GENERATION):
+        if not any(g.role is role for g in groups):
+            raise PlanError(f"no {role.value} group to plan ({role.value}.backend)")
+    seen: set[tuple[int, Role]] = set()
+    for g in groups:
+        if (id(g.declaration), g.role) in seen:
+            continue  # replicas of one backend: checked once
+        seen.add((id(g.declaration), g.role))
+        decl = g.declaration
+        if not decl.serves(g.role):
             raise ConfigError(
-                f"config key '{role.value}.backend' selects '{decl.name}', which does not serve "
-                f"role '{role}' (it serves {sorted(r.value for r in decl.roles)})",
-                key=f"{role.value}.backend",
+                f"config key '{g.role.value}.backend' selects '{decl.name}', which does not serve "
+                f"role '{g.role}' (it serves {sorted(r.value for r in decl.roles)})",
+                key=f"{g.role.value}.backend",
             )
-    gen = declarations[Role.GENERATION]
-    if config.generation.refit_fed and not gen.refit_fed:
-        raise ConfigError(
-            f"config key 'generation.refit_fed' is true, but generation backend '{gen.name}' "
-            "does not declare a refit-fed start; set generation.refit_fed=false",
-            key="generation.refit_fed",
-        )
+        if g.role is Role.GENERATION and config.generation.refit_fed and not decl.refit_fed:
+            raise ConfigError(
+                f"config key 'generation.refit_fed' is true, but generation backend '{decl.name}' "
+                "does not declare a refit-fed start; set generation.refit_fed=false",
+                key="generation.refit_fed",
+            )
 
 
-def _rule_1_artifacts(p: _Planning, role: Role, need: Any) -> None:
-    """Rule 1: an artifact need is a wait when published atomically, else an edge."""
-    decl, me = p.declarations[role], init_task(role)
-    producers = [
-        (r, a)
-        for r in p.roles
-        if r != role
-        for a in p.declarations[r].produced(r, p.views[r])
-        if a.name == need.name
-    ]
+def _producers(p: _Planning) -> dict[str, dict[Role, tuple[Group, Any]]]:
+    """Artifact name -> role -> the first group of that role producing it, and the artifact
+    (built once, so a need is matched in constant time whatever the number of groups)."""
+    index: dict[str, dict[Role, tuple[Group, Any]]] = {}
+    for g in p.groups:
+        for a in g.declaration.produced(g.role, g.view):
+            index.setdefault(a.name, {}).setdefault(g.role, (g, a))
+    return index
+
+
+def _rule_1_artifacts(
+    p: _Planning, g: Group, need: Any, index: dict[str, dict[Role, tuple[Group, Any]]]
+) -> None:
+    """Rule 1: an artifact need is a wait when published atomically, else an edge (the
+    first group of another role that produces it, in group order)."""
+    decl, me = g.declaration, g.task
+    producers = [x for role, x in index.get(need.name, {}).items() if role is not g.role]
     if not producers:
         raise PlanError(
-            f"{_who(role, decl)} needs artifact '{need.name}'{_conditions(need)}, but no "
+            f"{me} ({decl.name}) needs artifact '{need.name}'{_conditions(need)}, but no "
             "selected backend produces it under this config"
         )
-    prole, art = producers[0]
-    them, producer = init_task(prole), p.declarations[prole].name
+    prod, art = min(producers, key=lambda x: p.position[x[0].task])
+    them, producer = prod.task, prod.declaration.name
     needed = p.consumed.setdefault(them, [])
     if need.name not in needed:
         needed.append(need.name)
     why = need.reason or f"{decl.name} reads it"
     if art.atomic:
-        p.waits.append(Wait(
+        p.add_wait(Wait(
             me, need.name, "artifact", them,
             f"{me} needs '{need.name}'{_conditions(need)} ({why}); {producer} publishes it "
             f"atomically, so {me} starts at once and waits for it inside its init (rule 1)",
         ))
     else:
-        p.edges.append(Edge(
+        p.add_edge(Edge(
             them, me,
             f"{me} needs '{need.name}'{_conditions(need)} ({why}), which {producer} does not "
             f"publish atomically: {me} starts after {them} (rule 1)",
@@ -236,86 +302,172 @@ def _rule_1_artifacts(p: _Planning, role: Role, need: Any) -> None:
         ))
 
 
-def _rule_5_endpoint(p: _Planning, role: Role) -> None:
-    """Rule 5: an init that needs the generation endpoint starts at once and waits for it."""
-    decl, gen, me = p.declarations[role], p.gen, init_task(role)
+def _check_endpoint(p: _Planning, g: Group) -> None:
+    """Rule 5's preconditions: the generation declares an endpoint and serves it under this config."""
+    decl, gen = g.declaration, p.gen.declaration
     if not gen.openai_endpoint:
         raise PlanError(
-            f"{_who(role, decl)} needs the generation endpoint, but generation backend "
+            f"{g.task} ({decl.name}) needs the generation endpoint, but generation backend "
             f"'{gen.name}' declares no OpenAI-compatible endpoint; choose a generation backend "
             "with openai_endpoint=True"
         )
-    view = p.views[Role.GENERATION]
+    view = p.gen.view
     if not gen.serves_endpoint(view):
         wanted = " and ".join("generation." + c.describe() for c in gen.openai_endpoint_when)
         raise ConfigError(
-            f"{_who(role, decl)} needs the generation endpoint, but generation backend "
+            f"{g.task} ({decl.name}) needs the generation endpoint, but generation backend "
             f"'{gen.name}' serves one only when {wanted}; set that in the config",
             key="generation." + next(c.key for c in gen.openai_endpoint_when if not c.holds(view)),
         )
-    serving = (
-        "after refit:initial, since generation is refit-fed"
-        if p.refit_fed
-        else "when init:generation finishes"
-    )
-    p.waits.append(Wait(
-        me, ENDPOINT_EVENT, "event", p.endpoint_producer,
-        f"{decl.name} talks to the model through the generation endpoint, which serves "
-        f"{serving}; {me} starts at once and waits for it inside its init, so it never blocks "
-        "that refit (rule 5)",
+
+
+def _rule_5_endpoint(p: _Planning, g: Group) -> None:
+    """Rule 5: an init that needs the generation endpoint starts at once and waits for it."""
+    _check_endpoint(p, g)
+    if p.refit_fed:
+        serving = "after refit:initial, since generation is refit-fed"
+    elif len(p.generation) > 1:
+        serving = "after refit:initial, once all its replicas are up with the same weights"
+    else:
+        serving = "when init:generation finishes"
+    p.add_wait(Wait(
+        g.task, ENDPOINT_EVENT, "event", p.endpoint_producer,
+        f"{g.declaration.name} talks to the model through the generation endpoint, which "
+        f"serves {serving}; {g.task} starts at once and waits for it inside its init, so it "
+        "never blocks that refit (rule 5)",
     ))
 
 
 def _needs(p: _Planning) -> None:
     """Rules 1 and 5: every need in force becomes a wait or an edge."""
-    for role in p.roles:
-        for need in p.declarations[role].needed(role, p.views[role]):
+    index = _producers(p)
+    for g in p.groups:
+        for need in g.declaration.needed(g.role, g.view):
             if need.kind == "event":
                 if need.name == ENDPOINT_EVENT:
-                    _rule_5_endpoint(p, role)
+                    _rule_5_endpoint(p, g)
             else:
-                _rule_1_artifacts(p, role, need)
+                _rule_1_artifacts(p, g, need, index)
+
+
+def _overlap_order(p: _Planning) -> list[Group]:
+    """The groups in the order rules 2 and 3 serialize them: role order (generation, policy,
+    env), then declaration order, except that a group comes after everything it waits for
+    (an edge or an in-init wait, counting the first refit's need of every policy and
+    generation group): ordering never deadlocks a wait. Kahn's algorithm with a heap."""
+    import heapq
+
+    key = {g.task: (_ROLE_ORDER[g.role], p.position[g.task]) for g in p.groups}
+    key[REFIT_TASK] = (len(_ROLE_ORDER), len(p.groups))
+    deps = {n: list(d) for n, d in p.all_deps.items()}
+    deps.setdefault(REFIT_TASK, []).extend(g.task for g in p.policy + p.generation)
+    remaining = {n: len(set(deps.get(n, ()))) for n in key}
+    dependents: dict[str, list[str]] = {}
+    for n, ds in deps.items():
+        for d in set(ds):
+            dependents.setdefault(d, []).append(n)
+    ready = [(k, n) for n, k in key.items() if not remaining[n]]
+    heapq.heapify(ready)
+    order: list[str] = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        order.append(n)
+        for child in dependents.get(n, ()):
+            remaining[child] -= 1
+            if not remaining[child]:
+                heapq.heappush(ready, (key[child], child))
+    if len(order) < len(key):  # a cycle: topological_order names it at the end of planning
+        order += [n for n in key if n not in set(order)]
+    by_task = {g.task: g for g in p.groups}
+    return [by_task[n] for n in order if n in by_task]
+
+
+def _serialize(p: _Planning, first: Group, second: Group, colocated: bool) -> None:
+    """Add the edge ``first`` -> ``second`` of rule 2 (or 3, colocated), with its reason."""
+    placement = "colocated" if colocated else "non-colocated"
+    because = "; ".join(
+        f"{d.name} is not overlap-safe under {placement} placement"
+        + (f" ({d.overlap.reason})" if d.overlap.reason else "")
+        for d in dict.fromkeys((first.declaration, second.declaration))
+        if not (d.overlap.colocated if colocated else d.overlap.non_colocated)
+    )
+    if colocated:
+        reason = (f"{because}: colocated {first.task} and {second.task} do not overlap, "
+                  f"{first.task} first (rule 3)")
+        p.add_edge(Edge(first.task, second.task, reason, 3))
+    else:
+        reason = f"{because}: it runs alone, {first.task} before {second.task} (rule 2)"
+        p.add_edge(Edge(first.task, second.task, reason, 2))
+
+
+def _chain(p: _Planning, order: list[Group], barrier: Any, colocated: bool) -> None:
+    """Serialize every pair with a barrier in it along ``order``, in O(groups) edges: the
+    groups since the last barrier all run before the next barrier, which runs before every
+    group after it (so a barrier overlaps nothing, and the others still overlap each other)."""
+    last: Group | None = None
+    since: list[Group] = []
+    for g in order:
+        if barrier(g):
+            for before in since or ([last] if last is not None else []):
+                _serialize(p, before, g, colocated)
+            last, since = g, []
+        else:
+            if last is not None:
+                _serialize(p, last, g, colocated)
+            since.append(g)
 
 
 def _rules_2_3_overlap(p: _Planning) -> None:
-    """Rules 2 and 3: inits that may not overlap are ordered, by role order unless one
-    already waits for the other's output (never a deadlock)."""
-    ordered = sorted(p.roles, key=lambda r: _ROLE_ORDER[r])
-    for i, a in enumerate(ordered):
-        for b in ordered[i + 1 :]:
-            colocated = bool(p.views[a]["colocated"] and p.views[b]["colocated"])
-            da, db = p.declarations[a], p.declarations[b]
-            safe_a = da.overlap.colocated if colocated else da.overlap.non_colocated
-            safe_b = db.overlap.colocated if colocated else db.overlap.non_colocated
-            ta, tb = init_task(a), init_task(b)
-            if (safe_a and safe_b) or p.serialized(ta, tb):
-                continue
-            first, second = (tb, ta) if waits_for(p.deps(), ta, tb) else (ta, tb)
-            placement = "colocated" if colocated else "non-colocated"
-            because = "; ".join(
-                f"{d.name} is not overlap-safe under {placement} placement"
-                + (f" ({d.overlap.reason})" if d.overlap.reason else "")
-                for d, safe in ((da, safe_a), (db, safe_b))
-                if not safe
-            )
-            if colocated:
-                reason = f"{because}: colocated generation and policy do not overlap, generation first (rule 3)"
-                p.edges.append(Edge(first, second, reason, 3))
-            else:
-                p.edges.append(Edge(first, second, f"{because}: it runs alone, {first} before {second} (rule 2)", 2))
+    """Rules 2 and 3: inits that may not overlap are ordered along :func:`_overlap_order`.
+
+    A pair of colocated groups (policy and generation under colocated placement) is
+    governed by their colocated safety (rule 3); any other pair by non-colocated safety
+    (rule 2). A colocated group that is not non-colocated-safe is ordered against each
+    non-colocated group one by one (a rare declaration: it costs groups x envs edges).
+    """
+    order = _overlap_order(p)
+    colocated = [g for g in order if g.view["colocated"]]
+    _chain(p, colocated, lambda g: not g.declaration.overlap.colocated, True)
+    _chain(
+        p, order,
+        lambda g: not g.view["colocated"] and not g.declaration.overlap.non_colocated, False,
+    )
+    lonely = [g for g in colocated if not g.declaration.overlap.non_colocated]
+    if lonely:
+        at = {g.task: i for i, g in enumerate(order)}
+        others = [g for g in order if not g.view["colocated"]]
+        for a in lonely:
+            for b in others:
+                first, second = (a, b) if at[a.task] < at[b.task] else (b, a)
+                _serialize(p, first, second, False)
 
 
 def _rule_4_first_refit(p: _Planning) -> None:
-    """Rule 4: the first refit needs both sides up, and nothing else."""
-    for role in (Role.POLICY, Role.GENERATION):
+    """Rule 4: the first refit needs every policy and generation group up, and nothing else."""
+    for g in p.policy + p.generation:
         if p.refit_fed:
             reason = (
                 "generation is refit-fed (generation.refit_fed == True): it holds no weights until "
-                f"refit:initial, which needs {init_task(role)} up (rule 4)"
+                f"refit:initial, which needs {g.task} up (rule 4)"
             )
         else:
-            reason = f"the first weight sync needs {init_task(role)} up (rule 4)"
-        p.edges.append(Edge(init_task(role), REFIT_TASK, reason, 4))
+            reason = f"the first weight sync needs {g.task} up (rule 4)"
+        p.add_edge(Edge(g.task, REFIT_TASK, reason, 4))
+
+
+def _choose_group_transport(p: _Planning, accelerator: str | None) -> str:
+    """One transport for the whole run: every (policy, generation) backend pair must agree."""
+    chosen = {
+        choose_transport(p.config, pol, gen, accelerator=accelerator)
+        for pol in {id(g.declaration): g.declaration for g in p.policy}.values()
+        for gen in {id(g.declaration): g.declaration for g in p.generation}.values()
+    }
+    if len(chosen) > 1:
+        raise PlanError(
+            f"the policy and generation groups would refit over different transports "
+            f"({sorted(chosen)}); set refit.transport to one all of them support"
+        )
+    return chosen.pop()
 
 
 def build_plan(
@@ -331,22 +483,35 @@ def build_plan(
     :class:`PlanError` for needs nobody meets.
     """
     _check_roles(config, declarations)
-    roles = selected_roles(config)
-    p = _Planning(config, declarations, roles, {r: role_view(config, r, declarations[r]) for r in roles})
-    transport = choose_transport(
-        config, declarations[Role.POLICY], p.gen, accelerator=accelerator
-    )
-    if p.gen.serves_endpoint(p.views[Role.GENERATION]):
+    return plan_groups(config, groups_for(config, declarations), accelerator=accelerator)
+
+
+def plan_groups(
+    config: RunConfig, groups: list[Group], *, accelerator: str | None = None
+) -> Plan:
+    """The setup plan of any number of worker groups (:func:`build_plan` makes one per role).
+
+    Every step is linear in groups + edges (``bench/scale.py`` measures 10 to 1,000
+    groups): needs are matched through an index, rules 2 and 3 chain the groups that
+    must run alone instead of ordering every pair.
+    """
+    _check_groups(config, groups)
+    if len({g.task for g in groups}) != len(groups):
+        raise PlanError("two groups have the same task name")
+    p = _Planning(config, groups)
+    transport = _choose_group_transport(p, accelerator)
+    if p.gen.declaration.serves_endpoint(p.gen.view):
         p.posts[p.endpoint_producer] = (ENDPOINT_EVENT,)
     _needs(p)
     _rules_2_3_overlap(p)
     _rule_4_first_refit(p)
 
-    tasks = [Task(init_task(r), r.value, declarations[r].name) for r in roles]
+    tasks = [Task(g.task, g.role.value, g.declaration.name) for g in groups]
     tasks.append(Task(REFIT_TASK, "refit", None))
     names = [t.name for t in tasks]
-    _, chain = longest_path(names, p.deps(), {n: 1.0 for n in names})
-    plan = Plan(
+    topological_order(names, p.all_deps)  # the waits may not close a cycle with the edges
+    _, chain = longest_path(names, p.all_deps, {n: 1.0 for n in names})
+    return Plan(
         tasks=tuple(tasks),
         edges=tuple(p.edges),
         waits=tuple(p.waits),
@@ -355,5 +520,3 @@ def build_plan(
         consumed={task: tuple(names) for task, names in p.consumed.items()},
         refit_transport=transport,
     )
-    topological_order(names, p.deps())  # the waits may not close a cycle with the edges
-    return plan
