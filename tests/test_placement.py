@@ -49,3 +49,35 @@ def test_a_network_across_nodes_has_a_token_and_one_on_a_node_none() -> None:
     assert local.auth_headers() == {} and local.server_env() == {}
     with pytest.raises(ValueError, match="token"):
         Network(readers_elsewhere=True)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "text"),
+    [
+        (["placement.nodes.policy.resources={node_a: 0.01}"], "placement.nodes.policy", "cluster.address"),
+        (["cluster.address=auto", "placement.nodes.env.labels={zone: a}"], "placement.nodes.env", "env.backend"),
+        (["cluster.address=auto", "placement.nodes.generation.resources={GPU: 1}"],
+         "placement.nodes.generation.resources.GPU", "devices_per_worker"),
+        (["cluster.address=auto", "placement.nodes.policy.labels={zone: ''}"], "placement.nodes.policy.labels", "empty"),
+        (["cluster.address=auto", "placement.colocated=true", "placement.nodes.policy.resources={node_a: 1}"],
+         "placement.nodes.generation", "colocated"),
+    ],
+    ids=["embedded-cluster", "env-without-backend", "reserved-resource", "empty-label", "colocated-apart"],
+)
+def test_bad_placement_is_one_line_naming_the_key(overrides: list[str], key: str, text: str) -> None:
+    from rlcore.errors import ConfigError
+    from rlcore.setup.preflight import check_placement
+
+    with pytest.raises(ConfigError) as err:
+        check_placement(load_config(None, [*BASE, *overrides]))
+    assert err.value.key == key and text in str(err.value) and "\n" not in str(err.value)
+
+
+def test_good_placement_passes_preflight() -> None:
+    from rlcore.setup.preflight import check_placement
+
+    check_placement(load_config(None, [
+        *BASE, "env.backend=arithmetic", "cluster.address=auto",
+        "placement.nodes.policy.resources={node_a: 0.01, 'node:192.0.2.2': 0.01}",
+        "placement.nodes.env.labels={zone: c}",
+    ]))

@@ -27,7 +27,9 @@ from rlcore.app.plots import plot_reward, plot_setup_timeline
 from rlcore.config import RunConfig, cache_dir, load_config
 from rlcore.errors import ConfigError
 from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
+from rlcore.placement import Network
 from rlcore.runtime.cluster import Cluster
+from rlcore.runtime.workers import placed_groups
 from rlcore.setup.metrics import MetricsWriter
 from rlcore.setup.preflight import check_before_start, run_dir_for
 from rlcore.setup.registry import load_registry
@@ -121,6 +123,7 @@ def run_job(
     phase = RunPhase()
     setup: SetupResult | None = None
     try:
+        groups_before = len(placed_groups())
         with console.status("starting Ray cluster"):
             t0 = time.monotonic()
             cluster.start()
@@ -130,6 +133,7 @@ def run_job(
             setup = run_setup(
                 config, registry, run_dir=run_dir, plan=plan, cancel=cancel,
                 progress=phase.watch(progress, None if console.is_terminal else console.print),
+                network=cluster.network(config),
             )
         trace.add_execution(setup.execution, setup.plan)
         setup_record = dict(setup.metrics)
@@ -143,6 +147,7 @@ def run_job(
             )
         )
         _plot_setup(setup, run_dir, config)
+        _write_placement(run_dir, setup, cluster.network(config), groups_before)
         if not setup_only:
             phase.now = "the first refit's check"
             _train(config, setup, cancel, trace, metrics_writer, run_dir, console, phase)
@@ -174,6 +179,22 @@ def _setup_display(progress: SetupProgress, console: Console) -> Iterator[None]:
         yield
     finally:
         console.print(progress)
+
+
+def _write_placement(run_dir: Path, setup: SetupResult, network: Network, skip: int) -> None:
+    """``placement.json``: where each worker group's ranks run (Ray node ids, as the workers
+    report them), where the refit channel meets, and whether servers bound beyond loopback."""
+    import json
+
+    spec, handles = None, setup.handles
+    if setup.plan.refit_transport and "policy" in handles and "generation" in handles:
+        spec = setup.refit_sessions.spec_for(handles["policy"], handles["generation"], setup.plan.refit_transport)
+    record = {
+        "groups": placed_groups()[skip:],
+        "readers_elsewhere": network.readers_elsewhere,
+        "refit": None if spec is None else {"transport": spec.transport, "addr": spec.addr, "port": spec.port},
+    }
+    (run_dir / "placement.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 class RunPhase:

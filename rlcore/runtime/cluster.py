@@ -28,7 +28,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from rlcore.config import ClusterConfig
+from rlcore.config import ROLE_SECTIONS, ClusterConfig, RunConfig
+from rlcore.placement import Network, NodeInfo, role_placement, spans_nodes
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,9 @@ class Cluster:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self.owned = False
+        self.joined = False
         self.start_time_s: float | None = None
+        self._network: Network | None = None
 
     def start(self) -> Cluster:
         from rlcore.runtime.workers import RAY_GATE
@@ -152,6 +155,7 @@ class Cluster:
             if self.config.address:
                 with _keep_signal_handlers():
                     ray.init(address=self.config.address, **kwargs)
+                self.joined = True
                 log.info("joined Ray cluster at %s", self.config.address)
             else:
                 if self.config.num_cpus is not None:
@@ -167,6 +171,33 @@ class Cluster:
                 log.info("started an embedded Ray cluster: %s", ray.cluster_resources())
             self.start_time_s = time.monotonic() - t0
             return self
+
+    def network(self, config: RunConfig) -> Network:
+        """Who reaches the run's servers (:class:`rlcore.placement.Network`), decided once.
+
+        The embedded cluster is one node: loopback, no token. On a joined cluster, the
+        nodes each selected role may land on (``placement.nodes``) and the driver's node
+        are looked up (:func:`rlcore.placement.spans_nodes`): more than one node gives
+        readers elsewhere and a fresh per-run token.
+        """
+        if self._network is None:
+            self._network = Network()
+            if self.joined:
+                import ray
+
+                from rlcore.runtime.workers import RAY_GATE
+
+                with RAY_GATE.call("looking up the cluster's nodes"):
+                    nodes = [
+                        NodeInfo(n["NodeID"], n.get("Resources", {}), n.get("Labels", {}))
+                        for n in ray.nodes() if n.get("Alive")
+                    ]
+                    here = ray.get_runtime_context().get_node_id()
+                roles = [r for r in ROLE_SECTIONS if getattr(config, r).backend]
+                if spans_nodes([role_placement(config, r) for r in roles], nodes, here):
+                    self._network = Network.spread()
+            log.info("run network: %s", "node addresses, token required" if self._network.readers_elsewhere else "loopback")
+        return self._network
 
     def resources(self) -> dict[str, float]:
         import ray
@@ -185,6 +216,16 @@ class Cluster:
         from rlcore.runtime.workers import RAY_GATE, wait_exited
 
         with _lock:
+            if self.joined:
+                # A cluster joined by address stays up: only this driver's connection ends
+                # (Ray then ends the actors of this job that are still there).
+                import ray
+
+                RAY_GATE.close(reason)
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
+                self.joined = False
+                return []
             if not self.owned:
                 return []
             import ray

@@ -14,7 +14,8 @@ a second with one line that names the key and the fix:
    a tokenizer is there, and every safetensors file's header is read and its
    size compared with what the header says (a truncated file is named);
 4. the policy and generation workers fit the embedded cluster's CPUs (or GPUs)
-   when no ``cluster.address`` is given (Ray would otherwise wait forever);
+   when no ``cluster.address`` is given (Ray would otherwise wait forever), and
+   ``placement.nodes`` is asked only of a joined cluster, in Ray's terms;
 5. the run directory and the cache directory can be created and written.
 
 Every failure is a :class:`~rlcore.errors.ConfigError` with a one-line message.
@@ -90,6 +91,7 @@ def check_before_start(
     check_task_deadlines(config, plan)
     check_model(config)
     check_resources(config)
+    check_placement(config)
     if out:
         check_run_dir(Path(out).expanduser(), resume=resume)
     else:
@@ -332,6 +334,58 @@ def check_resources(config: RunConfig) -> None:
             f"{'' if getattr(config.cluster, have_key.split('.')[1]) is not None else ', this host'}); "
             f"lower {worst}.workers or {worst}.devices_per_worker, or raise {have_key}",
             key=f"{worst}.workers",
+        )
+
+
+#: Resources a node selector may not name: a worker's share of them is
+#: ``<role>.devices_per_worker``, and asking for them again would double the request.
+RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def check_placement(config: RunConfig) -> None:
+    """``placement.nodes.<role>`` names nodes of a joined cluster, in Ray's terms.
+
+    The embedded cluster is one node with no custom resources or labels: a selector
+    could never match. Selectors may not ask for CPU/GPU/memory (``devices_per_worker``
+    does), label keys and values are non-empty, an env without a backend has no
+    placement, and colocated policy and generation share one selector.
+    """
+    from rlcore.config import ROLE_SECTIONS
+
+    nodes = config.placement.nodes
+    for role in ROLE_SECTIONS:
+        sel, key = getattr(nodes, role), f"placement.nodes.{role}"
+        if not (sel.resources or sel.labels):
+            continue
+        if not config.cluster.address:
+            raise ConfigError(
+                f"config key '{key}' places {role} on chosen nodes, but no cluster.address is set "
+                "and the embedded cluster is one node with no custom resources or labels; set "
+                "cluster.address to the Ray cluster to join, or remove the selector",
+                key=key,
+            )
+        if role == "env" and not config.env.backend:
+            raise ConfigError(f"config key '{key}' places an env, but env.backend is not set", key=key)
+        for name in sel.resources:
+            if name in RESERVED_RESOURCES:
+                raise ConfigError(
+                    f"config key '{key}.resources.{name}': {name} is what {role}.devices_per_worker "
+                    f"reserves; select nodes by a custom resource or a label instead",
+                    key=f"{key}.resources.{name}",
+                )
+        for label, value in sel.labels.items():
+            if not str(label).strip() or not str(value).strip():
+                raise ConfigError(
+                    f"config key '{key}.labels' has an empty label key or value ({label!r}: {value!r}); "
+                    "give both, as the nodes were started with (ray start --labels=key=value)",
+                    key=f"{key}.labels",
+                )
+    if config.placement.colocated and nodes.policy != nodes.generation:
+        raise ConfigError(
+            "config key 'placement.nodes.generation' differs from placement.nodes.policy, but "
+            "placement.colocated is true (both share devices, so one node); give both the same "
+            "selector or set placement.colocated=false",
+            key="placement.nodes.generation",
         )
 
 

@@ -38,6 +38,7 @@ from rlcore.declarations import ENDPOINT_EVENT, Role
 from rlcore.errors import ConfigError, PlanError, PluginError, RefitError
 from rlcore.events import EventBoard
 from rlcore.hookspecs import hookimpl
+from rlcore.placement import Network
 from rlcore.refit.sessions import RefitSessions
 from rlcore.setup.executor import ExecutionResult, TaskRun, TaskSpec, execute
 from rlcore.setup.metrics import PREFIX, setup_metrics
@@ -300,6 +301,7 @@ class _SetupRun:
             config, self.declarations[Role.POLICY], self.declarations[Role.GENERATION]
         )
         self.cancel = cancel
+        self.network = Network()  # who reaches the run's servers (run_setup's ``network``)
         self.board = EventBoard(cancel)
         self.handles: dict[str, Any] = {}
         self.capture = _StartedCapture()
@@ -328,6 +330,7 @@ class _SetupRun:
                 publish_hook=publish_hook,
                 log=logging.getLogger(f"rlcore.backend.{backend}"),
                 needed_artifacts=frozenset(self.plan.consumed.get(init_task_name(role), ())),
+                network=self.network,
             )
             with self.capture.tracking(ctx, task):
                 handle = init_hook(ctx=ctx)
@@ -432,6 +435,7 @@ def run_setup(
     cancel: CancelToken | None = None,
     progress: Callable[[str, str], None] | None = None,
     grace_s: float = 5.0,
+    network: Network | None = None,
 ) -> SetupResult:
     """Start every backend the config selects, as the plan allows, and do the first refit.
 
@@ -445,6 +449,8 @@ def run_setup(
             ``failed``, ``cancelled``, ``timed_out``, ``not_started``).
         grace_s: how long running tasks get to stop after a failure before they
             are abandoned (their late results are still shut down).
+        network: who reaches the run's servers, for every ``InitContext.network``
+            (:meth:`rlcore.runtime.cluster.Cluster.network`); omitted: one node.
 
     Returns:
         The :class:`SetupResult`; call its ``shutdown()`` when done.
@@ -455,6 +461,7 @@ def run_setup(
         BackendNotFoundError, ConfigError, PlanError: before anything started.
     """
     run = _SetupRun(config, registry, plan, run_dir, cancel or CancelToken())
+    run.network = network or run.network
     run.run_dir.mkdir(parents=True, exist_ok=True)
     try:
         with _registered(registry, run.capture):

@@ -22,7 +22,8 @@ class ArithmeticOptions:
 
 
 class ArithmeticEnv(PromptAndScoreEnv):
-    """A prompt source and scorer; cheap, so it lives in the driver process. The core's
+    """A prompt source and scorer; cheap, so it lives in the driver process (unless the
+    env role is placed on other nodes). The core's
     :class:`~rlcore.envs.PromptAndScoreEnv` samples through the run's generation."""
 
     def __init__(self, options: ArithmeticOptions) -> None:
@@ -53,7 +54,9 @@ def rlcore_declare_backend() -> BackendDeclaration:
 
 
 @hookimpl
-def rlcore_init_env(ctx: InitContext) -> ArithmeticEnv:
+def rlcore_init_env(ctx: InitContext) -> PromptAndScoreEnv:
+    """The env, in the driver; in an actor on the selected node when ``placement.nodes.env``
+    pins it (:func:`rlcore.runtime.remote_env.placed_env`)."""
     if ctx.options.ops and set(ctx.options.ops) - {"+", "-", "*"}:
         from rlcore.errors import ConfigError
 
@@ -61,4 +64,6 @@ def rlcore_init_env(ctx: InitContext) -> ArithmeticEnv:
             f"env.options.ops of backend 'arithmetic' is {ctx.options.ops!r}; use characters of '+-*'",
             key="env.options.ops",
         )
-    return ArithmeticEnv(ctx.options)
+    from rlcore.runtime.remote_env import placed_env
+
+    return placed_env(ArithmeticEnv(ctx.options), ctx)

@@ -126,6 +126,7 @@ def rlcore_init_policy(ctx: InitContext) -> FSDPPolicy:
         timeout_s=options.timeout_s,
         cancel=ctx.cancel,
         deadline=ctx.deadline,
+        placement=ctx.placement,
     )
     try:
         infos = group.call(

@@ -1,0 +1,114 @@
+"""rlcore run on a Ray cluster of several nodes that it joins by address (issue 14, item 1).
+
+A four-node Ray cluster (a head and nodes a, b, c, each with its own custom resource and
+label) runs on this machine as Ray's own ``ray.cluster_utils.Cluster`` starts it. The
+quickstart job joins it by ``cluster.address`` with the policy placed by resource on
+node a, the generation by label on node b and the env by resource on node c; the run's
+``placement.json`` (node ids the workers report) must show each role where the config
+put it, the refit rendezvous on the policy's node address, and the servers exposed with
+a token. After the run the cluster and its four nodes must still be alive and serving.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("rlcore_fsdp")
+pytest.importorskip("rlcore_vllm")
+
+REPO = Path(__file__).resolve().parents[1]
+RLCORE = Path(sys.executable).with_name("rlcore")
+NODES = ("a", "b", "c")
+LABEL = "rlcore-test-node"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    from ray.cluster_utils import Cluster
+
+    # num_cpus above the 2 physical cores: Ray counts, it does not pin.
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_head": 1}})
+    try:
+        for n in NODES:
+            made.add_node(num_cpus=2, resources={f"node_{n}": 1}, labels={LABEL: n})
+        made.wait_for_nodes()
+        yield made
+    finally:
+        made.shutdown()
+
+
+_NODES_SCRIPT = """
+import json, sys, ray
+ray.init(address=sys.argv[1], include_dashboard=False, logging_level="ERROR")
+keys = ("NodeID", "Alive", "NodeManagerAddress", "Resources", "Labels")
+print(json.dumps([{k: n[k] for k in keys} for n in ray.nodes()]))
+"""
+
+_SERVE_SCRIPT = """
+import sys, ray
+ray.init(address=sys.argv[1], include_dashboard=False, logging_level="ERROR")
+where = ray.remote(lambda: ray.get_runtime_context().get_node_id())
+refs = [where.options(num_cpus=0, resources={"node_" + n: 0.01}).remote() for n in sys.argv[2:]]
+print(" ".join(ray.get(refs, timeout=120)))
+"""
+
+
+def _driver(script: str, *args: str) -> str:
+    """The last line a separate Ray driver prints (connected to the cluster under test)."""
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=180, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def _nodes(address: str) -> list[dict[str, Any]]:
+    """The cluster's nodes as a separate driver sees them (``ray.nodes()``)."""
+    return json.loads(_driver(_NODES_SCRIPT, address))
+
+
+def _serves_on_every_node(address: str) -> list[str]:
+    """Run one task pinned to each of nodes a, b, c; the node ids they ran on."""
+    return _driver(_SERVE_SCRIPT, address, *NODES).split()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_roles_run_on_the_nodes_the_config_picks_and_the_cluster_survives(cluster: Any, tmp_path: Path) -> None:
+    before = {n["NodeID"] for n in _nodes(cluster.address) if n["Alive"]}
+    assert len(before) == 4
+    run_dir = tmp_path / "run"
+    argv = [
+        str(RLCORE), "run", str(REPO / "examples" / "quickstart.yaml"), "grpo.steps=2",
+        f"cluster.address={cluster.address}", "cluster.num_cpus=null",
+        "placement.nodes.policy.resources={node_a: 0.01}",
+        f"placement.nodes.generation.labels={{{LABEL}: b}}",
+        "placement.nodes.env.resources={node_c: 0.01}",
+        f"setup.cache_dir={tmp_path / 'cache'}", "--out", str(run_dir),
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=800)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+    nodes = {n["NodeID"]: n for n in _nodes(cluster.address)}
+    by_name = {n: next(i for i, v in nodes.items() if f"node_{n}" in v["Resources"]) for n in NODES}
+    placed = json.loads((run_dir / "placement.json").read_text())
+    where = {g["role"]: set(g["nodes"]) for g in placed["groups"]}
+    assert where == {"policy": {by_name["a"]}, "generation": {by_name["b"]}, "env": {by_name["c"]}}, placed
+    assert nodes[by_name["b"]]["Labels"][LABEL] == "b"
+    assert len({g["group"] for g in placed["groups"]}) == 3
+    # The refit channel meets at the policy rank 0's node address, not an assumed loopback.
+    assert placed["refit"]["transport"] == "collective"
+    assert placed["refit"]["addr"] == nodes[by_name["a"]]["NodeManagerAddress"]
+    assert not placed["refit"]["addr"].startswith("127.")
+    assert placed["readers_elsewhere"] is True
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(m.get("step", 0) for m in metrics) >= 1
+
+    # Only the run's own actors went: every node is alive and runs work.
+    after = {i for i, n in nodes.items() if n["Alive"]}
+    assert after == before
+    assert _serves_on_every_node(cluster.address) == [by_name[n] for n in NODES]
