@@ -98,6 +98,37 @@ class SetupError(RlcoreError):
         super().__init__("\n".join(lines))
 
 
+class WorkerError(RlcoreError):
+    """A worker of a backend failed or died; the message names the group and rank."""
+
+
+class WorkerLost(WorkerError):
+    """A worker's process is gone (a Ray actor death, a killed server), not merely an
+    error it raised. A handle call that finds one of its workers gone raises it (handles
+    built on :class:`rlcore.runtime.workers.WorkerGroup` do so by themselves); with
+    ``generation.on_worker_loss: replace`` the run then replaces a lost generation.
+
+    Attributes:
+        worker: the lost worker's label (``vllm-generation rank 0``).
+        index: its position among the refs of the call that found it.
+        role: the role whose worker it was, once a caller that knows it has said so
+            (:meth:`tag`: the run's guarded handles, the core's refit); ``None`` until then.
+            Only a loss known to be the generation's is replaced.
+    """
+
+    def __init__(self, message: str, *, worker: str, index: int = 0) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.index = index
+        self.role: str | None = None
+
+    def tag(self, role: str) -> WorkerLost:
+        """Say whose worker it was, unless a caller nearer the worker already did."""
+        if self.role is None:
+            self.role = role
+        return self
+
+
 class NotServingError(RlcoreError):
     """A generation engine cannot serve: no weights yet (refit-fed, before the first
     refit) or weights left half-updated by a failed refit. Endpoints answer 503."""

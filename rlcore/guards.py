@@ -10,12 +10,13 @@ neither. The conformance suite (:mod:`rlcore.testing`) uses the same checks.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlcore.errors import ProtocolError
+from rlcore.errors import ProtocolError, WorkerLost
 from rlcore.handles import (
     EnvHandle,
     GenerationHandle,
@@ -191,6 +192,18 @@ def check_train_metrics(metrics: Any, who: Caller) -> dict[str, float]:
     return dict(metrics)
 
 
+@contextlib.contextmanager
+def losses_tagged(role: str) -> Iterator[None]:
+    """A :class:`WorkerLost` raised inside is ``role``'s (:meth:`WorkerLost.tag`): the
+    run replaces a lost generation worker (``generation.on_worker_loss: replace``) and
+    aborts on any other loss."""
+    try:
+        yield
+    except WorkerLost as err:
+        err.tag(role)
+        raise
+
+
 class GuardedPolicy:
     """The policy handle with every result checked (see the module doc)."""
 
@@ -199,9 +212,9 @@ class GuardedPolicy:
         self.backend = backend
 
     def logprobs(self, batch: Sequence[Pair]) -> list[list[float]]:
-        return check_logprobs(
-            self.handle.logprobs(batch), batch, Caller(self.backend, "policy", "logprobs")
-        )
+        with losses_tagged("policy"):
+            rows = self.handle.logprobs(batch)
+        return check_logprobs(rows, batch, Caller(self.backend, "policy", "logprobs"))
 
     def train_step(
         self,
@@ -210,12 +223,17 @@ class GuardedPolicy:
         old_logprobs: Any = None,
         **kw: float,
     ) -> dict[str, float]:
-        out = self.handle.train_step(batch, advantages, old_logprobs, **kw)
+        with losses_tagged("policy"):
+            out = self.handle.train_step(batch, advantages, old_logprobs, **kw)
         return check_train_metrics(out, Caller(self.backend, "policy", "train_step"))
 
 
 class GuardedGeneration:
-    """The generation handle with every result checked (see the module doc)."""
+    """The generation handle with every result checked (see the module doc).
+
+    The run replaces :attr:`handle` in place when it starts the generation again after a
+    lost worker (:mod:`rlcore.app.recovery`): envs hold this object, so their next call
+    reaches the new engine."""
 
     def __init__(
         self, handle: GenerationHandle, backend: str, eos_ids: Collection[int] = ()
@@ -233,15 +251,18 @@ class GuardedGeneration:
         temperature: float,
         seed: int,
     ) -> list[list[Sample]]:
-        out = self.handle.generate(
-            prompt_ids, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed
-        )
+        with losses_tagged("generation"):
+            out = self.handle.generate(
+                prompt_ids, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed
+            )
         who = Caller(self.backend, "generation", "generate")
         return check_samples(out, len(prompt_ids), n, max_tokens, who, self.eos_ids)
 
     def logprobs(self, batch: Sequence[Pair]) -> list[list[float]]:
         who = Caller(self.backend, "generation", "logprobs")
-        return check_logprobs(self.handle.logprobs(batch), batch, who)
+        with losses_tagged("generation"):
+            rows = self.handle.logprobs(batch)
+        return check_logprobs(rows, batch, who)
 
     def shutdown(self) -> None:  # the run shuts the real handle down; never this view
         raise RuntimeError("GuardedGeneration is a view; shut down the handle itself")

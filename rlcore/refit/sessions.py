@@ -58,7 +58,7 @@ class RefitSessions:
 
     def open(self, policy: RefitSender, generation: RefitReceiver, ctx: RefitContext) -> Session:
         """The session for this pair over ``ctx.transport``, opening the channel the first time."""
-        from rlcore.runtime.workers import ray_get
+        from rlcore.runtime.workers import WorkerLost, ray_get
 
         key = (id(policy), id(generation), ctx.transport)
         with self._lock:
@@ -69,13 +69,17 @@ class RefitSessions:
         name = uuid.uuid4().hex[:12]
         world = 1 + int(generation.refit_ranks)
         spec = impl.channel(transports.ChannelRequest(name, world, policy, ctx))
-        refs = list(policy.open_refit_channel(spec)) + list(generation.open_refit_channel(spec))
-        ray_get(
-            refs,
-            what=f"opening the {ctx.transport} refit channel",
-            cancel=ctx.cancel,
-            deadline=Deadline(ctx.timeout_s, "refit channel"),
-        )
+        sends = list(policy.open_refit_channel(spec))
+        try:
+            ray_get(
+                sends + list(generation.open_refit_channel(spec)),
+                what=f"opening the {ctx.transport} refit channel",
+                cancel=ctx.cancel,
+                deadline=Deadline(ctx.timeout_s, "refit channel"),
+            )
+        except WorkerLost as err:  # whose worker died (see rlcore.refit.sync.refit)
+            err.tag("policy" if err.index < len(sends) else "generation")
+            raise
         session = Session(spec, time.monotonic() - t0)
         with self._lock:
             self._sessions[key] = session
@@ -96,6 +100,15 @@ class RefitSessions:
         (the workers' ends of the old one close with their processes or channels)."""
         with self._lock:
             self._sessions.pop((id(policy), id(generation), transport), None)
+
+    def forget_generation(self, generation: Any) -> list[ChannelSpec]:
+        """Drop every channel of ``generation`` (a lost engine's, whatever the transport);
+        returns their specs. The next refit to its replacement opens a new channel; the
+        dead workers' ends went with their processes, the policy's ends close at its
+        teardown (a channel is never used again once dropped here)."""
+        with self._lock:
+            keys = [k for k in self._sessions if k[1] == id(generation)]
+            return [self._sessions.pop(k).spec for k in keys]
 
     def close(self) -> None:
         """Forget every session (the run is over; workers close their own ends)."""

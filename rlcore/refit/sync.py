@@ -15,7 +15,7 @@ from rlcore.errors import RefitError
 from rlcore.handles import RefitReceiver, RefitReport, RefitSender
 from rlcore.refit.channels import remove_step
 from rlcore.refit.specs import check_specs, plan_buckets
-from rlcore.runtime.workers import ray_get
+from rlcore.runtime.workers import WorkerLost, ray_get
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,12 @@ def refit(policy: Any, generation: Any, ctx: RefitContext) -> RefitReport:
             deadline=ctx.deadline.sooner(ctx.timeout_s),
             labels=labels,
         )
+    except WorkerLost as err:
+        # Refs are the policy's sends, then the generation's receives: say whose worker
+        # died, so the run can replace a lost generation worker and abort on a policy rank.
+        err.tag("policy" if err.index < len(sends) else "generation")
+        ctx.sessions.forget(policy, generation, ctx.transport)
+        raise
     except BaseException:
         # A channel that failed mid-refit may be unusable (a timed-out collective or
         # cuda_ipc channel refuses further use): the next refit opens a new one.

@@ -18,15 +18,13 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from rlcore.errors import Cancelled, DeadlineExceeded, RlcoreError
+# WorkerError and WorkerLost live in the contract (rlcore.errors); importing them from
+# here keeps working.
+from rlcore.errors import Cancelled, DeadlineExceeded, WorkerError, WorkerLost
 from rlcore.placement import Network, RolePlacement
 from rlcore.waiting import CancelToken, Deadline
 
 log = logging.getLogger(__name__)
-
-
-class WorkerError(RlcoreError):
-    """A worker of a group failed or died; names the group and rank."""
 
 
 class RayGate:
@@ -295,7 +293,7 @@ def _raise_first_failure(
     others = [f"{names[j]}: {type(e).__name__}" for _, j, (_, e) in failures if j != i]
     also = f" (then: {'; '.join(others)})" if others else ""
     if died:
-        raise WorkerError(f"{what}: {names[i]} died: {err}{also}") from err
+        raise WorkerLost(f"{what}: {names[i]} died: {err}{also}", worker=names[i], index=i) from err
     raise WorkerError(f"{what}: {names[i]} failed: {type(err).__name__}: {err}{also}") from err
 
 

@@ -170,6 +170,18 @@ class ExecutionResult:
         """Epoch seconds of the monotonic time ``t``."""
         return self.start_wall + (t - self.start)
 
+    def replace_started(self, name: str, resource: Any) -> Any:
+        """Put ``resource`` in the place of what task ``name`` started (a backend started
+        again after it lost a worker): teardown shuts the new one down, in the old one's
+        turn. Returns the old resource (``None`` if the task held none)."""
+        with self._lock:
+            for item in self._teardown:
+                if item.name == name:
+                    old, item.resource = item.resource, resource
+                    self.results[name] = resource
+                    return old
+        raise KeyError(f"task {name!r} holds nothing to replace (not started, or shut down)")
+
     def shutdown(self, timeout_s: float | None = None) -> list[str]:
         """Shut down every started result in reverse order of completion.
 

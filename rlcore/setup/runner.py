@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from rlcore.events import EventBoard
 from rlcore.hookspecs import hookimpl
 from rlcore.placement import Network
 from rlcore.refit.sessions import RefitSessions
-from rlcore.setup.executor import ExecutionResult, TaskRun, TaskSpec, execute
+from rlcore.setup.executor import ExecutionResult, TaskRun, TaskSpec, call_bounded, execute
 from rlcore.setup.metrics import PREFIX, setup_metrics
 from rlcore.setup.plan import REFIT_TASK, Plan
 from rlcore.setup.plan import init_task as init_task_name
@@ -87,6 +88,7 @@ class SetupResult:
     config: RunConfig | None = None
     registry: Registry | None = None
     refit_sessions: RefitSessions = field(default_factory=RefitSessions)
+    _run: _SetupRun | None = field(default=None, repr=False)
 
     def refit(self, step: int, cancel: CancelToken, deadline: Deadline | None = None) -> Any:
         """Copy the policy's current weights to the generation (after training step ``step``).
@@ -109,6 +111,28 @@ class SetupResult:
                 deadline=deadline,
             ),
         )
+
+    def restart_generation(self, cancel: CancelToken) -> tuple[Any, float]:
+        """Replace the generation after it lost a worker: drop its refit channels, shut
+        it down (bounded by ``setup.shutdown_timeout_s``; its dead workers cannot answer)
+        and start it again through its backend's ``rlcore_init_generation``, with the
+        context ``init:generation`` had. The new handle takes the old one's place in
+        :attr:`handles` and in the teardown. It does not refit: call :meth:`refit` next
+        (a refit-fed engine serves only after it). Returns (new handle, init seconds).
+        """
+        assert self._run is not None, "restart_generation needs the setup run (run_setup)"
+        role, name = Role.GENERATION, init_task_name(Role.GENERATION)
+        old = self.handles[role.value]
+        self.refit_sessions.forget_generation(old)
+        timeout = self.config.setup.shutdown_timeout_s if self.config else 60.0
+        finished, error = call_bounded(lambda: _shutdown_handle(old), timeout, name="rlcore-replace-shutdown")
+        if not finished or error is not None:
+            log.warning("shutting the lost generation down: %s", error or f"hung for {timeout:g}s (abandoned)")
+        t0 = time.monotonic()
+        handle = self._run.start_again(role, cancel)
+        self.handles[role.value] = handle
+        self.execution.replace_started(name, handle)
+        return handle, time.monotonic() - t0
 
     def shutdown(self, timeout_s: float | None = None) -> list[str]:
         """Shut every started backend down, last started first, and drop the refit
@@ -308,44 +332,57 @@ class _SetupRun:
         self.sessions = RefitSessions()
         self.plugins = {r.value: i for r, i in self.infos.items()}
 
+    def init_context(self, role: Role, cancel: CancelToken, deadline: Deadline) -> InitContext:
+        """The :class:`InitContext` of ``role``'s init hook."""
+        info, backend = self.infos[role], self.declarations[role].name
+        return InitContext(
+            role=role,
+            backend=backend,
+            config=self.config,
+            options=self.options[role],
+            cancel=cancel,
+            deadline=deadline,
+            run_dir=self.run_dir,
+            cache_dir=cache_dir(self.config),
+            events=self.board,
+            publish_hook=self.registry.hook("rlcore_publish", [info]),
+            log=logging.getLogger(f"rlcore.backend.{backend}"),
+            needed_artifacts=frozenset(self.plan.consumed.get(init_task_name(role), ())),
+            network=self.network,
+        )
+
+    def call_init(self, role: Role, ctx: InitContext) -> Any:
+        """Call the selected backend's init hook for ``role``; its handle."""
+        info, hook_name = self.infos[role], f"rlcore_init_{role.value}"
+        handle = self.registry.hook(hook_name, [info])(ctx=ctx)
+        if handle is None:
+            raise PluginError(
+                f"{info.origin()} declares backend '{ctx.backend}' for role {role} but "
+                f"implements no {hook_name} (the hook returned None); implement it and "
+                "return the started backend's handle",
+                plugin=info.name,
+                distribution=info.distribution,
+            )
+        self.handles[role.value] = handle
+        return handle
+
     def init_task(self, role: Role) -> Callable[[TaskRun], Any]:
         """``init:<role>``: the selected backend's init hook, with its context."""
-        info, backend = self.infos[role], self.declarations[role].name
-        hook_name = f"rlcore_init_{role.value}"
-        init_hook = self.registry.hook(hook_name, [info])
-        publish_hook = self.registry.hook("rlcore_publish", [info])
-        cache = cache_dir(self.config)
 
         def run(task: TaskRun) -> Any:
-            ctx = InitContext(
-                role=role,
-                backend=backend,
-                config=self.config,
-                options=self.options[role],
-                cancel=task.cancel,
-                deadline=task.deadline,
-                run_dir=self.run_dir,
-                cache_dir=cache,
-                events=self.board,
-                publish_hook=publish_hook,
-                log=logging.getLogger(f"rlcore.backend.{backend}"),
-                needed_artifacts=frozenset(self.plan.consumed.get(init_task_name(role), ())),
-                network=self.network,
-            )
+            ctx = self.init_context(role, task.cancel, task.deadline)
             with self.capture.tracking(ctx, task):
-                handle = init_hook(ctx=ctx)
-            if handle is None:
-                raise PluginError(
-                    f"{info.origin()} declares backend '{backend}' for role {role} but "
-                    f"implements no {hook_name} (the hook returned None); implement it and "
-                    "return the started backend's handle",
-                    plugin=info.name,
-                    distribution=info.distribution,
-                )
-            self.handles[role.value] = handle
-            return handle
+                return self.call_init(role, ctx)
 
         return run
+
+    def start_again(self, role: Role, cancel: CancelToken) -> Any:
+        """Start ``role``'s backend once more through its init hook, as ``init:<role>``
+        did (same context, deadline ``setup.task_deadline_s`` of that task): the
+        replacement of a backend that lost a worker. Returns the new handle."""
+        name = init_task_name(role)
+        ctx = self.init_context(role, cancel, Deadline(self.deadlines[name], f"{name} (again)"))
+        return self.call_init(role, ctx)
 
     def refit_task(self, task: TaskRun) -> Any:
         """``refit:initial``: the first weight sync (step 0) over the run's channels."""
@@ -423,6 +460,7 @@ class _SetupRun:
             config=self.config,
             registry=self.registry,
             refit_sessions=self.sessions,
+            _run=self,
         )
 
 
