@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rlcore.app.recovery import retry_on_generation_loss
 from rlcore.config import GRPOConfig
 from rlcore.errors import DivergenceError
 from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
@@ -150,6 +151,7 @@ def run_grpo(
     handoff: Handoff | None = None,
     trace: Callable[[str, float, float, int], None] | None = None,
     cancelled: Callable[[], bool] = lambda: False,
+    on_generation_loss: Callable[[Any, int, str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``cfg.steps`` GRPO steps; call ``on_step`` with each step's metrics.
 
@@ -163,6 +165,12 @@ def run_grpo(
     (colocated), the generation has the devices while it samples and answers the
     probe, the policy while it trains. ``trace(name, start, end, step)`` records
     phases for the Chrome trace.
+
+    With ``on_generation_loss`` (``generation.on_worker_loss: replace``), a phase that
+    loses a generation worker (rollout, refit, probe) calls
+    ``on_generation_loss(error, step, phase)``, which puts a new engine with the
+    policy's current weights in place, and then runs again with the same request and
+    seed (:func:`rlcore.app.recovery.retry_on_generation_loss`).
     """
     handoff = handoff or Handoff()
     history = []
@@ -171,6 +179,11 @@ def run_grpo(
             break
         t_step = time.monotonic()
         phases: dict[str, float] = {}
+        recover = (
+            None
+            if on_generation_loss is None
+            else lambda err, name, step=step: on_generation_loss(err, step, name)
+        )
 
         def phase(name: str, t0: float, step: int = step, phases: dict[str, float] = phases) -> None:
             t1 = time.monotonic()
@@ -193,7 +206,9 @@ def run_grpo(
             generation=generation,
             tokenizer=tokenizer,
         )
-        groups = env.collect_rollouts(request)
+        groups = retry_on_generation_loss(
+            lambda request=request: env.collect_rollouts(request), recover, "rollout"
+        )
         phase("rollout", t0)
 
         t0 = time.monotonic()
@@ -211,12 +226,14 @@ def run_grpo(
         phase("train", t0)
 
         t0 = time.monotonic()
-        report = refit(step)
+        report = retry_on_generation_loss(lambda step=step: refit(step), recover, "refit")
         phase("refit", t0)
 
         t0 = time.monotonic()
         handoff.to_generation()
-        probe_err = token_mult_prob_error(generation.logprobs(probe), policy.logprobs(probe))
+        probe_err = retry_on_generation_loss(
+            lambda: token_mult_prob_error(generation.logprobs(probe), policy.logprobs(probe)), recover, "probe"
+        )
         phase("probe", t0)
 
         metrics = _step_metrics(step, rewards, train, gen_lp, old_lp, report, probe_err, phases)

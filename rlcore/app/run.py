@@ -24,6 +24,7 @@ from rich.table import Table
 from rlcore.app.grpo import Handoff, check_divergence, probe_batch, run_grpo, token_mult_prob_error
 from rlcore.app.interrupts import RunInterrupted, signal_name, signum_of
 from rlcore.app.plots import plot_reward, plot_setup_timeline
+from rlcore.app.recovery import GenerationRecovery
 from rlcore.config import RunConfig, cache_dir, load_config
 from rlcore.errors import ConfigError
 from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
@@ -346,6 +347,19 @@ def _train(
         }
         handoff = Handoff(sleeper.get("policy"), sleeper.get("generation"))
 
+    recovery = None
+    if config.generation.on_worker_loss == "replace":
+        recovery = GenerationRecovery(
+            setup, generation, cancel,
+            probe_error=lambda: token_mult_prob_error(generation.logprobs(probe), policy.logprobs(probe)),
+            check=lambda err, step: check_divergence(
+                err, limit, step=step, policy=config.policy.backend, generation=config.generation.backend
+            ),
+            record=lambda m, step: _record_loss(m, step, writer, console),
+            handoff=handoff,
+            init_time_s=setup.metrics.get("timing/setup/init:generation_time_s"),
+        )
+
     def on_step(m: dict[str, Any]) -> None:
         phase.now = f"step {m['step'] + 1}"
         writer.write(m, step=m["step"])
@@ -369,6 +383,18 @@ def _train(
         handoff=handoff,
         trace=lambda name, t0, t1, step: trace.add_span(name, t0, t1, cat="step", lane="grpo", args={"step": step}),
         cancelled=lambda: cancel.cancelled,
+        on_generation_loss=recovery,
     )
     if history:
         plot_reward(history, run_dir / "reward.png", title=f"{config.name}: reward per step")
+
+
+def _record_loss(m: dict[str, Any], step: int, writer: MetricsWriter, console: Console) -> None:
+    """One metrics line per replaced generation, and one line on the console."""
+    writer.write(m, step=step)
+    console.print(
+        f"[yellow]step {step:>3}  lost {m['generation/lost_worker']} during {m['generation/lost_during']}; "
+        f"replaced and serving in {m['generation/replace_time_s']:.1f}s "
+        f"(init {m['generation/replace_init_time_s']:.1f}s, mult_prob_err "
+        f"{m['generation/replace_mult_prob_error']:.4f})[/yellow]"
+    )

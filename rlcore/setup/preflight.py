@@ -9,7 +9,8 @@ a second with one line that names the key and the fix:
 1. the selected backends exist and serve their roles, their options are valid,
    and the declarations make a plan (refit transport included) — the same
    :func:`rlcore.setup.registry.plan_for` that setup runs;
-2. ``setup.task_deadline_s`` names tasks of that plan;
+2. ``setup.task_deadline_s`` names tasks of that plan, and ``generation.on_worker_loss:
+   replace`` is not asked of a run whose env holds the generation's endpoint;
 3. ``model.path`` is a loadable Hugging Face checkpoint: ``config.json`` parses,
    a tokenizer is there, and every safetensors file's header is read and its
    size compared with what the header says (a truncated file is named);
@@ -89,6 +90,7 @@ def check_before_start(
     """
     plan = check_plan(config, registry, accelerator=accelerator)
     check_task_deadlines(config, plan)
+    check_worker_loss(config, plan)
     check_model(config)
     check_resources(config)
     check_placement(config)
@@ -144,6 +146,23 @@ def check_task_deadlines(config: RunConfig, plan: Plan) -> None:
                 f"config key 'setup.task_deadline_s.{task}' names no task of this run's plan; "
                 f"its tasks are {', '.join(names)}",
                 key=f"setup.task_deadline_s.{task}",
+            )
+
+
+def check_worker_loss(config: RunConfig, plan: Plan) -> None:
+    """``generation.on_worker_loss: replace`` needs no env that holds the generation's
+    endpoint: the replaced engine serves at a new address the env would never learn."""
+    from rlcore.declarations import ENDPOINT_EVENT
+
+    if config.generation.on_worker_loss != "replace":
+        return
+    for wait in plan.waits:
+        if wait.kind == "event" and wait.target == ENDPOINT_EVENT:
+            raise ConfigError(
+                f"config key 'generation.on_worker_loss' is 'replace', but {wait.task} "
+                f"({config.env.backend}) talks to the generation through its endpoint, which a "
+                "replaced engine serves at a new address; set generation.on_worker_loss=abort",
+                key="generation.on_worker_loss",
             )
 
 
