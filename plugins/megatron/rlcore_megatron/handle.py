@@ -654,10 +654,16 @@ def _start_endpoint(
     handle: MegatronGeneration, model_dir: Path, options: MegatronOptions, ctx: InitContext
 ) -> Any:
     """The OpenAI-compatible endpoint over ``handle.generate`` (``serve_openai``)."""
+    from rlcore.placement import Network
+    from rlcore.runtime.workers import is_loopback, server_host
     from rlcore.serve.openai_endpoint import OpenAIEndpoint
     from rlcore_megatron.worker import eos_token_ids
 
     replicas = max(1, len(handle._leads))
+    # Loopback unless a reader is on another node (ctx.network) or the options chose a host;
+    # off loopback every request needs a token: the run's, or one of its own.
+    host = server_host(ctx.network) if is_loopback(options.host) else options.host
+    token = ctx.network.token or (None if is_loopback(host) else Network.spread().token)
     server = OpenAIEndpoint(
         handle,
         str(model_dir),
@@ -668,8 +674,9 @@ def _start_endpoint(
         max_batch=options.max_batch_size * replicas,
         batch_wait_s=options.batch_wait_ms / 1000.0,
         seed=options.seed,
-        host=options.host,
+        host=host,
         port=options.port,
+        token=token,
     )
     remaining = ctx.deadline.remaining()
     try:

@@ -84,8 +84,9 @@ class MegatronOptions:
     serve_openai: bool = False
     #: (generation, serve_openai) The model name requests use and ``/v1/models`` lists.
     served_model_name: str = "policy"
-    #: (generation, serve_openai) Address to listen on; keep it local unless a remote
-    #: environment needs it (the endpoint has no authentication).
+    #: (generation, serve_openai) Address to listen on. On loopback (the default) the
+    #: endpoint moves to the node's address by itself when a reader is on another node;
+    #: off loopback it always wants a bearer token (the run's), announced as the API key.
     host: str = "127.0.0.1"
     #: (generation, serve_openai) Port to listen on; 0 picks a free one.
     port: int = 0

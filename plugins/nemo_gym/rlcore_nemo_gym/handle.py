@@ -342,6 +342,14 @@ def start_env(ctx: InitContext) -> NemoGymEnv:
         raise ConfigError(
             f"env.options.nice is {o.nice}; use 0 (off) to 19", key="env.options.nice"
         )
+    if ctx.placement.pinned:
+        # Gym's servers are children of the driver, which reads them: they stay beside it
+        # (on loopback). Only the generation endpoint they call may be on another node.
+        raise ConfigError(
+            "backend 'nemo_gym' runs its servers beside the driver, so it cannot be placed on "
+            "other nodes; remove placement.nodes.env (the generation may still be elsewhere)",
+            key="placement.nodes.env",
+        )
     python = find_gym_python(o.gym_python)
     if o.config_path is None:
         check_env_name(python, o.env_name)
@@ -369,7 +377,8 @@ def start_env(ctx: InitContext) -> NemoGymEnv:
         s.start()
         return s
 
-    servers = launch(o.model_name, o.api_key)
+    # The run's token (a generation endpoint on another node checks it) is Gym's API key.
+    servers = launch(o.model_name, ctx.network.token or o.api_key)
     try:
         start_deadline = ctx.deadline.sooner(o.server_start_timeout_s, "nemo_gym server start")
         info: dict[str, Any] | None = None

@@ -196,6 +196,7 @@ class GymServers:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.status_path.unlink(missing_ok=True)
         spec_path = self.workdir / "spec.json"
+        spec_path.touch(mode=0o600)  # it holds the API key (the run's token across nodes)
         spec_path.write_text(json.dumps(self.spec.to_json(), indent=1))
         env = {
             k: v

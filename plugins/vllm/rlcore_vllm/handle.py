@@ -109,6 +109,7 @@ def start_generation(ctx: InitContext) -> VLLMGeneration:
             "refit_fed": bool(section.refit_fed),
             "options": options,
             "log_dir": str(log_dir),
+            "network": ctx.network,
         },
         num_cpus=1.0 if cuda else float(section.devices_per_worker),
         num_gpus=1.0 if cuda else 0.0,
@@ -132,7 +133,7 @@ def start_generation(ctx: InitContext) -> VLLMGeneration:
         endpoints = []
         if options.serve_openai:
             for e in group.call("endpoint_info", what="endpoints", deadline=ctx.deadline):
-                endpoints.append(Endpoint(base_url=e["base_url"], model=e["model"]))
+                endpoints.append(Endpoint(base_url=e["base_url"], model=e["model"], api_key=e["api_key"]))
     except BaseException:
         group.shutdown()
         raise

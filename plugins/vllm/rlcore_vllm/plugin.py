@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 class VLLMOptions:
     """``generation.options`` of the ``vllm`` backend."""
 
-    #: Start vLLM's OpenAI-compatible server in each worker (bound to 127.0.0.1)
+    #: Start vLLM's OpenAI-compatible server in each worker (on 127.0.0.1; on the
+    #: node's address, guarded by the run's token, when a reader is on another node)
     #: and serve generation through it; the handle's ``endpoint`` then points at
     #: worker 0's server. Off: the engine runs inside the worker process (faster start).
     serve_openai: bool = False

@@ -9,9 +9,12 @@ not do that by itself: killing it leaves its engine core running. The guard is
 the worker's grandchild, because Ray kills a dying worker's direct children
 (the launcher's stub) but not their descendants.
 
-The server binds 127.0.0.1 only and runs with ``VLLM_SERVER_DEV_MODE=1``
-(which adds the weight-transfer and cache routes refit needs, and others such
-as ``/collective_rpc``): never expose it beyond the host.
+The server runs with ``VLLM_SERVER_DEV_MODE=1`` (which adds the weight-transfer
+and cache routes refit needs, and others such as ``/collective_rpc``). It binds
+127.0.0.1 when the run is on one node; when a reader is on another node
+(``InitContext.network``) it binds the node's address and every route but
+``/health`` wants the run's token (rlcore's :class:`rlcore.serve.auth.BearerGuard`
+as vLLM middleware: vLLM's own ``--api-key`` guards ``/v1`` only, not the dev routes).
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from rlcore.placement import TOKEN_ENV
 from rlcore.runtime.proc import log_tail, signal_group, stop_group
+from rlcore.runtime.workers import is_loopback
 
 log = logging.getLogger(__name__)
 
-_HOST = "127.0.0.1"
 
 
 class ServerError(RuntimeError):
@@ -48,13 +52,26 @@ class ServerProcess:
         port: the port to bind.
         log_path: where the server's stdout and stderr go.
         env: extra environment variables of the server.
+        host: the address to bind (loopback unless a reader is on another node).
+        token: the run's token; required off loopback, then checked on every route.
     """
 
     def __init__(
-        self, vllm_args: list[str], *, port: int, log_path: Path, env: dict[str, str]
+        self,
+        vllm_args: list[str],
+        *,
+        port: int,
+        log_path: Path,
+        env: dict[str, str],
+        host: str = "127.0.0.1",
+        token: str | None = None,
     ) -> None:
+        if not is_loopback(host) and not token:
+            raise ServerError(f"vLLM server on {host}, beyond loopback, needs the run's token")
         self.port = port
-        self.base = f"http://{_HOST}:{port}"
+        self.host = host
+        self.token = token
+        self.base = f"http://{host}:{port}"
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = [
@@ -66,10 +83,13 @@ class ServerProcess:
             "--",
             *vllm_args,
             "--host",
-            _HOST,
+            host,
             "--port",
             str(port),
         ]
+        if token:
+            cmd += ["--middleware", "rlcore.serve.auth.BearerGuard"]
+            env = {**env, TOKEN_ENV: token}
         with open(log_path, "ab") as out:
             self.proc = subprocess.Popen(
                 cmd,
@@ -112,9 +132,8 @@ class ServerProcess:
     ) -> Any:
         """POST JSON to ``path``; returns the decoded JSON answer or raises :class:`ServerError`."""
         data = json.dumps(body or {}).encode()
-        req = urllib.request.Request(
-            self.base + path, data=data, headers={"Content-Type": "application/json"}, method="POST"
-        )
+        headers = {"Content-Type": "application/json", **self.auth_headers()}
+        req = urllib.request.Request(self.base + path, data=data, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
                 raw = r.read()
@@ -124,6 +143,10 @@ class ServerProcess:
         except (urllib.error.URLError, OSError) as err:
             raise ServerError(f"vLLM server: POST {path} failed: {err}") from None
         return json.loads(raw) if raw else None
+
+    def auth_headers(self) -> dict[str, str]:
+        """The ``Authorization`` header this server wants, or {} on loopback."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     def log_tail(self, n: int = 40) -> str:
         return log_tail(self.log_path, n)

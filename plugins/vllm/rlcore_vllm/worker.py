@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from rlcore.runtime.workers import DistributedWorker, free_port
+from rlcore.runtime.workers import DistributedWorker, free_port, server_host
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ class VLLMWorker(DistributedWorker):
         options: the backend's :class:`rlcore_vllm.plugin.VLLMOptions`.
         log_dir: where server mode writes the server's log.
         seed: the engine's global seed.
+        network: the run's :class:`rlcore.placement.Network`: where server mode binds
+            (loopback, or this node's address with the run's token).
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class VLLMWorker(DistributedWorker):
         options: Any,
         log_dir: str | None = None,
         seed: int = 0,
+        network: Any = None,
     ) -> None:
         super().__init__(rank, world_size)
         self.model_dir = model_dir
@@ -66,6 +69,7 @@ class VLLMWorker(DistributedWorker):
         self.options = options
         self.log_dir = log_dir
         self.seed = seed
+        self.network = network
         self.llm: Any = None
         self.server: Any = None
         #: Why the engine's weights cannot be trusted (a refit failed half-way), or None.
@@ -139,6 +143,8 @@ class VLLMWorker(DistributedWorker):
             port=port,
             log_path=log_dir / f"vllm-server-{self.rank}-{os.getpid()}.log",
             env=env,
+            host=server_host(self.network),
+            token=self.network.token if self.network is not None else None,
         )
         try:
             return self.server.wait_healthy(timeout_s)
@@ -356,12 +362,13 @@ class VLLMWorker(DistributedWorker):
     # ------------------------------------------------------------- lifecycle
 
     def endpoint_info(self) -> dict[str, Any] | None:
-        """``{"base_url", "model", "pid", "pgid"}`` of this worker's server, or None in-process."""
+        """``{"base_url", "model", "api_key", "pid", "pgid"}`` of this worker's server, or None in-process."""
         if self.server is None:
             return None
         return {
             "base_url": self.server.base + "/v1",
             "model": self.options.served_model_name,
+            "api_key": self.server.token or "EMPTY",
             "pid": self.server.proc.pid,
             "pgid": self.server.pgid,
         }
