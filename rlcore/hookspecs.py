@@ -105,6 +105,15 @@ def rlcore_init_generation(ctx: InitContext) -> BackendHandle:
     load the weights from ``config.model.path`` or an artifact the declaration
     ``needs`` (wait for it with ``ctx.wait_artifact``).
 
+    Called again, in the same driver process, when the run has
+    ``generation.on_worker_loss: replace`` and a call on the handle raised
+    :class:`rlcore.errors.WorkerLost` (one of its workers' processes is gone): the core
+    drops the old handle's refit channels, calls its ``shutdown()`` (which must return
+    with workers already dead), then calls this hook with the context ``init:generation``
+    had and refits the new handle before it serves. So an init must not depend on state
+    a previous init of the run left behind, and a handle whose worker is lost raises
+    ``WorkerLost`` (handles over :class:`rlcore.runtime.workers.WorkerGroup` do).
+
     Returns:
         A generation handle: at least ``shutdown()``; ``endpoint`` (an
         :class:`rlcore.handles.Endpoint`) if it serves an OpenAI-compatible
