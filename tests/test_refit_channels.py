@@ -180,3 +180,55 @@ def test_sender_tensor_of_another_dtype_is_an_error(tmp_path) -> None:
     with pytest.raises(RefitError, match="model.norm.weight.*plan says"):
         send_weights(spec, 1, iter(wrong.items()), plan_buckets(specs, 1 << 20))
     assert not (tmp_path / "dtype" / "step-000001").exists()
+
+
+def test_three_replicas_receive_bit_identical_weights_through_one_fan_out(monkeypatch) -> None:
+    """Refit to N = 3 generation replicas is one group of 1 + 3 ranks and one broadcast per
+    bucket (a tree inside gloo, a pipelined ring inside NCCL), never a send per replica:
+    every replica holds the sender's exact bytes. ``bench/refit_fanout.py`` times it."""
+    import io
+
+    from rlcore.refit import channels
+
+    calls: list[int] = []
+    broadcast = channels._Collective.broadcast
+
+    def counting(self, buf):  # noqa: ANN001, ANN202
+        calls.append(buf.numel())
+        return broadcast(self, buf)
+
+    monkeypatch.setattr(channels._Collective, "broadcast", counting)
+    weights = _weights(3)
+    specs = [spec_of(n, t) for n, t in weights.items()]
+    buckets = plan_buckets(specs, 1024)
+    assert len(buckets) > 3
+    replicas = (1, 2, 3)
+    spec = ChannelSpec(
+        "collective", f"fan{os.getpid()}", world_size=1 + len(replicas), addr="127.0.0.1",
+        port=free_port(), timeout_s=30,
+    )
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_receiver, args=(spec, r, buckets, out)) for r in replicas]
+    for p in procs:
+        p.start()
+    try:
+        open_channel(spec, 0)
+        assert send_weights(spec, 1, iter(weights.items()), buckets) == sum(s.nbytes for s in specs)
+        results = dict(out.get(timeout=60) for _ in procs)
+    finally:
+        channels.close_channel(spec)
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    # One fan-out: one broadcast per bucket, of the bucket's bytes, whatever the replicas.
+    assert calls == [sum(s.nbytes for s in b) for b in buckets]
+    assert sorted(results) == list(replicas)
+    for rank in replicas:
+        assert not isinstance(results[rank], str), results[rank]
+        got = torch.load(io.BytesIO(results[rank]))
+        assert list(got) == list(weights)
+        for name, t in weights.items():
+            assert got[name].dtype == t.dtype and got[name].shape == t.shape, (rank, name)
+            assert torch.equal(got[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), (rank, name)
