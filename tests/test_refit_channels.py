@@ -3,6 +3,7 @@ moving tensors bit-exactly between real processes."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 
@@ -67,6 +68,24 @@ def _receiver(spec: ChannelSpec, rank: int, buckets, out) -> None:
         out.put((rank, repr(err)))
 
 
+@contextlib.contextmanager
+def _receivers(target, ranks, *args):  # noqa: ANN001, ANN202
+    """Start ``target(spec-and-args..., out)`` per rank in spawned processes; yield ``out``;
+    join them (killed after 30 s) whatever happens."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(args[0], r, *args[1:], out)) for r in ranks]
+    for p in procs:
+        p.start()
+    try:
+        yield out
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
 @pytest.mark.parametrize("transport", ["collective", "disk", "shared_memory"])
 def test_channel_round_trip_is_bit_exact(transport: str, tmp_path) -> None:
     weights = _weights()
@@ -78,21 +97,11 @@ def test_channel_round_trip_is_bit_exact(transport: str, tmp_path) -> None:
         transport, f"t{os.getpid()}{transport}", world_size=3,
         addr="127.0.0.1", port=free_port(), root=None if transport == "collective" else root, timeout_s=30,
     )
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_receiver, args=(spec, r, buckets, out)) for r in (1, 2)]
-    for p in procs:
-        p.start()
-    try:
+    with _receivers(_receiver, (1, 2), spec, buckets) as out:
         open_channel(spec, 0)
         sent = send_weights(spec, 1, iter(weights.items()), buckets)
         assert sent == sum(s.nbytes for s in specs)
-        results = dict(out.get(timeout=60) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        results = dict(out.get(timeout=60) for _ in (1, 2))
     import io
 
     for rank in (1, 2):
@@ -133,25 +142,15 @@ def test_announced_collective_with_a_tiny_in_flight_budget(monkeypatch) -> None:
         "collective", f"ann{os.getpid()}", world_size=3, addr="127.0.0.1", port=free_port(),
         timeout_s=30, announce=True,
     )
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [
-        ctx.Process(target=_receiver_steps, args=(spec, r, buckets, len(steps), out)) for r in (1, 2)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        open_channel(spec, 0)
-        assert channels._open[spec.key].ready is not None
-        for step, weights in enumerate(steps, 1):
-            assert send_weights(spec, step, iter(weights.items()), buckets) == sum(s.nbytes for s in specs)
-        results = [out.get(timeout=60) for _ in range(len(procs) * len(steps))]
-    finally:
-        channels.close_channel(spec)
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    with _receivers(_receiver_steps, (1, 2), spec, buckets, len(steps)) as out:
+        try:
+            open_channel(spec, 0)
+            assert channels._open[spec.key].ready is not None
+            for step, weights in enumerate(steps, 1):
+                assert send_weights(spec, step, iter(weights.items()), buckets) == sum(s.nbytes for s in specs)
+            results = [out.get(timeout=60) for _ in range(2 * len(steps))]
+        finally:
+            channels.close_channel(spec)
     for rank, step, payload in results:
         assert not isinstance(payload, str), payload
         got = torch.load(io.BytesIO(payload))
@@ -207,21 +206,13 @@ def test_three_replicas_receive_bit_identical_weights_through_one_fan_out(monkey
         "collective", f"fan{os.getpid()}", world_size=1 + len(replicas), addr="127.0.0.1",
         port=free_port(), timeout_s=30,
     )
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_receiver, args=(spec, r, buckets, out)) for r in replicas]
-    for p in procs:
-        p.start()
-    try:
-        open_channel(spec, 0)
-        assert send_weights(spec, 1, iter(weights.items()), buckets) == sum(s.nbytes for s in specs)
-        results = dict(out.get(timeout=60) for _ in procs)
-    finally:
-        channels.close_channel(spec)
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    with _receivers(_receiver, replicas, spec, buckets) as out:
+        try:
+            open_channel(spec, 0)
+            assert send_weights(spec, 1, iter(weights.items()), buckets) == sum(s.nbytes for s in specs)
+            results = dict(out.get(timeout=60) for _ in replicas)
+        finally:
+            channels.close_channel(spec)
     # One fan-out: one broadcast per bucket, of the bucket's bytes, whatever the replicas.
     assert calls == [sum(s.nbytes for s in b) for b in buckets]
     assert sorted(results) == list(replicas)
