@@ -3,21 +3,30 @@
 A four-node Ray cluster (a head and nodes a, b, c, each with its own custom resource and
 label) runs on this machine as Ray's own ``ray.cluster_utils.Cluster`` starts it. The
 quickstart job joins it by ``cluster.address`` with the policy placed by resource on
-node a, the generation by label on node b and the env by resource on node c; the run's
-``placement.json`` (node ids the workers report) must show each role where the config
-put it, the refit rendezvous on the policy's node address, and the servers exposed with
-a token. After the run the cluster and its four nodes must still be alive and serving.
+node a, the generation (vLLM behind its OpenAI-compatible server) by label on node b and
+the env by resource on node c; the run's ``placement.json`` (node ids the workers report)
+must show each role where the config put it, the refit rendezvous on the policy's node
+address, and the servers exposed with a token. While it runs, the sockets of the run's
+workers are sampled: none listens on every interface, and the vLLM server listens on the
+node's address and answers 401 to a request without the run's token (the run's own
+requests carry it, or the run would fail). After the run the cluster and its four nodes
+must still be alive and serving.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 pytest.importorskip("rlcore_fsdp")
@@ -27,6 +36,9 @@ REPO = Path(__file__).resolve().parents[1]
 RLCORE = Path(sys.executable).with_name("rlcore")
 NODES = ("a", "b", "c")
 LABEL = "rlcore-test-node"
+#: Processes of the run whose sockets are sampled (Ray names actors' processes ray::<Class>).
+WORKERS = ("ray::FSDPWorker", "ray::VLLMWorker", "ray::EnvWorker", "vllm.entrypoints.openai.api_server")
+WILDCARD = {"0.0.0.0", "::"}
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +78,36 @@ def _driver(script: str, *args: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+def _listening(proc: psutil.Process) -> list[tuple[str, int]]:
+    return [
+        (c.laddr.ip, c.laddr.port) for c in proc.net_connections("inet")
+        if c.laddr and c.type == socket.SOCK_STREAM and c.status == psutil.CONN_LISTEN
+    ]
+
+
+def _sample_workers(seen: dict[tuple[str, int], str]) -> None:
+    """Record the listening sockets of the run's worker processes (and vLLM's server)."""
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            kind = next((w for w in WORKERS if w in cmd), None)
+            if kind is not None:
+                for sock in _listening(p):
+                    seen.setdefault(sock, kind)
+        except psutil.Error:
+            continue  # exited meanwhile
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as err:
+        return int(err.code)
+    except OSError:  # not serving yet (or gone): asked again at the next sample
+        return -1
+
+
 def _nodes(address: str) -> list[dict[str, Any]]:
     """The cluster's nodes as a separate driver sees them (``ray.nodes()``)."""
     return json.loads(_driver(_NODES_SCRIPT, address))
@@ -87,11 +129,26 @@ def test_roles_run_on_the_nodes_the_config_picks_and_the_cluster_survives(cluste
         f"cluster.address={cluster.address}", "cluster.num_cpus=null",
         "placement.nodes.policy.resources={node_a: 0.01}",
         f"placement.nodes.generation.labels={{{LABEL}: b}}",
-        "placement.nodes.env.resources={node_c: 0.01}",
+        "placement.nodes.env.resources={node_c: 0.01}", "generation.options.serve_openai=true",
         f"setup.cache_dir={tmp_path / 'cache'}", "--out", str(run_dir),
     ]
-    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=800)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    seen: dict[tuple[str, int], str] = {}
+    unauthorized: dict[tuple[str, int], int] = {}  # the vLLM server's answer without a token
+    try:
+        deadline = time.monotonic() + 800
+        while proc.poll() is None and time.monotonic() < deadline:
+            _sample_workers(seen)
+            for (ip, port), kind in seen.items():
+                if kind.startswith("vllm") and unauthorized.get((ip, port), -1) == -1:
+                    unauthorized[(ip, port)] = _status(f"http://{ip}:{port}/v1/models")
+            time.sleep(0.2)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, output[-4000:]
 
     nodes = {n["NodeID"]: n for n in _nodes(cluster.address)}
     by_name = {n: next(i for i, v in nodes.items() if f"node_{n}" in v["Resources"]) for n in NODES}
@@ -105,6 +162,20 @@ def test_roles_run_on_the_nodes_the_config_picks_and_the_cluster_survives(cluste
     assert placed["refit"]["addr"] == nodes[by_name["a"]]["NodeManagerAddress"]
     assert not placed["refit"]["addr"].startswith("127.")
     assert placed["readers_elsewhere"] is True
+    # What rlcore binds listens on node addresses, never on every interface (Ray's own
+    # worker ports on a joined cluster are Ray's choice): the refit store on the policy's...
+    print("listening sockets of the run's workers:", sorted(seen.items()))
+    kinds = set(seen.values())
+    assert {"ray::FSDPWorker", "vllm.entrypoints.openai.api_server"} <= kinds, seen
+    refit_port = placed["refit"]["port"]
+    assert seen.get((placed["refit"]["addr"], refit_port)) == "ray::FSDPWorker", seen
+    assert not [ip for ip, port in seen if port == refit_port and ip != placed["refit"]["addr"]], seen
+    # ... and vLLM's server on the generation's node, guarded.
+    node_b = nodes[by_name["b"]]["NodeManagerAddress"]
+    assert not [sock for sock, k in seen.items() if k.startswith("vllm") and sock[0] in WILDCARD], seen
+    served = {sock for sock, k in seen.items() if k.startswith("vllm")}
+    assert served and all(ip == node_b for ip, _ in served), served
+    assert unauthorized and set(unauthorized.values()) == {401}, unauthorized
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert max(m.get("step", 0) for m in metrics) >= 1
 
@@ -112,3 +183,20 @@ def test_roles_run_on_the_nodes_the_config_picks_and_the_cluster_survives(cluste
     after = {i for i, n in nodes.items() if n["Alive"]}
     assert after == before
     assert _serves_on_every_node(cluster.address) == [by_name[n] for n in NODES]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_placement_no_node_matches_fails_naming_the_key_and_what_the_nodes_have(cluster: Any, tmp_path: Path) -> None:
+    argv = [
+        str(RLCORE), "run", str(REPO / "examples" / "quickstart.yaml"), "grpo.steps=1",
+        f"cluster.address={cluster.address}", "cluster.num_cpus=null",
+        "placement.nodes.policy.resources={node_z: 0.01}",
+        f"setup.cache_dir={tmp_path / 'cache'}", "--out", str(tmp_path / "run"),
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=280)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert "placement.nodes.policy" in output and "node_z" in output, output[-3000:]
+    assert "node_a" in output  # what the nodes do have
+    assert len([n for n in _nodes(cluster.address) if n["Alive"]]) == 4
