@@ -12,6 +12,11 @@ Rules (docs/decisions.md, "The plan", says why they are these):
 5. An env that needs the generation endpoint starts at once and waits for it
    inside its init; it never blocks the refit that makes the endpoint serve.
 
+The rules apply to worker groups: a run from a config has one per role, and
+:func:`plan_groups` plans any number (generation replicas, several envs) in time
+linear in groups and edges (``bench/scale.py``: 1,000 groups planned and run with
+instant tasks well under a second).
+
 The planner imports no heavy dependency: ``rlcore plan`` runs anywhere.
 """
 
