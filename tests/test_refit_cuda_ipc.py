@@ -91,7 +91,9 @@ class Pair:
     """A sender and ``n`` receivers of one channel, each end in its own thread (ends are
     made directly: :func:`cuda_ipc.open_channel` keeps one end per channel per process)."""
 
-    def __init__(self, receivers: int = 1, uuids: tuple[str, ...] = (), timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, receivers: int = 1, uuids: tuple[str, ...] = (), timeout_s: float = 30.0, layouts: tuple[str, ...] = ()
+    ) -> None:
         self.registry: dict[int, Any] = {}
         self.spec = _spec(1 + receivers, timeout_s)
         self.ipcs = [
@@ -100,7 +102,11 @@ class Pair:
         self.ends: list[Any] = [None] * (1 + receivers)
 
         def make(r: int) -> None:
-            end = cuda_ipc.SenderEnd(self.spec, self.ipcs[0]) if r == 0 else cuda_ipc.ReceiverEnd(self.spec, r, self.ipcs[r])
+            layout = layouts[r] if r < len(layouts) else ""
+            end = (
+                cuda_ipc.SenderEnd(self.spec, self.ipcs[0], layout) if r == 0
+                else cuda_ipc.ReceiverEnd(self.spec, r, self.ipcs[r], layout)
+            )
             self.ends[r] = end
 
         self.open_errors = self.run([lambda r=r: make(r) for r in range(1 + receivers)])
@@ -129,16 +135,18 @@ class Pair:
         buckets: Any,
         sinks: list[dict[str, torch.Tensor]],
         consume: Callable[[Iterator[tuple[str, torch.Tensor]], dict[str, torch.Tensor]], None] | None = None,
+        layout: str = "",
+        sent_layout: str = "",
     ) -> list[BaseException | None]:
         def load(rank: int) -> None:
-            it = self.ends[rank].receive(buckets)
+            it = self.ends[rank].receive(buckets, layout)
             if consume is not None:
                 consume(it, sinks[rank - 1])
                 return
             for name, t in it:
                 sinks[rank - 1][name].copy_(t)
 
-        fns: list[Callable[[], Any]] = [lambda: self.ends[0].send(stream, buckets)]
+        fns: list[Callable[[], Any]] = [lambda: self.ends[0].send(stream, buckets, sent_layout)]
         fns += [lambda r=r: load(r) for r in range(1, self.spec.world_size)]
         return self.run(fns)
 
@@ -253,6 +261,45 @@ def test_other_gpu_refused_on_both_sides() -> None:
         for err in (sender_err, receiver_err):
             assert "GPU-aaaa" in str(err) and "GPU-bbbb" in str(err)
             assert "refit.transport: collective" in str(err)
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize(
+    ("layouts", "agreed", "why"),
+    [
+        (("A", "A", "A"), "A", ""),
+        (("A", "A", "B"), "", "receiver rank 2 holds another layout"),
+        (("A", "", "A"), "", "receiver rank 1 offered no native layout"),
+        (("", "A", "A"), "", "the sender offered no native layout"),
+    ],
+)
+def test_native_layout_agreed_at_open_only_when_every_end_offers_it(
+    model: dict[str, torch.Tensor], layouts: tuple[str, ...], agreed: str, why: str
+) -> None:
+    """Every end learns at open which native layout the channel agreed on (the sender's, when
+    each receiver offered the same) or none, with the reason; a stream under a layout the
+    channel did not agree on, or a message under another layout than the receiver expects,
+    is refused before any byte is written; the plan's tensors always pass."""
+    pair = Pair(receivers=2, layouts=layouts)
+    try:
+        assert pair.open_errors == [None, None, None]
+        assert [e.agreed for e in pair.ends] == [agreed] * 3
+        assert pair.sender.why_not_native.startswith(why)
+        buckets = plan_buckets([spec_of(n, t) for n, t in _stream(model)], 1 << 20)
+        sinks = [_sink(model), _sink(model)]
+        if not agreed:
+            with pytest.raises(RefitError, match="agreed on none at open"):
+                pair.sender.send(_stream(model), buckets, layouts[0] or "A")
+            assert pair.refit(_stream(model), buckets, sinks) == [None, None, None]
+        else:
+            errors = pair.refit(_stream(model), buckets, sinks, layout=agreed)  # the plan's, expected the layout
+            assert isinstance(errors[0], RefitError) and "receiving side" in str(errors[0])
+            assert all(isinstance(e, RefitError) and "nothing was written" in str(e) for e in errors[1:])
+            assert all(not t.any() for sink in sinks for t in sink.values())
+            assert pair.refit(_stream(model), buckets, sinks, layout=agreed, sent_layout=agreed) == [None] * 3
+            expected = _expected(model)
+            assert all(torch.equal(sink[n], expected[n]) for sink in sinks for n in expected)
     finally:
         pair.close()
 

@@ -31,7 +31,16 @@ Protocol (``seq`` counts the channel's refits on every rank):
 1. open: the sender puts its GPU's UUID; each receiver refuses unless its current
    GPU has the same UUID (indices differ between processes with their own
    ``CUDA_VISIBLE_DEVICES``; UUIDs name the physical device) and answers
-   ``joined/<rank>``; the sender fails too when one refuses.
+   ``joined/<rank>``; the sender fails too when one refuses. Each end may have
+   offered a *native layout* (:func:`offer_layout`: a fingerprint of how its
+   backend holds the weights: names, shapes, dtypes, parallel layout); receivers put
+   theirs (or nothing) under ``layout/<rank>`` before joining, and the sender puts
+   the *agreed* layout under ``layout``: its own when every receiver offered the
+   same, else nothing. Both ends read it before any refit (:func:`agreed_layout`);
+   with one agreed, the backends may stream their own tensors under their own plan
+   instead of the Hugging Face plan (no conversion on either side), and every
+   message names the layout it follows, which the receiver checks against its own
+   before it yields a tensor.
 2. refit: the sender walks the plan (:func:`rlcore.refit.channels._buckets_in_order`
    checks every name, shape and dtype), stages what must be staged, waits for its
    device (``synchronize``: the export and the packs are done) and puts one message
@@ -177,6 +186,9 @@ class _End:
         self.waiting: str | None = None  # the key a wait is blocked on
         self.closed = threading.Event()
         self.broken: str | None = None
+        #: the native layout both sides agreed on at open ("" when none), and why not
+        self.agreed = ""
+        self.why_not_native = ""
 
     def get(self, key: str, what: str) -> bytes:
         """The value of ``key`` once some rank puts it: bounded by the channel's timeout,
@@ -240,7 +252,7 @@ class _End:
 class SenderEnd(_End):
     """Channel rank 0: shares persistent storages and a staging buffer (see the module doc)."""
 
-    def __init__(self, spec: ChannelSpec, ipc: IpcLayer) -> None:
+    def __init__(self, spec: ChannelSpec, ipc: IpcLayer, layout: str = "") -> None:
         super().__init__(spec, 0, ipc)
         self.device = ipc.device()
         self.is_cuda = self.device.type == "cuda"
@@ -251,6 +263,7 @@ class SenderEnd(_End):
         self.next_sid = 0
         self.staging: tuple[int, Any] | None = None  # (sid, buffer)
         self.slots: dict[int, int] = {}  # plan index -> byte offset in the staging buffer
+        self.slots_plan: Any = None  # the plan the slots were given for (a native plan is another)
         self.release_next: list[int] = []  # sids the receivers drop at the next message
         self.store.set("uuid", ipc.device_uuid())
         refused = []
@@ -258,6 +271,9 @@ class SenderEnd(_End):
             answer = self.get(f"joined/{r}", f"receiver rank {r} to join")
             if answer != b"ok":
                 refused.append(answer.decode(errors="replace"))
+        theirs = {r: self.get(f"layout/{r}", f"receiver rank {r}'s layout").decode() for r in range(1, spec.world_size)}
+        self.agreed, self.why_not_native = _agree(layout, theirs)
+        self.store.set("layout", "" if refused else self.agreed)  # joined receivers wait for it
         if refused:
             raise RefitError("cuda_ipc channel refused: " + "; ".join(refused))
 
@@ -277,13 +293,25 @@ class SenderEnd(_End):
         handles[sid] = self.ipc.share(flat)
         return sid
 
-    def send(self, named: Iterable[tuple[str, Any]], buckets: Sequence[Sequence[TensorSpec]]) -> int:
+    def send(
+        self, named: Iterable[tuple[str, Any]], buckets: Sequence[Sequence[TensorSpec]], layout: str = ""
+    ) -> int:
         self.check_usable()
+        if layout and layout != self.agreed:
+            raise RefitError(
+                f"cuda_ipc channel {self.spec.key}: the sender streams native layout {layout[:12]}, but the channel "
+                f"agreed on {self.agreed[:12] or 'none'} at open ({self.why_not_native or 'agreed'}); "
+                "stream the plan's tensors instead"
+            )
         seq, self.seq = self.seq, self.seq + 1
         t0 = time.perf_counter()
+        if self.slots_plan is not buckets and self.slots_plan != buckets:
+            self.slots.clear()  # another plan: its indices name other tensors (the buffer stays, regrown if short)
+            self.slots_plan = buckets
         new: list[int] = []  # storages first used now: shared only once the stream went through
         try:
             message, pending = self._collect(named, buckets, new)
+            message["layout"] = layout
         except BaseException as err:
             for ptr in new:  # never shared: no handle exists, nothing to release
                 self.persistent[ptr] = self.shared.pop(ptr)[1]
@@ -379,20 +407,26 @@ class SenderEnd(_End):
 
         if not pending:
             return
-        size = self.staging[1].numel() if self.staging else 0
+        fresh = not self.slots  # no slot in use (first refit, or the plan changed): start at 0
+        size = self.staging[1].numel() if self.staging and not fresh else 0
         for index, t in pending:
             size = -(-size // ALIGN) * ALIGN
             self.slots[index] = size
             size += t.numel() * t.element_size()
-        buf = torch.empty(-(-size // ALIGN) * ALIGN, dtype=torch.uint8, device=self.device)
         old = self.staging
-        if old is not None:
-            buf[: old[1].numel()].copy_(old[1])
-            message["release"].append(old[0])
-            self.shared.pop(old[1].data_ptr(), None)
-        sid = self._share(buf, message["handles"])
-        self.staging = (sid, buf)
-        self.shared[buf.data_ptr()] = (sid, buf)
+        if fresh and old is not None and size <= old[1].numel():
+            sid, buf = old  # the buffer the receivers already opened is large enough
+            old = None
+        else:
+            buf = torch.empty(-(-size // ALIGN) * ALIGN, dtype=torch.uint8, device=self.device)
+            if old is not None:
+                if not fresh:
+                    buf[: old[1].numel()].copy_(old[1])
+                message["release"].append(old[0])
+                self.shared.pop(old[1].data_ptr(), None)
+            sid = self._share(buf, message["handles"])
+            self.staging = (sid, buf)
+            self.shared[buf.data_ptr()] = (sid, buf)
         entries = message["entries"]
         for i, entry in enumerate(entries):  # earlier slots now live in the new buffer
             if old is not None and entry is not None and entry[0] == old[0]:
@@ -422,11 +456,11 @@ class SenderEnd(_End):
 class ReceiverEnd(_End):
     """Channel ranks 1..N: opens handles once, yields checked views of the sender's memory."""
 
-    def __init__(self, spec: ChannelSpec, rank: int, ipc: IpcLayer) -> None:
+    def __init__(self, spec: ChannelSpec, rank: int, ipc: IpcLayer, layout: str = "") -> None:
         super().__init__(spec, rank, ipc)
         self.opened: dict[int, Any] = {}
-        #: (message bytes, plan, views) of the last message: a refit that repeats it reuses the views
-        self.cached: tuple[bytes, Any, list[list[Any]]] | None = None
+        #: (message bytes, plan, views, layout) of the last message: a refit that repeats it reuses the views
+        self.cached: tuple[bytes, Any, list[list[Any]], str] | None = None
         sender = self.get("uuid", "the sender's device").decode()
         mine = ipc.device_uuid()
         if sender != mine:
@@ -435,11 +469,18 @@ class ReceiverEnd(_End):
                 "the same physical device (placement.colocated with the same GPUs); use "
                 "refit.transport: collective"
             )
+            self.store.set(f"layout/{rank}", "")
             self.store.set(f"joined/{rank}", reason)
             raise RefitError(f"cuda_ipc channel {spec.key} refused: {reason}")
+        self.store.set(f"layout/{rank}", layout)
         self.store.set(f"joined/{rank}", "ok")
+        self.agreed = self.get("layout", "the sender's layout agreement").decode()
+        if not self.agreed:
+            self.why_not_native = "not every end offered the same native layout" if layout else "this receiver offered none"
+        elif self.agreed != layout:  # the sender agrees only on what every receiver offered
+            raise RefitError(f"cuda_ipc channel {spec.key}: the sender agreed on a layout rank {rank} never offered")
 
-    def receive(self, buckets: Sequence[Sequence[TensorSpec]]) -> Iterator[tuple[str, Any]]:
+    def receive(self, buckets: Sequence[Sequence[TensorSpec]], layout: str = "") -> Iterator[tuple[str, Any]]:
         self.check_usable()
         seq, self.seq = self.seq, self.seq + 1
         answer = "ok"
@@ -448,7 +489,10 @@ class ReceiverEnd(_End):
             raw = self.get(f"m/{seq}", f"refit message {seq} from the sender")
             t1 = time.perf_counter()
             cached = self.cached
-            if cached is not None and cached[0] == raw and (cached[1] is buckets or cached[1] == buckets):
+            if (
+                cached is not None and cached[0] == raw and cached[3] == layout
+                and (cached[1] is buckets or cached[1] == buckets)
+            ):
                 # the same tensors where they were last time (no handle opened or released):
                 # the same checked views
                 message: dict[str, Any] = {}
@@ -459,11 +503,21 @@ class ReceiverEnd(_End):
                 raise RefitError(f"the sender aborted the refit before any byte was written: {message['abort']}")
             if message:
                 self.cached = None
+                # handles first: a message refused below leaves this end holding what the sender shared
+                for sid in message["release"]:
+                    self.opened.pop(sid, None)
+                for sid, handle in message["handles"].items():
+                    self.opened[sid] = self.ipc.open(handle)
+                if message.get("layout", "") != layout:
+                    raise RefitError(
+                        f"cuda_ipc: the sender streams {_layout_name(message.get('layout', ''))}, this receiver "
+                        f"expects {_layout_name(layout)}; nothing was written"
+                    )
                 views = self._views(message, buckets)
                 if not message["handles"] and not message["release"]:
-                    self.cached = (raw, buckets, views)
+                    self.cached = (raw, buckets, views, layout)
                 else:  # the next message repeats this one without the handles
-                    self.cached = (pickle.dumps({**message, "handles": {}, "release": []}), buckets, views)
+                    self.cached = (pickle.dumps({**message, "handles": {}, "release": []}), buckets, views, layout)
             t2 = time.perf_counter()
             for bucket, bucket_views in zip(buckets, views, strict=True):
                 yield from zip((s.name for s in bucket), bucket_views, strict=True)
@@ -490,10 +544,6 @@ class ReceiverEnd(_End):
         """Every tensor of the plan as a view of shared memory, checked before any is yielded."""
         import torch
 
-        for sid in message["release"]:
-            self.opened.pop(sid, None)
-        for sid, handle in message["handles"].items():
-            self.opened[sid] = self.ipc.open(handle)
         entries = message["entries"]
         n = sum(len(b) for b in buckets)
         if len(entries) != n:
@@ -535,6 +585,22 @@ class ReceiverEnd(_End):
         except Exception as err:  # closing must not raise
             log.debug("cuda_ipc %s: synchronize at close failed: %s", self.spec.key, err)
         self._tcp = self.store = None  # type: ignore[assignment]
+
+
+def _agree(mine: str, theirs: dict[int, str]) -> tuple[str, str]:
+    """The sender's choice: ``(agreed layout, why none)`` from its own offer and each receiver's."""
+    if not mine:
+        return "", "the sender offered no native layout"
+    for rank, layout in sorted(theirs.items()):
+        if not layout:
+            return "", f"receiver rank {rank} offered no native layout"
+        if layout != mine:
+            return "", f"receiver rank {rank} holds another layout ({layout[:12]}) than the sender ({mine[:12]})"
+    return mine, ""
+
+
+def _layout_name(layout: str) -> str:
+    return f"native layout {layout[:12]}" if layout else "the plan's (Hugging Face) tensors"
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -639,6 +705,7 @@ def channel_spec(req: ChannelRequest) -> ChannelSpec:
 
 _ends: dict[str, _End] = {}
 _pending_persistent: dict[str, list[Any]] = {}
+_pending_layout: dict[str, str] = {}
 _lock = threading.Lock()
 
 
@@ -653,7 +720,9 @@ def open_channel(spec: ChannelSpec, rank: int, ipc: IpcLayer | None = None) -> N
     if spec.key in _ends:
         return
     layer = ipc if ipc is not None else default_ipc()
-    end: _End = SenderEnd(spec, layer) if rank == 0 else ReceiverEnd(spec, rank, layer)
+    with _lock:
+        layout = _pending_layout.pop(spec.key, "")
+    end: _End = SenderEnd(spec, layer, layout) if rank == 0 else ReceiverEnd(spec, rank, layer, layout)
     with _lock:
         _ends[spec.key] = end
         pending = _pending_persistent.pop(spec.key, None)
@@ -677,6 +746,26 @@ def register_persistent(spec: ChannelSpec, tensors: Iterable[Any]) -> None:
     end.register(tensors)
 
 
+def offer_layout(spec: ChannelSpec, layout: str) -> None:
+    """Before :func:`open_channel`: this end holds its weights in the native layout named
+    ``layout`` (a fingerprint its backend computes: every native tensor's name, shape and
+    dtype, the parallel layout, the model). The channel agrees on it at open when the
+    sender and every receiver offered the same (:func:`agreed_layout`)."""
+    with _lock:
+        if spec.key in _ends:
+            raise RefitError(f"cuda_ipc channel {spec.key} is already open: offer a layout before opening it")
+        _pending_layout[spec.key] = layout
+
+
+def agreed_layout(spec: ChannelSpec) -> tuple[str, str]:
+    """``(layout, why not)`` of this process's open end: the native layout every end
+    offered at open, or ``""`` and the reason (an end offered none or another)."""
+    end = _ends.get(spec.key)
+    if end is None:
+        raise RefitError(f"cuda_ipc channel {spec.key} is not open in this process")
+    return end.agreed, end.why_not_native
+
+
 def _end(spec: ChannelSpec, kind: type, who: str) -> Any:
     end = _ends.get(spec.key)
     if not isinstance(end, kind):
@@ -684,20 +773,26 @@ def _end(spec: ChannelSpec, kind: type, who: str) -> Any:
     return end
 
 
-def send_weights(spec: ChannelSpec, named: Iterable[tuple[str, Any]], buckets: Sequence[Sequence[TensorSpec]]) -> int:
+def send_weights(
+    spec: ChannelSpec, named: Iterable[tuple[str, Any]], buckets: Sequence[Sequence[TensorSpec]], layout: str = ""
+) -> int:
     """Share the stream (plan order) with the receivers; returns once every receiver has
-    copied what it needs. Bytes described."""
-    return int(_end(spec, SenderEnd, "sender").send(named, buckets))
+    copied what it needs. Bytes described. ``layout``: the stream is the agreed native
+    layout's tensors under its own plan (refused unless the channel agreed on it)."""
+    return int(_end(spec, SenderEnd, "sender").send(named, buckets, layout))
 
 
-def receive_weights(spec: ChannelSpec, buckets: Sequence[Sequence[TensorSpec]]) -> Iterator[tuple[str, Any]]:
-    """Yield ``(name, view of the sender's memory)`` in plan order, all checked first.
+def receive_weights(
+    spec: ChannelSpec, buckets: Sequence[Sequence[TensorSpec]], layout: str = ""
+) -> Iterator[tuple[str, Any]]:
+    """Yield ``(name, view of the sender's memory)`` in plan order, all checked first
+    (``layout``: the native layout this receiver expects; the sender's message must name it).
 
     The views are valid until the generator finishes: copy them, do not keep them
     (the sender's next optimizer step writes that memory). Iterate to the end: the
     sender waits for this receiver's answer, which is sent when the generator ends.
     """
-    return _end(spec, ReceiverEnd, "receiver").receive(buckets)
+    return _end(spec, ReceiverEnd, "receiver").receive(buckets, layout)
 
 
 def close_channel(spec: ChannelSpec) -> None:
@@ -705,6 +800,7 @@ def close_channel(spec: ChannelSpec) -> None:
     with _lock:
         end = _ends.pop(spec.key, None)
         _pending_persistent.pop(spec.key, None)
+        _pending_layout.pop(spec.key, None)
     if end is not None:
         end.close()  # type: ignore[attr-defined]
 
