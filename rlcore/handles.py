@@ -110,6 +110,10 @@ class RefitReport:
     weight_sync_time_s: float
     #: Time to create the transport's channel (collective group), non-zero only the first time.
     channel_init_time_s: float = 0.0
+    #: What moved: ``hf``, the plan's Hugging Face tensors (each backend converts), or
+    #: ``native``, the backends' own tensors, copied as they are where both hold the same
+    #: layout (agreed when the channel opened: :func:`rlcore.refit.cuda_ipc.offer_layout`).
+    path: str = "hf"
 
     @property
     def throughput_gib_s(self) -> float:

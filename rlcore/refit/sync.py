@@ -43,7 +43,7 @@ def refit(policy: Any, generation: Any, ctx: RefitContext) -> RefitReport:
         sends = list(policy.send_weights(session.spec, ctx.step, buckets))
         receives = list(generation.receive_weights(session.spec, ctx.step, buckets))
         labels = _labels(policy, "policy", len(sends)) + _labels(generation, "generation", len(receives))
-        ray_get(
+        done = ray_get(
             sends + receives,
             what=f"refit step {ctx.step} over {ctx.transport}",
             cancel=ctx.cancel,
@@ -71,4 +71,11 @@ def refit(policy: Any, generation: Any, ctx: RefitContext) -> RefitReport:
         tensors=len(sent),
         weight_sync_time_s=time.monotonic() - t0,
         channel_init_time_s=session.take_init_time(),
+        path=_path(done[: len(sends)] if isinstance(done, list) else []),
     )
+
+
+def _path(sent: list[Any]) -> str:
+    """``native`` when a sending rank says it sent its backend's own layout
+    (``{"path": "native", ...}``), else ``hf`` (ranks return the bytes they sent)."""
+    return next((r["path"] for r in sent if isinstance(r, dict) and "path" in r), "hf")
