@@ -9,6 +9,16 @@
   CUDA or its static engine on CPU (:mod:`rlcore_megatron.inference`), loaded from
   the published checkpoint or fed by refit.
 
+Native-layout refit: the parameters of both roles are views of one buffer per dtype
+(:meth:`MegatronWorker._flatten_parameters`). Over ``cuda_ipc``, when policy and
+generation hold the same layout (same model, TP=1, same dtype: the fingerprint of
+:meth:`MegatronWorker.layout_fingerprint`, agreed when the channel opens), a refit
+moves the Megatron tensors themselves (fused QKV, fused gate/up, float32 norms)
+from the policy's parameter storages into the generation's: no Hugging Face
+conversion on either side, no staging, one copy per dtype buffer. Otherwise (vLLM
+or SGLang on the other side, another TP, another dtype) it streams the Hugging
+Face plan as before. The policy's ``send_weights`` says which ran.
+
 Both are :class:`rlcore.runtime.workers.DistributedWorker` subclasses: a
 :class:`rlcore.runtime.workers.WorkerGroup` gives them a torch.distributed default group
 (gloo on CPU, NCCL on CUDA), over which they initialise megatron-core's parallel
@@ -94,8 +104,16 @@ def eos_token_ids(model_dir: str) -> list[int]:
 class MegatronWorker(RefitChannels, DistributedWorker):
     """What policy and generation ranks share: parallel state, the model, logprobs, channels."""
 
+    #: Offer the native layout on cuda_ipc channels (tests and benchmarks turn it off to
+    #: run the Hugging Face path between two identical layouts).
+    native_refit = True
+
     def __init__(self, rank: int, world_size: int) -> None:
         super().__init__(rank, world_size)
+        #: (name, parameter) in native order: dtype by dtype, each dtype's in model order
+        self._native: list[tuple[str, torch.nn.Parameter]] = []
+        self._native_plan: list[list[TensorSpec]] = []
+        self._flat: list[torch.Tensor] = []
         self.model: Any = None
         self.spec: Any = None
         self.options: MegatronOptions | None = None
@@ -159,8 +177,87 @@ class MegatronWorker(RefitChannels, DistributedWorker):
             dtype=dtype,
             make_vocab_size_divisible_by=self.divisible,
             init_weights=init_weights,
-        ).to(self.device)
+        )
+        self._flatten_parameters()  # onto the device, one buffer per dtype
+        self.model.to(self.device)  # the buffers (the parameters are there already)
         self.model.eval()  # no dropout anywhere (dropout is 0 in the config as well)
+
+    def _flatten_parameters(self) -> None:
+        """Move every parameter onto the device as a view of one buffer per dtype, in
+        native order (each dtype's parameters in model order, aligned to 128 bytes).
+
+        Two workers built from the same model hold their native tensors at the same
+        offsets of their buffers, so a native refit's copies, adjacent on both sides,
+        merge into one copy per buffer (:func:`rlcore.refit.cuda_ipc.copy_views`). Loading
+        and training write the parameters in place and keep them views. Parameters are
+        moved one at a time: the device never holds two copies of the model.
+        """
+        from rlcore.refit.specs import TensorSpec
+
+        groups: dict[torch.dtype, list[tuple[str, torch.nn.Parameter]]] = {}
+        for name, p in self.model.named_parameters():  # a tied weight once
+            groups.setdefault(p.dtype, []).append((name, p))
+        self._native, self._flat = [], []
+        for dtype, items in groups.items():
+            align = max(1, 128 // torch.empty(0, dtype=dtype).element_size())
+            offsets, total = [], 0
+            for _, p in items:
+                offsets.append(total)
+                total += -(-p.numel() // align) * align
+            buf = torch.zeros(total, dtype=dtype, device=self.device)
+            with torch.no_grad():
+                for (_, p), off in zip(items, offsets, strict=True):
+                    view = buf[off : off + p.numel()].view(p.shape)
+                    view.copy_(p.detach())
+                    p.data = view  # the same Parameter object: modules keep it
+            self._flat.append(buf)
+            self._native += items
+        self._native_plan = [
+            [TensorSpec(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in self._native]
+        ]
+
+    def native_specs(self) -> list[TensorSpec]:
+        """Every parameter of this rank (Megatron name, local shape, dtype) in native order."""
+        self._require_model()
+        return list(self._native_plan[0])
+
+    def layout_fingerprint(self) -> str:
+        """A digest of how this rank holds the weights: the model, the tensor-parallel size
+        and rank, the run's dtype, megatron-core's version and every native tensor's name,
+        shape (padded vocabulary included) and dtype. Equal digests: the same tensors, so
+        a refit may copy them as they are."""
+        import dataclasses
+
+        from megatron.core import package_info
+
+        doc = {
+            "model": dataclasses.asdict(self.spec),
+            "tp": [self.tp_size, self.tp_rank],
+            "dtype": self.dtype,
+            "megatron_core": package_info.__version__,
+            "tensors": [[s.name, list(s.shape), s.dtype] for s in self.native_specs()],
+        }
+        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+    def _offer_native_layout(self, spec: ChannelSpec) -> None:
+        """Before joining ``spec``: offer this rank's native layout (cuda_ipc, TP=1: one
+        sender holds the whole model, so only then can a receiver copy its tensors as
+        they are). A channel that agrees on it at open runs the native path."""
+        if spec.transport == "cuda_ipc" and self.native_refit and self.tp_size == 1:
+            from rlcore.refit import cuda_ipc
+
+            self._require_model()
+            cuda_ipc.offer_layout(spec, self.layout_fingerprint())
+
+    def refit_path(self, spec: ChannelSpec) -> tuple[str, str]:
+        """``("native", layout)`` when this rank's end of ``spec`` agreed on a native layout
+        at open, else ``("hf", why not)``."""
+        if spec.transport != "cuda_ipc":
+            return "hf", f"{spec.transport} moves the plan's Hugging Face tensors"
+        from rlcore.refit import cuda_ipc
+
+        layout, why = cuda_ipc.agreed_layout(spec)
+        return ("native", layout) if layout else ("hf", why)
 
     def _require_model(self) -> None:
         if self.model is None:
@@ -457,12 +554,35 @@ class MegatronPolicyWorker(RefitSenderWorker, MegatronWorker):
         channel's persistent storages: the exported tensors that are views of them (every
         weight at tensor-parallel size 1 but q/k/v and the cast norms) are shared once and
         read in place by the receiver, never copied on this side."""
+        if self.rank == 0:
+            self._offer_native_layout(spec)
         super().open_refit_channel(spec)
         if spec.transport == "cuda_ipc" and self.rank == 0:
             from rlcore.refit import cuda_ipc
 
             self._require_model()
             cuda_ipc.register_persistent(spec, self.model.parameters())
+
+    def send_weights(self, spec: ChannelSpec, step: int, buckets: list[list[TensorSpec]]) -> Any:
+        """Send the weights over ``spec``: the native path when the channel agreed on this
+        rank's layout at open (rank 0 returns ``{"bytes": n, "path": "native"}``; only rank 0
+        takes part: the native layout is offered at TP=1 alone, where other ranks are
+        other data-parallel replicas), else the plan ``buckets`` (Hugging Face tensors,
+        bytes as before)."""
+        if self.rank == 0 and spec.transport == "cuda_ipc":
+            path, layout = self.refit_path(spec)
+            if path == "native":
+                from rlcore.refit import cuda_ipc
+
+                sent = cuda_ipc.send_weights(spec, self.native_stream(), self._native_plan, layout)
+                return {"bytes": sent, "path": "native"}
+        return super().send_weights(spec, step, buckets)
+
+    def native_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(megatron_name, parameter)`` in native order: the tensors a native refit moves
+        (views of the parameter buffers, shared in place over cuda_ipc)."""
+        self._require_model()
+        yield from self._native
 
     # ---------------------------------------------------------------- export
 
@@ -728,7 +848,9 @@ class MegatronGenerationWorker(MegatronWorker):
     # ----------------------------------------------------------------- refit
 
     def open_refit_channel(self, spec: ChannelSpec, rank: int) -> None:
-        """Join refit channel ``spec`` as ``rank`` (1 + this worker's rank)."""
+        """Join refit channel ``spec`` as ``rank`` (1 + this worker's rank), offering this
+        rank's native layout on cuda_ipc."""
+        self._offer_native_layout(spec)
         self.join_refit_channel(spec, rank)
         self._channel_ranks[spec.key] = rank
 
@@ -760,6 +882,10 @@ class MegatronGenerationWorker(MegatronWorker):
 
         self._require_model()
         t0 = time.monotonic()
+        path, layout = self.refit_path(spec)
+        if path == "native":
+            self._receive_native(spec, step, layout)
+            return time.monotonic() - t0
         rank = self._channel_ranks.get(spec.key, 1 + self.rank)
         stream = channels.receive_weights(spec, rank, step, buckets, device=self.device)
         before = self.stale
@@ -794,6 +920,36 @@ class MegatronGenerationWorker(MegatronWorker):
             raise
         self.stale, self.serving = None, True
         return time.monotonic() - t0
+
+    def _receive_native(self, spec: ChannelSpec, step: int, layout: str) -> None:
+        """The native path: the sender's parameters, checked against this rank's own native
+        plan (names, shapes, dtypes, bounds) before the first is yielded, copied into the
+        parameters once all arrived (copies adjacent on both sides merged: one per dtype
+        buffer). Nothing is written before every view is checked, so a refit that fails
+        on either side before that leaves the old weights serving."""
+        from rlcore.refit import cuda_ipc
+
+        stream = cuda_ipc.receive_weights(spec, self._native_plan, layout)
+        dsts = [p for _, p in self._native]
+        before = self.stale
+        self.stale = f"refit step {step} over {spec.transport} (native layout) did not complete"
+        self._forget_requests()
+        views: list[torch.Tensor] = []
+        copied = False
+        try:
+            with torch.no_grad():
+                for _, view in stream:
+                    views.append(view)
+                    if len(views) == len(dsts):  # before the stream ends: the views die then
+                        copied = True
+                        cuda_ipc.copy_views(dsts, views)
+                        views.clear()
+        except BaseException:
+            views.clear()
+            if not copied:  # nothing was written
+                self.stale = before
+            raise
+        self.stale, self.serving = None, True
 
     def teardown(self) -> None:
         self.engine = None

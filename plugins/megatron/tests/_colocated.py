@@ -68,6 +68,11 @@ class Host:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
 
+    def set_native_refit(self, on: bool) -> None:
+        """Offer the native layout on the channels opened from now on (off: the Hugging
+        Face path between two identical layouts)."""
+        self.worker.native_refit = on
+
     def timed(self, method: str, *args: Any, **kwargs: Any) -> tuple[float, Any]:
         """``(seconds, result)`` of a worker method, between two device waits."""
         import torch
@@ -79,21 +84,24 @@ class Host:
         return time.perf_counter() - t0, out
 
     def poison_export(self, at: int, how: str) -> None:
-        """The next export fails after ``at`` tensors: ``raise`` an error, or yield a tensor
-        of the wrong ``shape``. Later exports are the worker's own again."""
+        """The next export (Hugging Face or native stream, whichever the refit runs) fails
+        after ``at`` tensors: ``raise`` an error, or yield a tensor of the wrong ``shape``.
+        Later exports are the worker's own again."""
         w = self.worker
-        original = type(w).export_stream
+        originals = {m: getattr(type(w), m) for m in ("export_stream", "native_stream")}
 
-        def poisoned() -> Any:
-            w.export_stream = original.__get__(w)  # once
-            for i, (name, t) in enumerate(original(w)):
+        def poisoned(method: str) -> Any:
+            for m, fn in originals.items():  # once
+                setattr(w, m, fn.__get__(w))
+            for i, (name, t) in enumerate(originals[method](w)):
                 if i == at:
                     if how == "raise":
                         raise RuntimeError(f"export failed at tensor {i} ({name})")
                     t = t[:1]
                 yield name, t
 
-        w.export_stream = poisoned
+        w.export_stream = lambda: poisoned("export_stream")
+        w.native_stream = lambda: poisoned("native_stream")
 
     def params(self) -> dict[str, Any]:
         """The model's parameters as CPU copies, by Megatron name."""
@@ -271,7 +279,7 @@ class Host:
         from rlcore.refit import channels
 
         channels.close_channel(spec)
-        self.raw.pop(spec.key, None)
+        getattr(self, "raw", {}).pop(spec.key, None)
         self.empty_cache()
 
     def channel_timings(self, key: str) -> dict[str, float]:

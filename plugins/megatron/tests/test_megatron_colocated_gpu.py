@@ -3,7 +3,11 @@
 GPU only (``-m gpu``; skipped without CUDA, never in CI). Two processes on
 ``cuda:0`` (:mod:`_colocated`: a float32 TP=1 policy and a refit-fed generation
 with megatron-core's dynamic engine), as the backend's Ray actors would be,
-joined by a cuda_ipc channel (:mod:`rlcore.refit.cuda_ipc`). Checks: the refit is
+joined by a cuda_ipc channel (:mod:`rlcore.refit.cuda_ipc`). Every check runs on
+both refit paths: ``native`` (the two workers hold the same layout and agree on it
+when the channel opens: the Megatron tensors are copied as they are) and ``hf``
+(the native layout not offered: the Hugging Face plan, converted on both sides);
+the policy's answer must name the path the pair expects. Checks: the refit is
 bit-exact and the engine's sampled logprobs equal the policy's
 (``token_mult_prob_error`` 1.0000), after a train step too; a refit whose export
 fails half-way leaves the engine's old weights intact and serving; 50 refits
@@ -54,28 +58,38 @@ def llama_config() -> dict:
 class Pair:
     """The two processes and their cuda_ipc channel."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, path: str) -> None:
         from rlcore.refit.channels import ChannelSpec
         from rlcore.refit.specs import plan_buckets
         from rlcore.runtime.workers import free_port
 
+        self.path = path
         self.policy = ProcActor("policy", ENV)
         self.gen = ProcActor("generation", ENV)
         self.policy.call("start_policy", model_dir, "float32", 3, std=0.08)
         self.gen.call("start_generation", model_dir, "float32", 3, 8, 96, 0.05)
-        self.spec = ChannelSpec("cuda_ipc", "colocated-gpu", 2, addr="127.0.0.1", port=free_port(), timeout_s=60)
+        if path == "hf":
+            self.gen.call("set_native_refit", False)
+        self.spec = ChannelSpec("cuda_ipc", f"colocated-gpu-{path}", 2, addr="127.0.0.1", port=free_port(), timeout_s=60)
         both(self.policy, self.gen, "call", ("open_refit_channel", self.spec), ("open_refit_channel", self.spec, 1))
+        paths = both(self.policy, self.gen, "call", ("refit_path", self.spec), ("refit_path", self.spec))
+        assert [p[0] for p in paths] == [path, path], paths
         self.buckets = plan_buckets(self.policy.call("call", "weight_specs"), 1 << 20)
         self.step = 0
 
     def refit(self, *, check: bool = True) -> list[Any]:
         self.step += 1
-        return both(
+        out = both(
             self.policy, self.gen, "call",
             ("send_weights", self.spec, self.step, self.buckets),
             ("receive_weights", self.spec, self.step, self.buckets),
             check=check,
         )
+        if check:  # the path the pair expects ran (the core's report reads this answer)
+            from rlcore.refit.sync import _path
+
+            assert _path([out[0]]) == self.path
+        return out
 
     def train(self, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -103,11 +117,11 @@ class Pair:
             actor.close()
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+@pytest.fixture(scope="module", params=["native", "hf"])
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     model_dir = tmp_path_factory.mktemp("llama")
     (model_dir / "config.json").write_text(json.dumps(llama_config()))
-    p = Pair(str(model_dir))
+    p = Pair(str(model_dir), request.param)
     try:
         yield p
     finally:
@@ -188,11 +202,17 @@ def test_sleep_and_wake(pair: Pair) -> None:
 
 def test_closing_frees_everything_shared(pair: Pair) -> None:
     """Once both ends closed the channel (receiver first), the sender's allocations drop by
-    exactly its staging buffer (nothing left in IPC limbo) and neither end keeps a handle."""
+    exactly its staging buffer (nothing left in IPC limbo) and neither end keeps a handle.
+    The native path shares the parameters' one buffer and stages nothing; the Hugging
+    Face path stages q/k/v (split out of the fused weight) too."""
     pair.refit()
     key = pair.spec.key
     sender, receiver = pair.policy.call("channel_state", key), pair.gen.call("channel_state", key)
-    assert sender["shared"] > 1 and sender["staging"] > 0 and receiver["opened"] == sender["shared"]
+    if pair.path == "native":
+        assert sender["shared"] == 1 and sender["staging"] == 0  # float32: one parameter buffer
+    else:
+        assert sender["shared"] == 2 and sender["staging"] > 0  # the buffer and the staging one
+    assert receiver["opened"] == sender["shared"]
     before = pair.policy.call("memory")["allocated"]
     pair.gen.call("call", "close_refit_channels")
     pair.policy.call("call", "close_refit_channels")
