@@ -54,8 +54,15 @@ class StubEndpoint:
         port: int = 0,
         token_ids: bool = True,
         tool_calls: bool = False,
+        host: str = "127.0.0.1",
+        token: str | None = None,
     ) -> None:
         self.model = model
+        self.host = host
+        # Set: every request must carry "Authorization: Bearer <token>", else 401 (as a
+        # server of a run across nodes answers); the headers seen are kept.
+        self.token = token
+        self.authorizations: list[str | None] = []
         self.reply = reply
         self.token_ids = token_ids  # False: answer like a server that ignores return_token_ids
         # True: when the request offers tools and no tool has answered yet, call the first one.
@@ -75,7 +82,17 @@ class StubEndpoint:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _refused(self) -> bool:
+                given = self.headers.get("Authorization")
+                stub.authorizations.append(given)
+                if stub.token is not None and given != f"Bearer {stub.token}":
+                    self._send(401, {"error": {"message": "missing or wrong bearer token"}})
+                    return True
+                return False
+
             def do_GET(self) -> None:
+                if self._refused():
+                    return
                 if self.path.rstrip("/") == "/v1/models":
                     self._send(
                         200, {"object": "list", "data": [{"id": stub.model, "object": "model"}]}
@@ -86,6 +103,8 @@ class StubEndpoint:
             def do_POST(self) -> None:
                 n = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(n) or b"{}")
+                if self._refused():
+                    return
                 stub.requests.append(body)
                 if self.path != "/v1/chat/completions":
                     self._send(404, {"error": f"no route {self.path}"})
@@ -158,14 +177,16 @@ class StubEndpoint:
                     },
                 )
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server = ThreadingHTTPServer((host, port), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self._thread: threading.Thread | None = None
 
     @property
     def endpoint(self) -> Endpoint:
-        return Endpoint(base_url=f"http://127.0.0.1:{self.port}/v1", model=self.model)
+        return Endpoint(
+            base_url=f"http://{self.host}:{self.port}/v1", model=self.model, api_key=self.token or "EMPTY"
+        )
 
     def start(self) -> StubEndpoint:
         self._thread = threading.Thread(
