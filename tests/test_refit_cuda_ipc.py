@@ -37,6 +37,8 @@ class ThreadIpc:
         self.shared = 0
         self.opened = 0
         self.collected = 0
+        self.recorded = 0  # receiver: completion events recorded
+        self.waited = 0  # sender: receivers' events waited for
 
     def device(self) -> torch.device:
         return torch.device("cpu")
@@ -61,6 +63,19 @@ class ThreadIpc:
 
     def collect(self) -> None:
         self.collected += 1
+
+    def event(self) -> tuple[Any, Any]:
+        return "event", "event-handle"
+
+    def open_event(self, handle: Any) -> Any:
+        assert handle == "event-handle"
+        return "event"
+
+    def record(self, event: Any) -> None:
+        self.recorded += 1
+
+    def wait_event(self, event: Any) -> None:
+        self.waited += 1
 
 
 def _spec(world: int = 2, timeout_s: float = 30.0) -> ChannelSpec:
@@ -176,7 +191,8 @@ def _expected(model: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def test_round_trip_exact_and_handles_opened_once(model: dict[str, torch.Tensor]) -> None:
     """Two receivers get every tensor bit for bit; the parameters are shared in place (a
     view of the sender's memory, no copy), computed tensors staged; the second refit
-    shares nothing new, and the receivers see the sender's in-place update."""
+    shares nothing new, and the receivers see the sender's in-place update. The sender returns
+    only after each receiver's completion event; the receivers clear the last message's keys."""
     pair = Pair(receivers=2)
     try:
         assert pair.open_errors == [None, None, None]
@@ -218,6 +234,11 @@ def test_round_trip_exact_and_handles_opened_once(model: dict[str, torch.Tensor]
         n = len(specs)
         assert all(len(v) == 2 * n and v[:n] == v[n:] for v in views.values()) and len(views) == 2
         assert pair.results[0] == sum(s.nbytes for s in specs)
+        # each receiver marked its copies with its event, the sender waited for both, each time
+        assert pair.ipcs[1].recorded == pair.ipcs[2].recorded == 2 and pair.ipcs[0].waited == 4
+        # the first message's keys went at the second (by the receivers); the second's stay until the next
+        store = pair.sender.store
+        assert not any(store.check([k]) for k in ("m/0", "a/0/1", "a/0/2")) and store.check(["m/1"])
     finally:
         pair.close()
 

@@ -49,9 +49,13 @@ Protocol (``seq`` counts the channel's refits on every rank):
    writes a byte of a refit that failed on the sender's side.
 3. each receiver opens the new handles, checks every entry against the plan
    (bounds in the shared memory included) before it yields the first tensor,
-   yields views, waits for its device once the consumer is done (its copies are
-   finished), and answers ``a/<seq>/<rank>`` (``ok`` or the error). The sender
-   returns once every receiver answered: until then nothing it shares may change.
+   yields views, records its completion event once the consumer is done (its
+   copies are queued: an interprocess CUDA event, shared at open), and answers
+   ``a/<seq>/<rank>`` (``ok`` or the error) at once. The sender returns once every
+   receiver answered and every receiver's event completed (their copies are
+   finished): until then nothing it shares may change. The answer's round trip thus
+   overlaps the copies; each receiver deletes the previous message's keys after
+   answering (off the sender's path).
    A message that repeats the last one (the steady state: same storages, offsets
    and plan) is answered with the views built last time; a consumer whose weights
    lie in one buffer in the sender's order copies with :func:`copy_views`, which
@@ -114,6 +118,19 @@ class IpcLayer(Protocol):
     def collect(self) -> None:
         """Release shared memory no receiver holds any more (sender, after close)."""
 
+    def event(self) -> tuple[Any, Any]:
+        """A receiver's completion event and a picklable handle to it (CUDA: an interprocess
+        event). A layer without events makes receivers synchronize before they answer."""
+
+    def open_event(self, handle: Any) -> Any:
+        """The sender's side of a receiver's event."""
+
+    def record(self, event: Any) -> None:
+        """Receiver: mark the work queued so far (its copies from shared memory)."""
+
+    def wait_event(self, event: Any) -> None:
+        """Sender: wait until the receiver's work marked by its last record is done."""
+
 
 class CudaIpc:
     """:class:`IpcLayer` over torch's CUDA tensor sharing, on the current CUDA device."""
@@ -156,6 +173,23 @@ class CudaIpc:
 
         torch.cuda.ipc_collect()
 
+    def event(self) -> tuple[Any, Any]:
+        import torch
+
+        ev = torch.cuda.Event(interprocess=True)  # timing off, as IPC needs
+        return ev, bytes(ev.ipc_handle())
+
+    def open_event(self, handle: Any) -> Any:
+        import torch
+
+        return torch.cuda.Event.from_ipc_handle(torch.cuda.current_device(), handle)
+
+    def record(self, event: Any) -> None:
+        event.record()
+
+    def wait_event(self, event: Any) -> None:
+        event.synchronize()
+
 
 def _flat(t: Any) -> Any:
     """A uint8 tensor over the whole storage of ``t``."""
@@ -180,8 +214,8 @@ class _End:
         self.store = dist.PrefixStore(f"rlcore-ipc-{spec.key}", store)
         self._tcp = store  # keep the server (rank 0) alive as long as the channel
         self.seq = 0
-        #: seconds of the last refit's parts (sender: walk, synchronize, wait for the answers;
-        #: receiver: wait for the message, views, consume, synchronize)
+        #: seconds of the last refit's parts (sender: walk, synchronize, wait for the answers,
+        #: copies (the receivers' events); receiver: wait for the message, views, consume, signal)
         self.timings: dict[str, float] = {}
         self.waiting: str | None = None  # the key a wait is blocked on
         self.closed = threading.Event()
@@ -272,6 +306,13 @@ class SenderEnd(_End):
             if answer != b"ok":
                 refused.append(answer.decode(errors="replace"))
         theirs = {r: self.get(f"layout/{r}", f"receiver rank {r}'s layout").decode() for r in range(1, spec.world_size)}
+        #: each receiver's completion event (receivers whose layer has none synchronize instead)
+        self.events: dict[int, Any] = {}
+        if not refused:
+            for r in range(1, spec.world_size):
+                handle = pickle.loads(self.get(f"event/{r}", f"receiver rank {r}'s event"))
+                if handle is not None:
+                    self.events[r] = ipc.open_event(handle)
         self.agreed, self.why_not_native = _agree(layout, theirs)
         self.store.set("layout", "" if refused else self.agreed)  # joined receivers wait for it
         if refused:
@@ -336,10 +377,10 @@ class SenderEnd(_End):
             if answer != b"ok":
                 errors.append(f"rank {r}: {answer.decode(errors='replace')}")
         t3 = time.perf_counter()
-        self.timings = {"walk": t1 - t0, "synchronize": t2 - t1, "wait": t3 - t2}
-        for r in range(1, self.spec.world_size):
-            self.store.delete_key(f"a/{seq}/{r}")
-        self.store.delete_key(f"m/{seq}")
+        for event in self.events.values():  # the receivers answered at once; their copies end now
+            self.ipc.wait_event(event)
+        self.timings = {"walk": t1 - t0, "synchronize": t2 - t1, "wait": t3 - t2, "copies": time.perf_counter() - t3}
+        # (the receivers delete this message's keys at the next one: off this side's critical path)
         if message["release"]:  # every receiver dropped them before answering
             self.ipc.collect()
         if errors:
@@ -441,6 +482,7 @@ class SenderEnd(_End):
 
     def close(self) -> None:
         self.wake()
+        self.events = {}
         self.shared.clear()
         self.persistent.clear()
         self.staging = None
@@ -473,6 +515,12 @@ class ReceiverEnd(_End):
             self.store.set(f"joined/{rank}", reason)
             raise RefitError(f"cuda_ipc channel {spec.key} refused: {reason}")
         self.store.set(f"layout/{rank}", layout)
+        #: recorded once the consumer's copies are queued; the sender waits for it (None: synchronize)
+        self.event: Any = None
+        handle = None
+        if hasattr(ipc, "event"):
+            self.event, handle = ipc.event()
+        self.store.set(f"event/{rank}", pickle.dumps(handle))
         self.store.set(f"joined/{rank}", "ok")
         self.agreed = self.get("layout", "the sender's layout agreement").decode()
         if not self.agreed:
@@ -532,11 +580,19 @@ class ReceiverEnd(_End):
         finally:
             if self.broken is None and self.store is not None:
                 try:
-                    # the consumer's copies from the sender's memory are done before it may change
+                    # the consumer's copies from the sender's memory are done before it may change:
+                    # the sender waits for this event (or this side for its device) after the answer
                     t4 = time.perf_counter()
-                    self.ipc.synchronize()
-                    self.timings["synchronize"] = time.perf_counter() - t4
+                    if self.event is not None:
+                        self.ipc.record(self.event)
+                    else:
+                        self.ipc.synchronize()
+                    self.timings["signal"] = time.perf_counter() - t4
                     self.store.set(f"a/{seq}/{self.rank}", answer)
+                    if seq:  # the last message's keys: every end is past them (rank 1 deletes the message)
+                        if self.rank == 1:
+                            self.store.delete_key(f"m/{seq - 1}")
+                        self.store.delete_key(f"a/{seq - 1}/{self.rank}")
                 except Exception as err:  # the sender is gone: nothing to tell
                     log.debug("cuda_ipc %s: answering failed: %s", self.spec.key, err)
 
@@ -580,6 +636,7 @@ class ReceiverEnd(_End):
         self.wake()
         self.cached = None
         self.opened.clear()
+        self.event = None
         try:
             self.ipc.synchronize()
         except Exception as err:  # closing must not raise
