@@ -96,30 +96,42 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def loopback_interface() -> str:
-    """The name of the network interface that holds 127.0.0.1 (``lo`` on Linux)."""
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds ``address`` (None when none does)."""
     try:
         import psutil
 
         for name, addrs in psutil.net_if_addrs().items():
-            if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs):
+            if any(a.address == address for a in addrs):
                 return str(name)
     except Exception as err:  # pragma: no cover - psutil missing or no permission
         log.debug("cannot list network interfaces: %s", err)
-    return "lo"
+    return None
+
+
+def loopback_interface() -> str:
+    """The name of the network interface that holds 127.0.0.1 (``lo`` on Linux)."""
+    return interface_of("127.0.0.1") or "lo"
 
 
 def pin_collectives_to(host: str) -> None:
-    """Make gloo (and NCCL's bootstrap) listen on the loopback interface when ``host`` is
-    loopback: a single-host run then opens no port that another host can reach.
+    """Make gloo listen where the rendezvous is: on the loopback interface when ``host``
+    is loopback (a single-host run then opens no port that another host can reach, and
+    NCCL's bootstrap is pinned there too); otherwise on the interface that holds this
+    process's node address, the one Ray reaches the node by, so ranks on other nodes
+    reach this one whatever the host name resolves to (often 127.0.1.1).
 
-    Sets ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` in this process unless the user
-    chose an interface; process groups created afterwards pick it up.
+    Sets ``GLOO_SOCKET_IFNAME`` (and ``NCCL_SOCKET_IFNAME`` for loopback) in this process
+    unless the user chose an interface; process groups created afterwards pick it up.
     """
     if is_loopback(host):
         iface = loopback_interface()
         os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+        return
+    own = interface_of(node_ip())
+    if own is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", own)
 
 
 def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> Any:
