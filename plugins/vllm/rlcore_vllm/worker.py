@@ -147,7 +147,7 @@ class VLLMWorker(DistributedWorker):
             token=self.network.token if self.network is not None else None,
         )
         try:
-            return self.server.wait_healthy(timeout_s)
+            return self.server.wait_ready(timeout_s)
         except BaseException:
             self.server.stop()
             raise

@@ -57,7 +57,7 @@ def test_server_on_the_nodes_address_answers_401_without_the_token_and_200_with_
     server = ServerProcess(args, port=free_port(), log_path=tmp_path / "server.log", env=env,
                            host=host, token=network.token)
     try:
-        server.wait_healthy(240)  # /health is open: liveness only
+        server.wait_ready(240)  # /health is open: liveness only
         base = f"http://{host}:{server.port}"
         completion = {"model": "policy", "prompt": [3, 4, 5], "max_tokens": 2}
         routes = [("/v1/models", None), ("/v1/completions", completion), ("/tokenize", {"prompt": "1+1="}),
