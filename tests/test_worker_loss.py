@@ -258,3 +258,26 @@ def test_replace_is_refused_when_the_env_holds_the_generation_endpoint() -> None
         check_worker_loss(config, plan)
     assert info.value.key == "generation.on_worker_loss"
     check_worker_loss(load_config(gym, []), plan)  # abort: fine
+
+
+def test_a_colocated_handoff_turns_to_the_replacement() -> None:
+    from rlcore.app.grpo import Handoff
+
+    old, new = Model(0.5), Model(0.5)
+    generation = GuardedGeneration(old, "gen")
+    handoff = Handoff(policy=None, generation=old)  # type: ignore[arg-type]
+    recovery = GenerationRecovery(
+        FakeSetup(new), generation, None,  # type: ignore[arg-type]
+        probe_error=lambda: 1.0, check=lambda err, step: None, record=lambda m, step: None,
+        handoff=handoff,
+    )
+    recovery(lost(), 4, "rollout")
+    assert generation.handle is new and handoff.generation is new
+    # A run without the handoff (no backend declares memory_handoff) keeps none.
+    bare = Handoff()
+    GenerationRecovery(
+        FakeSetup(Model(0.5)), GuardedGeneration(old, "gen"), None,  # type: ignore[arg-type]
+        probe_error=lambda: 1.0, check=lambda err, step: None, record=lambda m, step: None,
+        handoff=bare,
+    )(lost(), 4, "rollout")
+    assert bare.generation is None
