@@ -187,16 +187,27 @@ def test_roles_run_on_the_nodes_the_config_picks_and_the_cluster_survives(cluste
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_placement_no_node_matches_fails_naming_the_key_and_what_the_nodes_have(cluster: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["placement.nodes.policy.resources={node_z: 0.01}"], ["placement.nodes.policy", "node_z", "node_a"]),
+        # Node a has 2 CPUs: 3 ranks of 1 CPU never fit there, whatever the cluster's total.
+        (["placement.nodes.policy.resources={node_a: 0.01}", "policy.workers=3", "policy.devices_per_worker=1"],
+         ["3 workers x 1 CPU", "the 1 node(s) placement.nodes.policy selects has 2"]),
+    ],
+    ids=["no-node-matches", "selected-nodes-too-small"],
+)
+def test_a_placement_that_cannot_hold_the_role_fails_at_once_naming_the_key(
+    cluster: Any, tmp_path: Path, overrides: list[str], expected: list[str]
+) -> None:
     argv = [
         str(RLCORE), "run", str(REPO / "examples" / "quickstart.yaml"), "grpo.steps=1",
-        f"cluster.address={cluster.address}", "cluster.num_cpus=null",
-        "placement.nodes.policy.resources={node_z: 0.01}",
+        f"cluster.address={cluster.address}", "cluster.num_cpus=null", *overrides,
         f"setup.cache_dir={tmp_path / 'cache'}", "--out", str(tmp_path / "run"),
     ]
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=280)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-3000:]
-    assert "placement.nodes.policy" in output and "node_z" in output, output[-3000:]
-    assert "node_a" in output  # what the nodes do have
+    flat = " ".join(output.split())  # the console wraps long lines
+    assert all(e in flat for e in expected), output[-3000:]
     assert len([n for n in _nodes(cluster.address) if n["Alive"]]) == 4

@@ -313,22 +313,27 @@ def _check_fits(name: str, world_size: int, num_cpus: float, num_gpus: float, pl
     """Fail at once when the cluster can never hold the group (Ray would wait forever)."""
     import ray
 
+    total = ray.cluster_resources()
+    where = "the Ray cluster"
     if placement is not None and placement.pinned:
+        key = f"placement.nodes.{placement.role}"
         nodes = [n for n in ray.nodes() if n.get("Alive")]
-        if not any(placement.matches(n.get("Resources", {}), n.get("Labels", {})) for n in nodes):
-            key = f"placement.nodes.{placement.role}"
+        chosen = [n for n in nodes if placement.matches(n.get("Resources", {}), n.get("Labels", {}))]
+        if not chosen:
             raise WorkerError(
                 f"{name}: no alive node of the Ray cluster has {placement.describe()} ({key}); "
                 f"the nodes have resources {sorted({r for n in nodes for r in n.get('Resources', {})})} "
                 f"and labels {sorted({f'{k}={v}' for n in nodes for k, v in n.get('Labels', {}).items() if not k.startswith('ray.io/')})}; "
                 f"fix {key} or start the nodes with them (ray start --resources / --labels)"
             )
-    total = ray.cluster_resources()
+        # The group fits only on the nodes the selector picks.
+        total = {kind: sum(n["Resources"].get(kind, 0.0) for n in chosen) for kind in ("CPU", "GPU")}
+        where = f"the {len(chosen)} node(s) {key} selects"
     for kind, per in (("CPU", num_cpus), ("GPU", num_gpus)):
         need = per * world_size
         if need > total.get(kind, 0.0) + 1e-9:
             raise WorkerError(
-                f"{name}: {world_size} workers x {per:g} {kind} = {need:g} {kind}, but the Ray cluster "
+                f"{name}: {world_size} workers x {per:g} {kind} = {need:g} {kind}, but {where} "
                 f"has {total.get(kind, 0.0):g}; lower <role>.workers or <role>.devices_per_worker, "
                 "or give the cluster more (cluster.num_cpus / cluster.num_gpus)"
             )
