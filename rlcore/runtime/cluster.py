@@ -167,7 +167,9 @@ class Cluster:
                 # it had started.
                 self.owned = True
                 with _single_host(), _keep_signal_handlers():
-                    ray.init(_node_ip_address=LOOPBACK, **kwargs)
+                    # address="local": a new cluster even where another one is reachable
+                    # (RAY_ADDRESS, or /tmp/ray/ray_current_cluster of a `ray start`).
+                    ray.init(address="local", _node_ip_address=LOOPBACK, **kwargs)
                 log.info("started an embedded Ray cluster: %s", ray.cluster_resources())
             self.start_time_s = time.monotonic() - t0
             return self
