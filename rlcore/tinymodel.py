@@ -139,9 +139,11 @@ def ensure_model(
                 key="model.path",
             )
         return path
-    from rlcore.publish import publish_dir
+    from rlcore.publish import is_complete, publish_dir
 
     destination = cache_dir / "tiny-model" / tiny_model_key(model.tiny, model.dtype)
+    if is_complete(destination):  # made by an earlier run: no lock, no wait behind a writer
+        return destination
     with _WRITE_LOCK:  # across processes, atomic publish picks one winner
         return publish_dir(
             destination,
@@ -149,3 +151,23 @@ def ensure_model(
             cancel=cancel,
             deadline=deadline,
         )
+
+
+def load_tokenizer(
+    model: ModelConfig,
+    cache_dir: Path,
+    *,
+    cancel: CancelToken | None = None,
+    deadline: Deadline | None = None,
+):  # -> transformers.PreTrainedTokenizerBase
+    """The tokenizer of the run's model (made first if it is the tiny model).
+
+    Imports transformers under the same lock as :func:`write_tiny_model` (its lazy
+    imports are not thread-safe), so the driver may call this from a background thread
+    while setup tasks ask for the model.
+    """
+    path = ensure_model(model, cache_dir, cancel=cancel, deadline=deadline)
+    with _WRITE_LOCK:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))

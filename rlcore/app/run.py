@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from rlcore.app import overlap
 from rlcore.app.grpo import Handoff, check_divergence, probe_batch, run_grpo, token_mult_prob_error
 from rlcore.app.interrupts import RunInterrupted, signal_name, signum_of
 from rlcore.app.plots import plot_reward, plot_setup_timeline
@@ -121,8 +122,11 @@ def run_job(
     metrics_writer = MetricsWriter(run_dir / "metrics.jsonl")
     cluster = Cluster(config.cluster)
     cancel = CancelToken()
+    if not setup_only:  # the model and its tokenizer get ready while Ray starts
+        overlap.prefetch_tokenizer(config.model, cache_dir(config), cancel)
     phase = RunPhase()
     setup: SetupResult | None = None
+    plot: overlap.Background | None = None
     try:
         groups_before = len(placed_groups())
         with console.status("starting Ray cluster"):
@@ -147,11 +151,12 @@ def run_job(
                 setup.metrics["timing/setup/serial_sum_s"],
             )
         )
-        _plot_setup(setup, run_dir, config)
+        plot = overlap.Background("setup plot", _plot_setup, setup, run_dir, config)
         _write_placement(run_dir, setup, cluster.network(config), groups_before)
         if not setup_only:
             phase.now = "the first refit's check"
             _train(config, setup, cancel, trace, metrics_writer, run_dir, console, phase)
+        plot.result()
         phase.now = "teardown"
         return run_dir
     except KeyboardInterrupt as err:
@@ -161,6 +166,8 @@ def run_job(
             err, phase.now, cancel, setup, cluster, trace, metrics_writer, run_dir, plan
         ) from None
     finally:
+        if plot is not None:
+            plot.join(30.0)
         if setup is not None:
             for line in setup.shutdown():
                 console.print(f"[yellow]shutdown: {line}[/yellow]")
@@ -314,11 +321,7 @@ def _train(
     console: Console,
     phase: RunPhase,
 ) -> None:
-    from transformers import AutoTokenizer
-
-    from rlcore.tinymodel import ensure_model
-
-    tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(config.model, cache_dir(config))))
+    tokenizer = overlap.tokenizer(config.model, cache_dir(config))
     # Every call goes through the contract's checks, naming the backend that broke it.
     policy = GuardedPolicy(setup.handles["policy"], config.policy.backend)
     generation = GuardedGeneration(
@@ -329,7 +332,9 @@ def _train(
     limit = config.refit.max_mult_prob_error
 
     # The first refit (refit:initial) already ran during setup: check it too.
-    err0 = token_mult_prob_error(generation.logprobs(probe), policy.logprobs(probe))
+    err0 = token_mult_prob_error(
+        *overlap.concurrently(lambda: generation.logprobs(probe), lambda: policy.logprobs(probe))
+    )
     writer.write({"refit/token_mult_prob_error": err0, "refit/transport": setup.transport}, step=0)
     check_divergence(
         err0, limit, step=0, policy=config.policy.backend, generation=config.generation.backend

@@ -1,0 +1,106 @@
+"""What ``rlcore run``'s driver does in the background while Ray and the setup start.
+
+The driver has work of its own that needs neither the cluster nor the started
+backends: the tiny model (torch and transformers imported, weights written), the
+tokenizer the GRPO loop encodes with (``import transformers`` alone is seconds on two
+cores), the setup timeline plot (matplotlib). Done in line, each adds its seconds to
+the time from command to first step. Here each runs in a daemon thread started as soon
+as its inputs exist, checks passed, and the run joins it where it needs the result:
+
+* :func:`prefetch_tokenizer` after the checks that need no cluster, so the model and
+  the tokenizer are ready while ``ray.init`` runs (the inits then find the model
+  published, and torch already imported);
+* :class:`Background` for the setup plot, joined before the run returns;
+* :func:`concurrently` for two independent remote calls (the first refit's check asks
+  the policy and the generation for the same logprobs).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+from rlcore.config import ModelConfig
+from rlcore.waiting import CancelToken
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+class Background:
+    """``fn(*args, **kwargs)`` in a daemon thread; :meth:`result` joins it and returns its
+    value or raises its error in the caller."""
+
+    def __init__(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        self.name = name
+        self._future: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                self._future.set_result(fn(*args, **kwargs))
+            except BaseException as err:  # handed to whoever asks for the result
+                self._future.set_exception(err)
+
+        self._thread = threading.Thread(target=run, name=f"rlcore-{name}", daemon=True)
+        self._thread.start()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The value (after waiting up to ``timeout`` seconds); re-raises the thread's error."""
+        return self._future.result(timeout)
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds, never raising; True if it has finished."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+_tokenizers: dict[tuple[str, str], Background] = {}
+_tokenizers_lock = threading.Lock()
+
+
+def _key(model: ModelConfig, cache_dir: Path) -> tuple[str, str]:
+    return (repr(model), str(cache_dir))
+
+
+def prefetch_tokenizer(model: ModelConfig, cache_dir: Path, cancel: CancelToken | None = None) -> Background:
+    """Start making the run's model (when it is the tiny one) and loading its tokenizer;
+    :func:`tokenizer` collects the result. A second call for the same model reuses the first."""
+    from rlcore.tinymodel import load_tokenizer
+
+    with _tokenizers_lock:
+        job = _tokenizers.get(_key(model, cache_dir))
+        if job is None:
+            job = Background("tokenizer", load_tokenizer, model, cache_dir, cancel=cancel)
+            _tokenizers[_key(model, cache_dir)] = job
+        return job
+
+
+def tokenizer(model: ModelConfig, cache_dir: Path) -> Any:
+    """The model's tokenizer: the prefetched one (waited for), else loaded now.
+
+    A prefetch that failed (cancelled with an earlier run, say) is not reused: the tokenizer
+    is loaded again here, so its error, if any, is this call's own.
+    """
+    with _tokenizers_lock:
+        job = _tokenizers.pop(_key(model, cache_dir), None)
+    if job is not None:
+        try:
+            return job.result()
+        except Exception as err:  # noqa: BLE001 - retried below, where it raises for real
+            log.debug("the tokenizer prefetch failed (%s); loading it again", err)
+    from rlcore.tinymodel import load_tokenizer
+
+    return load_tokenizer(model, cache_dir)
+
+
+def concurrently(first: Callable[[], T], second: Callable[[], U]) -> tuple[T, U]:
+    """``(first(), second())`` with ``second`` running in another thread meanwhile."""
+    other = Background("second", second)
+    value = first()
+    return value, other.result()
