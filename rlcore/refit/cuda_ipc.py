@@ -298,6 +298,7 @@ class SenderEnd(_End):
         self.staging: tuple[int, Any] | None = None  # (sid, buffer)
         self.slots: dict[int, int] = {}  # plan index -> byte offset in the staging buffer
         self.slots_plan: Any = None  # the plan the slots were given for (a native plan is another)
+        self.plan_bytes = 0  # the bytes that plan describes
         self.release_next: list[int] = []  # sids the receivers drop at the next message
         self.store.set("uuid", ipc.device_uuid())
         refused = []
@@ -349,6 +350,7 @@ class SenderEnd(_End):
         if self.slots_plan is not buckets and self.slots_plan != buckets:
             self.slots.clear()  # another plan: its indices name other tensors (the buffer stays, regrown if short)
             self.slots_plan = buckets
+            self.plan_bytes = sum(s.nbytes for bucket in buckets for s in bucket)
         new: list[int] = []  # storages first used now: shared only once the stream went through
         try:
             message, pending = self._collect(named, buckets, new)
@@ -385,7 +387,7 @@ class SenderEnd(_End):
             self.ipc.collect()
         if errors:
             raise RefitError(f"cuda_ipc refit failed on the receiving side: {'; '.join(errors)}")
-        return sum(s.nbytes for bucket in buckets for s in bucket)
+        return self.plan_bytes
 
     def _abort(self, seq: int, err: BaseException) -> None:
         """Tell the receivers that message ``seq`` will not come (they write nothing)."""
