@@ -19,9 +19,13 @@ Measured in one run:
   sender's registered persistent, so shared in place), the receiver copying every
   view in one ``_foreach_copy_`` (or per tensor);
 * the Megatron refit over cuda_ipc (the first, which opens the handles, and the
-  median of the next): the policy's export (q/k/v split, norms cast) + the
-  generation's ``load_hf_stream`` (q/k/v and gate/up fused) into the live model;
-  and the export alone;
+  median of the next), on both paths: ``native`` (the two workers hold the same
+  layout and agree on it when the channel opens: the Megatron tensors, fused QKV
+  and gate/up and float32 norms, are copied as they are from the policy's
+  parameter buffer into the generation's, adjacent copies merged) and ``hf`` (the
+  native layout not offered: the policy's export, q/k/v split and norms cast, +
+  the generation's ``load_hf_stream``, q/k/v and gate/up fused, into the live
+  model); and the export alone;
 * the collective transport on one GPU: NCCL refuses two ranks on one device (the
   attempt and its error are reported), gloo (through host memory) is measured;
 * the memory handoff: ``sleep`` / ``wake`` of each side, and the peak GPU memory
@@ -222,39 +226,79 @@ def main() -> None:  # noqa: PLR0915 - one measurement after the other, top to b
                 + "; receiver " + ", ".join(f"{k} {ms(v)}" for k, v in p1.items())
             )
 
-        # -- Megatron refit over cuda_ipc -------------------------------------------------------------
-        spec = ChannelSpec("cuda_ipc", "megatron", 2, addr="127.0.0.1", port=free_port(), timeout_s=120)
-        t0 = time.perf_counter()
-        both(pol, gen, "call", ("open_refit_channel", spec), ("open_refit_channel", spec, 1))
-        open_s = time.perf_counter() - t0
-        times = []
-        first = None
-        for step in range(1, args.repeats + 2):
-            (send_s, _), (recv_s, _) = both(pol, gen, "timed", ("send_weights", spec, step, buckets), ("receive_weights", spec, step, buckets))
-            if first is None:
-                first = max(send_s, recv_s)
-            else:
-                times.append(max(send_s, recv_s))
-        refit_s = statistics.median(times)
-        mparts = both(pol, gen, "channel_timings", (spec.key,), (spec.key,))
+        # -- Megatron refit over cuda_ipc: the native path, then the Hugging Face one -----------------
+        mega: dict[str, Any] = {}
+        channels_by_path = {}
+        for path in ("native", "hf"):
+            for a in (pol, gen):
+                a.call("set_native_refit", path == "native")
+            spec = ChannelSpec("cuda_ipc", f"megatron-{path}", 2, addr="127.0.0.1", port=free_port(), timeout_s=120)
+            channels_by_path[path] = spec
+            t0 = time.perf_counter()
+            both(pol, gen, "call", ("open_refit_channel", spec), ("open_refit_channel", spec, 1))
+            open_s = time.perf_counter() - t0
+            agreed = both(pol, gen, "call", ("refit_path", spec), ("refit_path", spec))
+            times, spans, skews, first, answer = [], [], [], None, None
+            for step in range(1, args.repeats + 2):
+                (s0, s1, answer), (r0, r1, _) = both(
+                    pol, gen, "timed_at", ("send_weights", spec, step, buckets), ("receive_weights", spec, step, buckets)
+                )
+                if first is None:
+                    first = max(s1 - s0, r1 - r0)
+                else:  # as before: the longer side's own time; and on the shared clock, first start to last end
+                    times.append(max(s1 - s0, r1 - r0))
+                    spans.append(max(s1, r1) - min(s0, r0))
+                    skews.append(r0 - s0)
+            ran = answer["path"] if isinstance(answer, dict) else "hf"
+            assert ran == path == agreed[0][0] == agreed[1][0], (path, ran, agreed)
+            mega[path] = {
+                "median": statistics.median(times), "first": first, "open": open_s, "times": times,
+                "span": statistics.median(spans), "skew": statistics.median(skews),
+                "parts": both(pol, gen, "channel_timings", (spec.key,), (spec.key,)),
+                **pol.call("channel_state", spec.key),
+            }
+            if args.small:
+                pol_p, gen_p = pol.call("params"), gen.call("params")
+                vocab = shape["vocab"]
+                exact = all(torch.equal(pol_p[n][:vocab], gen_p[n][:vocab]) for n in pol_p)
+                say(f"check ({path}): generation weights == policy weights bit for bit: {exact}")
+        for a in (pol, gen):
+            a.call("set_native_refit", True)
         export_s = pol.call("export_only")
-        st = pol.call("channel_state", spec.key)
-        report["megatron_refit"] = {
-            "median": refit_s, "first": first, "open": open_s, "export_only": export_s,
-            "staging": st["staging"], "shared": st["shared"], "parts": mparts,
-        }
+        native_bytes = sum(s.nbytes for s in pol.call("call", "native_specs"))
+        report["megatron_refit"] = {**mega, "export_only": export_s, "native_bytes": native_bytes}
+        nat, hf = mega["native"], mega["hf"]
         say(
-            f"Megatron refit over cuda_ipc (export + load_hf_stream into the live model): {ms(refit_s)} median of "
-            f"{args.repeats} ({nbytes / refit_s / 1e9:.0f} GB/s, {refit_s / c['one_copy']:.2f}x the one-copy ceiling); "
-            f"first refit {ms(first)}; channel opened in {open_s * 1e3:.0f} ms; {st['shared'] - 1} parameter storages "
-            f"shared in place + a {gib(st['staging'])} staging buffer (q/k/v, cast norms); export alone {ms(export_s)}"
+            f"Megatron refit over cuda_ipc, native path (same layout on both sides, agreed at open: the Megatron "
+            f"tensors copied as they are from the policy's parameter buffers into the generation's): "
+            f"{ms(nat['median'])} median of {args.repeats} ({nat['median'] / c['one_copy']:.2f}x the one-copy ceiling; "
+            f"{ms(min(nat['times']))} to {ms(max(nat['times']))}; "
+            f"{gib(native_bytes)}, {native_bytes / nat['median'] / 1e9:.0f} GB/s); first refit {ms(nat['first'])}; "
+            f"channel opened in {nat['open'] * 1e3:.0f} ms; {nat['shared']} storages shared (one parameter buffer per "
+            f"dtype), nothing staged"
         )
-        say("  its parts, last refit: sender " + ", ".join(f"{k} {ms(v)}" for k, v in mparts[0].items())
-            + " (walk = the export + staging); receiver " + ", ".join(f"{k} {ms(v)}" for k, v in mparts[1].items())
-            + " (consume = load_hf_stream)")
-        if args.small:
-            pol_p, gen_p = pol.call("params"), gen.call("params")
-            say(f"check: generation weights == policy weights bit for bit: {all(torch.equal(pol_p[n], gen_p[n]) for n in pol_p)}")
+        say(
+            f"  on the host's clock, from the first side's start to the last side's end: {ms(nat['span'])} (median; "
+            f"the receiver's call began {ms(nat['skew'])} after the sender's: the two calls' dispatch)"
+        )
+
+        def say_parts(parts: list[dict[str, float]], walk: str, consume: str) -> None:
+            sides = [", ".join(f"{k} {ms(v)}" for k, v in side.items()) for side in parts]
+            say(f"  its parts, last refit: sender {sides[0]} (walk = {walk}); receiver {sides[1]} (consume = {consume})")
+
+        say_parts(nat["parts"], "the parameters' views", "copy_views, adjacent copies merged")
+        say(
+            f"Megatron refit over cuda_ipc, Hugging Face path (native layout not offered: export + load_hf_stream into "
+            f"the live model): {ms(hf['median'])} median of {args.repeats} ({ms(min(hf['times']))} to "
+            f"{ms(max(hf['times']))}; {nbytes / hf['median'] / 1e9:.0f} GB/s, "
+            f"{hf['median'] / c['one_copy']:.2f}x the one-copy ceiling; {hf['median'] / nat['median']:.1f}x the native "
+            f"path); first refit {ms(hf['first'])}; {hf['shared'] - 1} parameter storages shared in place + a "
+            f"{gib(hf['staging'])} staging buffer (q/k/v, cast norms); export alone {ms(export_s)}"
+        )
+        say_parts(hf["parts"], "the export + staging", "load_hf_stream")
+        both(pol, gen, "raw_close", (channels_by_path["hf"],), (channels_by_path["hf"],))
+        spec = channels_by_path["native"]
+        refit_s = nat["median"]
 
         # -- collective on one GPU: gloo (NCCL is tried last) ------------------------------------
         gloo = ChannelSpec("collective", "gloo", 2, addr="127.0.0.1", port=free_port(), backend="gloo", timeout_s=300)

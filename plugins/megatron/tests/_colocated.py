@@ -83,6 +83,17 @@ class Host:
         torch.cuda.synchronize()
         return time.perf_counter() - t0, out
 
+    def timed_at(self, method: str, *args: Any, **kwargs: Any) -> tuple[float, float, Any]:
+        """``(start, end, result)`` of a worker method on the host's monotonic clock (the same
+        in every process of the machine), between two device waits."""
+        import torch
+
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = getattr(self.worker, method)(*args, **kwargs)
+        torch.cuda.synchronize()
+        return t0, time.perf_counter(), out
+
     def poison_export(self, at: int, how: str) -> None:
         """The next export (Hugging Face or native stream, whichever the refit runs) fails
         after ``at`` tensors: ``raise`` an error, or yield a tensor of the wrong ``shape``.
