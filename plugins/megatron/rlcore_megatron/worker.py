@@ -56,7 +56,7 @@ from rlcore.runtime.workers import DistributedWorker
 if TYPE_CHECKING:
     from rlcore.refit.channels import ChannelSpec
     from rlcore.refit.specs import TensorSpec
-    from rlcore_megatron.plugin import MegatronOptions
+    from rlcore_megatron.options import MegatronOptions
 
 log = logging.getLogger(__name__)
 
@@ -189,14 +189,21 @@ class MegatronWorker(RefitChannels, DistributedWorker):
         Two workers built from the same model hold their native tensors at the same
         offsets of their buffers, so a native refit's copies, adjacent on both sides,
         merge into one copy per buffer (:func:`rlcore.refit.cuda_ipc.copy_views`). Loading
-        and training write the parameters in place and keep them views. Parameters are
-        moved one at a time: the device never holds two copies of the model.
+        and training write the parameters in place and keep them views. Parameters that
+        megatron-core built on the GPU go to host memory first: the device never holds
+        two copies of the model (a colocated policy starts beside a generation's KV cache).
         """
         from rlcore.refit.specs import TensorSpec
 
         groups: dict[torch.dtype, list[tuple[str, torch.nn.Parameter]]] = {}
         for name, p in self.model.named_parameters():  # a tied weight once
             groups.setdefault(p.dtype, []).append((name, p))
+        built_on_gpu = [p for items in groups.values() for _, p in items if p.is_cuda]
+        if built_on_gpu:  # megatron-core initialises on the GPU: through host memory, one copy on the device
+            with torch.no_grad():
+                for p in built_on_gpu:
+                    p.data = p.detach().cpu()
+            torch.cuda.empty_cache()
         self._native, self._flat = [], []
         for dtype, items in groups.items():
             align = max(1, 128 // torch.empty(0, dtype=dtype).element_size())
