@@ -17,7 +17,7 @@ from rlcore.context import InitContext
 from rlcore.errors import ConfigError
 from rlcore.handles import Endpoint
 from rlcore.runtime.generation_group import GroupGeneration
-from rlcore.runtime.workers import WorkerGroup
+from rlcore.runtime.workers import WorkerGroup, server_host
 from rlcore_sglang.options import SGLangOptions
 from rlcore_sglang.worker import SGLangWorker
 
@@ -107,6 +107,7 @@ def start_generation(ctx: InitContext) -> SGLangGeneration:
             "options": options,
             "log_dir": str(ctx.run_dir / "sglang"),
             "threads": max(1, int(section.devices_per_worker)),
+            "network": ctx.network,
         },
         num_cpus=1.0 if cuda else float(section.devices_per_worker),
         num_gpus=1.0 if cuda else 0.0,
@@ -123,7 +124,7 @@ def start_generation(ctx: InitContext) -> SGLangGeneration:
         info = group.call("start", limit, what="starting SGLang servers", deadline=ctx.deadline)
         specs = group.call("weight_specs", ranks=[0], what="weight specs", deadline=ctx.deadline)[0]
         endpoints = [
-            Endpoint(base_url=e["base_url"], model=e["model"])
+            Endpoint(base_url=e["base_url"], model=e["model"], api_key=e["api_key"])
             for e in group.call("endpoint_info", what="endpoints", deadline=ctx.deadline)
         ]
     except BaseException:
@@ -165,6 +166,8 @@ def _front_endpoint(handle: SGLangGeneration, model_dir: Any, options: SGLangOpt
         model_name=options.served_model_name,
         max_sequence_length=options.context_length or int(config.get("max_position_embeddings", 2048)),
         eos_token_ids=sorted(eos),
+        host=server_host(ctx.network),
+        token=ctx.network.token,
     )
     remaining = ctx.deadline.remaining()
     server.start(timeout_s=30.0 if remaining is None else max(1.0, min(30.0, remaining)))

@@ -6,8 +6,10 @@ which ends the whole group (SGLang's scheduler and detokenizer processes include
 when the server exits, when it is told to stop, or when the worker that started it
 dies without cleaning up (``ray.kill``, a crash).
 
-The server binds 127.0.0.1 only; its weight-update routes change the model, so
-never expose it beyond the host.
+The server binds 127.0.0.1 when the run is on one node. Its weight-update routes change
+the model, so when a reader is on another node (``InitContext.network``) it binds the
+node's address and SGLang's own key check guards every route but ``/health`` with the
+run's token (401 without).
 """
 
 from __future__ import annotations
@@ -66,14 +68,27 @@ class ServerProcess(GuardedServer):
         port: the port to bind.
         log_path: where the server's stdout and stderr go.
         env: extra environment variables of the server.
+        host: the address to bind (loopback unless a reader is on another node).
+        token: the run's token; then SGLang's own key check guards every route but
+            ``/health``: the token is both ``--api-key`` and ``--admin-api-key`` (its
+            weight-update routes want the admin key; with none set they would be 403).
     """
 
     def __init__(
-        self, python: Path, args: list[str], *, port: int, log_path: Path, env: dict[str, str]
+        self,
+        python: Path,
+        args: list[str],
+        *,
+        port: int,
+        log_path: Path,
+        env: dict[str, str],
+        host: str = HOST,
+        token: str | None = None,
     ) -> None:
         path = os.pathsep.join(p for p in (str(SITE_DIR), env.get("PYTHONPATH", "")) if p)
+        keys = ["--api-key", token, "--admin-api-key", token] if token else []
         super().__init__(
-            [str(python), "-m", "sglang.launch_server", *args],
-            port=port, log_path=log_path, env={**env, "PYTHONPATH": path}, host=HOST,
+            [str(python), "-m", "sglang.launch_server", *args, *keys],
+            port=port, log_path=log_path, env={**env, "PYTHONPATH": path}, host=host, token=token,
             what="SGLang server",
         )

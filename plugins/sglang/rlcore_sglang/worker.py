@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.errors import RefitError
-from rlcore.runtime.workers import DistributedWorker, free_port
+from rlcore.runtime.workers import DistributedWorker, free_port, server_host
 from rlcore_sglang.server import ServerError, ServerProcess, find_sglang_python
 
 log = logging.getLogger(__name__)
@@ -98,8 +98,11 @@ class SGLangWorker(DistributedWorker):
         log_dir: str,
         seed: int = 0,
         threads: int = 1,
+        network: Any = None,
     ) -> None:
         super().__init__(rank, world_size)
+        #: The run's :class:`rlcore.placement.Network`: where the server binds, its token.
+        self.network = network
         self.model_dir = model_dir
         self.dtype = dtype
         self.refit_fed = refit_fed
@@ -138,7 +141,10 @@ class SGLangWorker(DistributedWorker):
             env["SGLANG_USE_CPU_ENGINE"] = ""  # set, it needs a CPU sgl_kernel that PyPI lacks
             env["RLCORE_SGLANG_SEEDS"] = "1"  # per-request seeds (site/sitecustomize.py)
         log_path = Path(self.log_dir) / f"sglang-server-{self.rank}-{os.getpid()}.log"
-        self.server = ServerProcess(python, args, port=port, log_path=log_path, env=env)
+        self.server = ServerProcess(
+            python, args, port=port, log_path=log_path, env=env,
+            host=server_host(self.network), token=self.network.token if self.network is not None else None,
+        )
         try:
             ready = self.server.wait_ready(timeout_s)
             paths = self.server.request("/openapi.json", timeout_s=30).get("paths", {})
@@ -398,10 +404,10 @@ class SGLangWorker(DistributedWorker):
     # ------------------------------------------------------------- lifecycle
 
     def endpoint_info(self) -> dict[str, Any]:
-        """``{"base_url", "model", "pid", "pgid", "log"}`` of this worker's server."""
+        """``{"base_url", "model", "api_key", "pid", "pgid", "log"}`` of this worker's server."""
         s = self._server()
         return {
-            "base_url": s.base + "/v1", "model": self.options.served_model_name,
+            "base_url": s.base + "/v1", "model": self.options.served_model_name, "api_key": s.token or "EMPTY",
             "pid": s.proc.pid, "pgid": s.pgid, "log": str(s.log_path),
         }
 
