@@ -223,7 +223,7 @@ class Proc:
     # -- setup ---------------------------------------------------------------------
 
     def start(self, model_dir: str, dtype: str) -> None:
-        from rlcore_megatron.plugin import MegatronOptions
+        from rlcore_megatron.options import MegatronOptions
         from rlcore_megatron.worker import MegatronGenerationWorker, MegatronPolicyWorker
 
         a = self.args
@@ -500,7 +500,7 @@ class Proc:
         ref = None
         if self.index == GENERATION:
             from rlcore_megatron import convert
-            from rlcore_megatron.plugin import MegatronOptions
+            from rlcore_megatron.options import MegatronOptions
             from rlcore_megatron.worker import MegatronPolicyWorker
 
             g = self.worker

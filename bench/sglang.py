@@ -52,7 +52,7 @@ def generation_throughput(args: argparse.Namespace) -> None:
     from rlcore.runtime.cluster import Cluster
     from rlcore_sglang.options import SGLangOptions
     from rlcore_sglang.plugin import rlcore_init_generation as init_sglang
-    from rlcore_vllm.plugin import VLLMOptions
+    from rlcore_vllm.options import VLLMOptions
     from rlcore_vllm.plugin import rlcore_init_generation as init_vllm
 
     rng = random.Random(0)

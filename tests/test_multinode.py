@@ -29,6 +29,8 @@ from typing import Any
 import psutil
 import pytest
 
+from rlcore.testing.waits import wait_for
+
 pytest.importorskip("rlcore_fsdp")
 pytest.importorskip("rlcore_vllm")
 
@@ -96,6 +98,19 @@ def _sample_workers(seen: dict[tuple[str, int], str]) -> None:
                     seen.setdefault(sock, kind)
         except psutil.Error:
             continue  # exited meanwhile
+
+
+def _run_processes() -> list[str]:
+    """Processes of the run's workers (and vLLM's server) still running on this host."""
+    left = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            if p.info["status"] != psutil.STATUS_ZOMBIE and any(w in cmd for w in WORKERS):
+                left.append(f"{p.pid}: {cmd[:80]}")
+        except psutil.Error:
+            continue
+    return left
 
 
 def _status(url: str) -> int:
@@ -179,7 +194,9 @@ def test_roles_run_on_the_nodes_the_config_picks_and_the_cluster_survives(cluste
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert max(m.get("step", 0) for m in metrics) >= 1
 
-    # Only the run's own actors went: every node is alive and runs work.
+    # Only the run's own actors went: none of its processes is left, and every node is
+    # alive and runs work.
+    assert wait_for(lambda: not _run_processes(), timeout_s=15, step_s=0.2), _run_processes()
     after = {i for i, n in nodes.items() if n["Alive"]}
     assert after == before
     assert _serves_on_every_node(cluster.address) == [by_name[n] for n in NODES]

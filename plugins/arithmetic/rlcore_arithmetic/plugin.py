@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from rlcore.context import InitContext
 from rlcore.declarations import BackendDeclaration, OverlapSafety, Role
 from rlcore.envs import PromptAndScoreEnv
 from rlcore.hookspecs import hookimpl
+from rlcore_arithmetic.options import ArithmeticOptions
 from rlcore_arithmetic.task import Prompt, make_prompts, reward
-
-
-@dataclass
-class ArithmeticOptions:
-    #: Largest operand in the prompts.
-    max_operand: int = 9
-    #: Operators to draw from, e.g. "+-*".
-    ops: str = "+"
-    #: Seed of the prompt stream (step k uses seed + k).
-    seed: int = 0
 
 
 class ArithmeticEnv(PromptAndScoreEnv):

@@ -1,5 +1,6 @@
 from rlcore.declarations import validate_declaration
-from rlcore_arithmetic.plugin import ArithmeticEnv, ArithmeticOptions, rlcore_declare_backend
+from rlcore_arithmetic.options import ArithmeticOptions
+from rlcore_arithmetic.plugin import ArithmeticEnv, rlcore_declare_backend
 from rlcore_arithmetic.task import Prompt, make_prompts, parse_answer, reward
 
 

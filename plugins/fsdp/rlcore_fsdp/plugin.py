@@ -1,4 +1,4 @@
-"""The rlcore plugin: declaration, options and init hook of the ``fsdp`` policy backend.
+"""The rlcore plugin: declaration and init hook of the ``fsdp`` policy backend (options: :mod:`rlcore_fsdp.options`).
 
 This module is the entry point (``rlcore.backends: fsdp``) and is imported by
 ``rlcore plugins`` and in every Ray worker: it imports neither torch nor ray at
@@ -10,44 +10,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rlcore.context import InitContext
 from rlcore.declarations import BackendDeclaration, OverlapSafety, Role, Transport
 from rlcore.hookspecs import hookimpl
+from rlcore_fsdp.options import FSDPOptions
 
 if TYPE_CHECKING:
     from rlcore_fsdp.handle import FSDPPolicy
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class FSDPOptions:
-    """``policy.options`` of the ``fsdp`` backend."""
-
-    #: FSDP1 ``use_orig_params``: keep the original parameters visible as views of the
-    #: flat parameter (needed for per-parameter optimizer settings, harmless otherwise).
-    use_orig_params: bool = True
-    #: Clip the global gradient norm to this value; ``<= 0`` disables clipping
-    #: (the norm is still measured and reported).
-    max_grad_norm: float = 1.0
-    #: AdamW weight decay (the learning rate comes with every ``train_step``).
-    weight_decay: float = 0.0
-    #: Torch CPU threads per rank (``OMP_NUM_THREADS``); 0: ``policy.devices_per_worker``
-    #: on CPU, 1 on CUDA.
-    threads_per_worker: int = 0
-    #: Rows per forward/backward pass on each rank; larger batches are split into
-    #: micro-batches (gradients accumulate across them).
-    micro_batch_size: int = 32
-    #: Seed of torch's generators on every rank.
-    seed: int = 0
-    #: ``auto`` (CUDA when the Ray cluster has GPUs), ``cpu`` or ``cuda``.
-    device: str = "auto"
-    #: Timeout in seconds of every collective in the policy group and of each driver
-    #: call to the workers after init.
-    timeout_s: float = 300.0
 
 
 @hookimpl

@@ -45,7 +45,7 @@ from rlcore.runtime.losses import clipped_pg_loss
 from rlcore.runtime.workers import DistributedWorker
 
 if TYPE_CHECKING:
-    from rlcore_fsdp.plugin import FSDPOptions
+    from rlcore_fsdp.options import FSDPOptions
 
 log = logging.getLogger(__name__)
 

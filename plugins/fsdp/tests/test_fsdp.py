@@ -41,7 +41,8 @@ from rlcore.testing.reference import (
 from rlcore.testing.waits import wait_for
 from rlcore.tinymodel import write_tiny_model
 from rlcore.waiting import CancelToken, Deadline
-from rlcore_fsdp.plugin import FSDPOptions, rlcore_declare_backend, rlcore_init_policy
+from rlcore_fsdp.options import FSDPOptions
+from rlcore_fsdp.plugin import rlcore_declare_backend, rlcore_init_policy
 from rlcore_fsdp.worker import FSDPWorker, micro_batch_count, shard_range
 
 BATCH = GRPO_BATCH
@@ -387,7 +388,7 @@ def test_init_needs_ray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     import ray
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    with pytest.raises(RuntimeError, match=r"rlcore\.cluster\.Cluster"):
+    with pytest.raises(RuntimeError, match=r"rlcore\.runtime\.cluster\.Cluster"):
         rlcore_init_policy(init_context(tmp_path))
 
 

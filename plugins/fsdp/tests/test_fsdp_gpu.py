@@ -61,7 +61,7 @@ def _policy_rank(
 ) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)  # one GPU per rank, like a Ray actor
     from rlcore.refit.specs import plan_buckets
-    from rlcore_fsdp.plugin import FSDPOptions
+    from rlcore_fsdp.options import FSDPOptions
     from rlcore_fsdp.worker import FSDPWorker
 
     w = FSDPWorker(rank, 2)

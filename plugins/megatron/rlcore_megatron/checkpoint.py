@@ -49,7 +49,7 @@ from typing import Any
 from rlcore.errors import Cancelled
 from rlcore.waiting import CancelToken, Deadline
 from rlcore_megatron.convert import RECIPE_VERSION, ConversionError
-from rlcore_megatron.plugin import CHECKPOINT_ARTIFACT, MegatronOptions
+from rlcore_megatron.options import CHECKPOINT_ARTIFACT, MegatronOptions
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from rlcore.runtime.group_handle import GroupHandle
 from rlcore.runtime.policy_group import GroupPolicy
 from rlcore.runtime.workers import WorkerGroup
 from rlcore.waiting import CancelToken
-from rlcore_megatron.plugin import CHECKPOINT_ARTIFACT, MegatronOptions, resolve_engine
+from rlcore_megatron.options import CHECKPOINT_ARTIFACT, MegatronOptions, resolve_engine
 
 log = logging.getLogger(__name__)
 

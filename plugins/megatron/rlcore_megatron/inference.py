@@ -43,7 +43,7 @@ from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper 
 from megatron.core.inference.sampling_params import SamplingParams
 
 from rlcore_megatron.cpu_compat import causal_mask
-from rlcore_megatron.plugin import ENGINES, resolve_engine  # noqa: F401  (re-exported)
+from rlcore_megatron.options import ENGINES, resolve_engine  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine

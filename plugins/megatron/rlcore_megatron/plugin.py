@@ -1,4 +1,4 @@
-"""The rlcore plugin: declaration, options and init hooks of the ``megatron`` backend.
+"""The rlcore plugin: declaration and init hooks of the ``megatron`` backend (options: :mod:`rlcore_megatron.options`).
 
 This module is the entry point (``rlcore.backends: megatron``); ``rlcore
 plugins`` and every Ray worker import it, so it imports neither torch, ray nor
@@ -14,7 +14,6 @@ declares the need gets the checkpoint too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rlcore.declarations import (
@@ -26,100 +25,12 @@ from rlcore.declarations import (
     Role,
     Transport,
 )
-from rlcore.errors import ConfigError
 from rlcore.hookspecs import hookimpl
+from rlcore_megatron.options import CHECKPOINT_ARTIFACT, MegatronOptions
 
 if TYPE_CHECKING:
     from rlcore.context import InitContext
     from rlcore_megatron.handle import MegatronGeneration, MegatronPolicy
-
-#: Name of the converted checkpoint artifact (``<cache>/megatron.checkpoint/<key>``).
-CHECKPOINT_ARTIFACT = "megatron.checkpoint"
-
-
-@dataclass
-class MegatronOptions:
-    """``policy.options`` / ``generation.options`` of the ``megatron`` backend."""
-
-    #: Tensor-parallel ranks per model replica. Heads, query groups and the MLP width must
-    #: divide by it. The converted checkpoint is written at the policy's value (it is part
-    #: of the checkpoint key); megatron-core's torch_dist format reshards on load, so a
-    #: generation with another value loads it too.
-    tensor_model_parallel_size: int = 1
-    #: The vocabulary is padded to a multiple of this times the tensor-parallel size, as
-    #: Megatron-LM does (zero rows; their logits are ignored). Part of the checkpoint key.
-    make_vocab_size_divisible_by: int = 128
-    #: Seed of megatron-core's RNG states (tensor-parallel and data-parallel).
-    seed: int = 0
-    #: Timeout in seconds of every collective of the backend's process groups
-    #: (conversion ranks included) and of each driver call to the workers after init.
-    timeout_s: float = 300.0
-    #: ``auto`` (CUDA when the Ray cluster has GPUs), ``cpu`` or ``cuda``.
-    device: str = "auto"
-    #: Torch CPU threads per rank; 0: ``<role>.devices_per_worker`` on CPU, 1 on CUDA.
-    threads_per_worker: int = 0
-    #: Rows per forward (and backward) pass on each rank; larger shards are split.
-    micro_batch_size: int = 32
-    #: (policy) Clip the global gradient norm to this value; ``<= 0``: measure only.
-    max_grad_norm: float = 1.0
-    #: (policy) AdamW weight decay; the learning rate comes with every train step.
-    weight_decay: float = 0.0
-    #: (generation) Requests the engine runs at once (the static engine's batch and KV
-    #: cache size; the dynamic engine's most concurrent requests).
-    max_batch_size: int = 64
-    #: (generation) Longest prompt + completion, in tokens (KV cache length).
-    max_sequence_length: int = 512
-    #: (generation) megatron-core inference engine: ``auto`` (the dynamic engine on CUDA,
-    #: the static engine on CPU), ``static`` (one batch at a time; runs anywhere) or
-    #: ``dynamic`` (in-flight batching over a paged KV cache; CUDA only).
-    engine: str = "auto"
-    #: (generation, dynamic engine) KV cache per rank in GiB; 0: room for
-    #: ``max_batch_size`` sequences of ``max_sequence_length`` tokens.
-    kv_cache_gib: float = 0.0
-    #: (generation) Serve an OpenAI-compatible endpoint (``/v1/chat/completions``,
-    #: ``/v1/completions``, ``/v1/models``, ``/tokenize``) in the driver, in front of the
-    #: engine: environments such as NeMo Gym reach the policy through it. Requests are
-    #: batched into the same ``generate`` calls the training loop makes
-    #: (:mod:`rlcore.serve.openai_endpoint`).
-    serve_openai: bool = False
-    #: (generation, serve_openai) The model name requests use and ``/v1/models`` lists.
-    served_model_name: str = "policy"
-    #: (generation, serve_openai) Address to listen on. On loopback (the default) the
-    #: endpoint moves to the node's address by itself when a reader is on another node;
-    #: off loopback it always wants a bearer token (the run's), announced as the API key.
-    host: str = "127.0.0.1"
-    #: (generation, serve_openai) Port to listen on; 0 picks a free one.
-    port: int = 0
-    #: (generation, serve_openai) How long a batch waits for concurrent requests, in ms.
-    batch_wait_ms: float = 5.0
-
-
-#: Values of ``generation.options.engine``.
-ENGINES = ("auto", "static", "dynamic")
-
-
-def resolve_engine(engine: str, device_type: str) -> str:
-    """``static`` or ``dynamic`` for ``generation.options.engine`` on ``device_type``.
-
-    ``auto`` is the dynamic engine on CUDA and the static engine on CPU; the
-    dynamic engine on CPU is a :class:`~rlcore.errors.ConfigError`.
-    """
-    key = "generation.options.engine"
-    if engine not in ENGINES:
-        raise ConfigError(
-            f"{key} of backend 'megatron' is {engine!r}; use auto, static or dynamic", key=key
-        )
-    if engine == "auto":
-        return "dynamic" if device_type == "cuda" else "static"
-    if engine == "dynamic" and device_type != "cuda":
-        raise ConfigError(
-            f"{key}=dynamic needs CUDA (megatron-core's dynamic engine allocates its KV cache "
-            f"and sampling buffers on the GPU), but the generation runs on {device_type}: set "
-            f"{key} to auto or static, or run it on GPUs (generation.options.device=cuda)",
-            key=key,
-        )
-    return engine
-
 
 def _transports() -> set[Transport]:
     """Refit transports both roles run: cuda_ipc (colocated on one GPU) where this host has

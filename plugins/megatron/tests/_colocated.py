@@ -38,7 +38,7 @@ class Host:
         import torch
 
         from rlcore.runtime.workers import free_port
-        from rlcore_megatron.plugin import MegatronOptions
+        from rlcore_megatron.options import MegatronOptions
         from rlcore_megatron.worker import MegatronPolicyWorker
 
         w = MegatronPolicyWorker(0, 1)
@@ -55,7 +55,7 @@ class Host:
     def start_generation(self, model_dir: str, dtype: str, seed: int, batch: int, seq: int, kv_gib: float) -> dict:
         """A refit-fed TP=1 generation worker (megatron-core's dynamic engine on CUDA)."""
         from rlcore.runtime.workers import free_port
-        from rlcore_megatron.plugin import MegatronOptions
+        from rlcore_megatron.options import MegatronOptions
         from rlcore_megatron.worker import MegatronGenerationWorker
 
         w = MegatronGenerationWorker(0, 1)

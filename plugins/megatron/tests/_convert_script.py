@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rlcore.publish import publish_dir
 from rlcore_megatron.checkpoint import convert_and_publish
-from rlcore_megatron.plugin import MegatronOptions
+from rlcore_megatron.options import MegatronOptions
 
 
 def holding_publish(signal_file: Path):

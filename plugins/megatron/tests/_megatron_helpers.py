@@ -212,8 +212,8 @@ def tp_generate_worker(
     samples, or the error it hit (errors are reported, not raised).
     """
     from rlcore_megatron import convert
+    from rlcore_megatron.options import MegatronOptions
     from rlcore_megatron.parallel import init_process_group
-    from rlcore_megatron.plugin import MegatronOptions
     from rlcore_megatron.worker import MegatronGenerationWorker
 
     report: dict[str, Any] = {}

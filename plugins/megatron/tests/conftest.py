@@ -171,7 +171,7 @@ def _concurrent_scenario(hf_dir: Path, cache: Path, tp: int) -> dict[str, Any]:
 
 
 def _options(tp: int) -> Any:
-    from rlcore_megatron.plugin import MegatronOptions
+    from rlcore_megatron.options import MegatronOptions
 
     return MegatronOptions(tensor_model_parallel_size=tp)
 

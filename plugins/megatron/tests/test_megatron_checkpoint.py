@@ -11,7 +11,7 @@ import pytest
 
 from rlcore.context import InitContext
 from rlcore_megatron.checkpoint import checkpoint_key, checkpoint_path, convert_to_directory
-from rlcore_megatron.plugin import CHECKPOINT_ARTIFACT, MegatronOptions
+from rlcore_megatron.options import CHECKPOINT_ARTIFACT, MegatronOptions
 
 LOGITS_TOL = 1e-4
 

@@ -37,7 +37,7 @@ def test_cuda_ipc_is_declared_only_where_cuda_is(monkeypatch: pytest.MonkeyPatch
 
 @pytest.fixture(scope="module")
 def workers(llama_dir: Path) -> Iterator[tuple]:
-    from rlcore_megatron.plugin import MegatronOptions
+    from rlcore_megatron.options import MegatronOptions
     from rlcore_megatron.worker import MegatronGenerationWorker, MegatronPolicyWorker
 
     policy = MegatronPolicyWorker(0, 1)

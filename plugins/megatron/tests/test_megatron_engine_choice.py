@@ -18,7 +18,7 @@ from rlcore.errors import ConfigError
 from rlcore.runtime.workers import free_port
 from rlcore_megatron import inference, paged_attention
 from rlcore_megatron.convert import ModelSpec
-from rlcore_megatron.plugin import MegatronOptions
+from rlcore_megatron.options import MegatronOptions
 from rlcore_megatron.worker import MegatronGenerationWorker
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # megatron-core's own

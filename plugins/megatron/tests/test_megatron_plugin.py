@@ -10,7 +10,8 @@ import pytest
 from rlcore.config import resolve_options
 from rlcore.declarations import Role, Transport, validate_declaration
 from rlcore.errors import ConfigError
-from rlcore_megatron.plugin import MegatronOptions, rlcore_declare_backend
+from rlcore_megatron.options import MegatronOptions
+from rlcore_megatron.plugin import rlcore_declare_backend
 
 
 def test_declaration_is_valid_and_says_what_the_brief_says() -> None:

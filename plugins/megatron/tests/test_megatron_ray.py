@@ -44,7 +44,8 @@ from rlcore.handles import RefitReceiver, RefitSender
 from rlcore.refit.sessions import RefitSessions
 from rlcore.testing.waits import wait_for
 from rlcore.waiting import CancelToken, Deadline
-from rlcore_megatron.plugin import MegatronOptions, rlcore_init_generation, rlcore_init_policy
+from rlcore_megatron.options import MegatronOptions
+from rlcore_megatron.plugin import rlcore_init_generation, rlcore_init_policy
 
 #: The refit channels of this module's handles (a run owns its sessions; so does this module).
 SESSIONS = RefitSessions()

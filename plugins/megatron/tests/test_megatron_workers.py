@@ -30,7 +30,7 @@ from rlcore.refit.channels import ChannelSpec
 from rlcore.refit.specs import plan_buckets, spec_of
 from rlcore.runtime.workers import free_port
 from rlcore_megatron import convert
-from rlcore_megatron.plugin import MegatronOptions
+from rlcore_megatron.options import MegatronOptions
 from rlcore_megatron.worker import MegatronGenerationWorker, MegatronPolicyWorker, shard_range
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # megatron-core's own

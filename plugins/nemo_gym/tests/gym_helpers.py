@@ -22,7 +22,7 @@ from rlcore.declarations import Role
 from rlcore.events import EventBoard
 from rlcore.handles import Endpoint, RolloutRequest
 from rlcore.waiting import CancelToken, Deadline
-from rlcore_nemo_gym.plugin import NemoGymOptions
+from rlcore_nemo_gym.options import NemoGymOptions
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -17,7 +17,8 @@ from rlcore.declarations import Role, validate_declaration
 from rlcore.errors import ConfigError, RlcoreError
 from rlcore.testing import BackendConformance
 from rlcore_nemo_gym.handle import rows_for_step, start_env, to_sample
-from rlcore_nemo_gym.plugin import NemoGymOptions, rlcore_declare_backend
+from rlcore_nemo_gym.options import NemoGymOptions
+from rlcore_nemo_gym.plugin import rlcore_declare_backend
 from rlcore_nemo_gym.servers import find_gym_python
 
 HEAVY = ("torch", "ray", "vllm", "transformers", "nemo_gym", "httpx", "omegaconf", "psutil")

@@ -18,7 +18,7 @@ from rlcore.context import InitContext
 from rlcore.handles import Endpoint
 from rlcore.runtime.generation_group import GroupGeneration
 from rlcore.runtime.workers import WorkerGroup
-from rlcore_vllm.plugin import VLLMOptions
+from rlcore_vllm.options import VLLMOptions
 from rlcore_vllm.worker import VLLMWorker
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The rlcore plugin: declaration, options and init hook of the ``vllm`` generation backend.
+"""The rlcore plugin: declaration and init hook of the ``vllm`` generation backend (options: :mod:`rlcore_vllm.options`).
 
 Light on purpose: ``rlcore plugins`` imports this module, so nothing here imports
 vllm, torch, transformers or ray. The engine is built by
@@ -7,42 +7,15 @@ vllm, torch, transformers or ray. The engine is built by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rlcore.context import InitContext
 from rlcore.declarations import BackendDeclaration, Condition, OverlapSafety, Role, Transport
 from rlcore.hookspecs import hookimpl
+from rlcore_vllm.options import VLLMOptions
 
 if TYPE_CHECKING:
     from rlcore_vllm.handle import VLLMGeneration
-
-
-@dataclass
-class VLLMOptions:
-    """``generation.options`` of the ``vllm`` backend."""
-
-    #: Start vLLM's OpenAI-compatible server in each worker (on 127.0.0.1; on the
-    #: node's address, guarded by the run's token, when a reader is on another node)
-    #: and serve generation through it; the handle's ``endpoint`` then points at
-    #: worker 0's server. Off: the engine runs inside the worker process (faster start).
-    serve_openai: bool = False
-    #: CPU only: GiB of memory for the KV cache (``VLLM_CPU_KVCACHE_SPACE``).
-    kv_cache_gib: int = 1
-    #: CUDA only: fraction of GPU memory vLLM may take (``gpu_memory_utilization``).
-    gpu_memory_utilization: float = 0.9
-    #: Longest prompt + completion, in tokens.
-    max_model_len: int = 512
-    #: Run the model eagerly (no CUDA graphs / torch.compile): faster start.
-    enforce_eager: bool = True
-    #: Port of worker 0's server (worker i uses port + i); 0 picks free ports.
-    port: int = 0
-    #: Model name the server answers to (``model`` field of OpenAI requests).
-    served_model_name: str = "policy"
-    #: How long a worker waits for its server's ``/health`` before giving up.
-    server_start_timeout_s: float = 120.0
-    #: Upper bound on one generate/logprobs call of the handle.
-    call_timeout_s: float = 900.0
 
 
 DESCRIPTION = (

@@ -42,7 +42,7 @@ class VLLMWorker(DistributedWorker):
             always read from it; weights only when not ``refit_fed``).
         dtype: ``float32``, ``bfloat16`` or ``float16``.
         refit_fed: build the engine with dummy weights; the first refit brings real ones.
-        options: the backend's :class:`rlcore_vllm.plugin.VLLMOptions`.
+        options: the backend's :class:`rlcore_vllm.options.VLLMOptions`.
         log_dir: where server mode writes the server's log.
         seed: the engine's global seed.
         network: the run's :class:`rlcore.placement.Network`: where server mode binds

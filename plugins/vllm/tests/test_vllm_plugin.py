@@ -11,7 +11,8 @@ import pytest
 from rlcore.config import resolve_options
 from rlcore.declarations import Role, Transport, validate_declaration
 from rlcore.errors import ConfigError
-from rlcore_vllm.plugin import VLLMOptions, rlcore_declare_backend
+from rlcore_vllm.options import VLLMOptions
+from rlcore_vllm.plugin import rlcore_declare_backend
 
 
 def test_declaration_validates() -> None:

@@ -18,7 +18,7 @@ from rlcore.context import InitContext
 from rlcore.declarations import Role
 from rlcore.events import EventBoard
 from rlcore.waiting import CancelToken, Deadline
-from rlcore_vllm.plugin import VLLMOptions
+from rlcore_vllm.options import VLLMOptions
 
 # Ray workers cannot import this module by name: ship the actor class by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -1,0 +1,33 @@
+"""``policy.options`` of the ``fsdp`` backend: plain data, imported by ``rlcore plugins``
+and by the backend's own modules (never through the entry point)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class FSDPOptions:
+    """``policy.options`` of the ``fsdp`` backend."""
+
+    #: FSDP1 ``use_orig_params``: keep the original parameters visible as views of the
+    #: flat parameter (needed for per-parameter optimizer settings, harmless otherwise).
+    use_orig_params: bool = True
+    #: Clip the global gradient norm to this value; ``<= 0`` disables clipping
+    #: (the norm is still measured and reported).
+    max_grad_norm: float = 1.0
+    #: AdamW weight decay (the learning rate comes with every ``train_step``).
+    weight_decay: float = 0.0
+    #: Torch CPU threads per rank (``OMP_NUM_THREADS``); 0: ``policy.devices_per_worker``
+    #: on CPU, 1 on CUDA.
+    threads_per_worker: int = 0
+    #: Rows per forward/backward pass on each rank; larger batches are split into
+    #: micro-batches (gradients accumulate across them).
+    micro_batch_size: int = 32
+    #: Seed of torch's generators on every rank.
+    seed: int = 0
+    #: ``auto`` (CUDA when the Ray cluster has GPUs), ``cpu`` or ``cuda``.
+    device: str = "auto"
+    #: Timeout in seconds of every collective in the policy group and of each driver
+    #: call to the workers after init.
+    timeout_s: float = 300.0
