@@ -1,4 +1,5 @@
-"""The generation-handle mixin: per-prompt seeds, contiguous shards, refit ranks, closed handles."""
+"""The generation-handle base: per-prompt seeds, contiguous shards, refit ranks, closed handles;
+the engine-side base: call checks, the stale-weights refusal, where a server binds."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 import pytest
 
 from rlcore.errors import RlcoreError
-from rlcore.runtime.generation_group import GroupGeneration, prompt_seed
+from rlcore.placement import Network
+from rlcore.runtime.generation_group import EngineWorker, GroupGeneration, prompt_seed
 
 
 class Remote:
@@ -31,6 +33,7 @@ class Group:
     def __init__(self, engines: int) -> None:
         self.calls: list[tuple[int, str, Any]] = []
         self.actors = [Engine(i, self.calls) for i in range(engines)]
+        self.world_size = engines
 
     def get(self, refs: Any, *, what: str) -> Any:
         return refs
@@ -38,9 +41,7 @@ class Group:
 
 class Handle(GroupGeneration):
     def __init__(self, engines: int) -> None:
-        super().__init__(Group(engines), backend="fake", role="generation")
-        self.refit_ranks = engines
-        self._specs = ["spec"]
+        super().__init__(Group(engines), ["spec"], backend="fake")
 
 
 def test_prompt_seeds_are_distinct_and_stable() -> None:
@@ -73,3 +74,48 @@ def test_engine_i_is_refit_rank_1_plus_i_and_a_closed_handle_refuses() -> None:
     h._closed = True
     with pytest.raises(RlcoreError, match="fake-generation: the fake generation handle was shut down"):
         h.generate([[1]], n=1, max_tokens=1, temperature=1.0, seed=0)
+
+    assert h.refit_ranks == 3 and h.endpoint is None
+
+
+class Options:
+    port = 0
+    served_model_name = "policy"
+
+
+class Worker(EngineWorker):
+    engine = "Fake"
+
+    def _generate(self, prompt_ids: Any, n: int, max_tokens: int, temperature: float, seeds: Any) -> Any:
+        return [[{"token_ids": [s], "logprobs": [-0.5]}] * n for s in seeds]
+
+    def _logprobs(self, batch: Any) -> Any:
+        return [[-1.0] * len(c) for _, c in batch]
+
+
+def _worker(**kwargs: Any) -> Worker:
+    return Worker(1, 2, "/m", dtype="float32", refit_fed=True, options=Options(), **kwargs)
+
+
+def test_an_engine_checks_its_calls_and_refuses_stale_weights() -> None:
+    w = _worker()
+    assert w.generate([[1], [2]], 2, 4, 1.0, [5, 6]) == [[{"token_ids": [5], "logprobs": [-0.5]}] * 2,
+                                                        [{"token_ids": [6], "logprobs": [-0.5]}] * 2]
+    assert w.generate([], 2, 4, 1.0, []) == [] and w.logprobs([]) == []
+    assert w.logprobs([([1], [2, 3])]) == [[-1.0, -1.0]]
+    with pytest.raises(ValueError, match="2 prompts but 1 seeds"):
+        w.generate([[1], [2]], 1, 4, 1.0, [5])
+    w.stale = "refit step 3 over disk did not complete"
+    for call in (lambda: w.generate([], 1, 4, 1.0, []), lambda: w.logprobs([])):
+        with pytest.raises(RuntimeError, match=r"^Fake worker 1: refit step 3 over disk did not complete; its "
+                           "weights may mix two versions, so it refuses to generate until a refit succeeds$"):
+            call()
+
+
+def test_an_engines_server_binds_its_port_and_the_runs_address() -> None:
+    w = _worker()
+    bind = w._bind()
+    assert bind["host"] == "127.0.0.1" and bind["token"] is None and bind["port"] > 0
+    w.options.port, w.network = 8100, Network.spread()
+    # Outside Ray this node's address is loopback; the token is the run's.
+    assert w._bind() == {"port": 8101, "host": "127.0.0.1", "token": w.network.token}

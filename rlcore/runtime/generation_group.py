@@ -1,23 +1,32 @@
-"""Driver-side methods a generation handle over a :class:`rlcore.runtime.workers.WorkerGroup` of
-independent engines shares (the generation counterpart of :mod:`rlcore.runtime.policy_group`).
+"""What the generation backends over a :class:`rlcore.runtime.workers.WorkerGroup` of
+independent engines share: the handle's driver-side calls (the generation counterpart of
+:mod:`rlcore.runtime.policy_group`), the start of the engines, and the engine's side.
 
 :class:`GroupGeneration` implements :class:`rlcore.handles.RefitReceiver` (engine ``i``
 is rank ``1 + i`` of every refit channel) and the generation calls of
 :class:`rlcore.handles.GenerationHandle`, fanned out over the engines in contiguous
 shards. Its workers provide ``open_refit_channel(spec, rank)``,
 ``receive_weights(spec, step, buckets)``, ``refit_ceiling(spec, rank, step, nbytes)``,
-``generate(prompt_ids, n, max_tokens, temperature, seeds)`` and ``logprobs(batch)``.
+``generate(prompt_ids, n, max_tokens, temperature, seeds)`` and ``logprobs(batch)``;
+:class:`EngineWorker` is a base for them. :func:`start_engines` starts the group of a
+backend's init hook.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlcore.handles import Pair, Sample
+from rlcore.handles import Endpoint, Pair, Sample
 from rlcore.runtime.batches import shard_range
 from rlcore.runtime.group_handle import GroupHandle
+from rlcore.runtime.workers import DistributedWorker, WorkerGroup, free_port, server_host
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from rlcore.context import InitContext
 
 
 def prompt_seed(seed: int, index: int) -> int:
@@ -34,12 +43,48 @@ def prompt_seed(seed: int, index: int) -> int:
 
 
 class GroupGeneration(GroupHandle):
-    """A base for generation handles (see the module doc). The handle sets
-    ``refit_ranks`` (the number of engines) and ``_specs`` (the ``TensorSpec`` list the
-    engines expect); its lifecycle is :class:`rlcore.runtime.group_handle.GroupHandle`'s."""
+    """A base for generation handles (see the module doc); its lifecycle is
+    :class:`rlcore.runtime.group_handle.GroupHandle`'s.
+
+    Args:
+        group: the worker group, one engine per worker.
+        specs: the ``TensorSpec`` list the engines expect.
+        backend: the backend's name (in errors).
+        endpoints: each engine's OpenAI-compatible endpoint (none without servers).
+        start_info: each worker's start record (timings in seconds).
+        device_type: ``cuda`` or ``cpu``.
+
+    Attributes:
+        refit_ranks: the number of engines; engine ``i`` is rank ``1 + i`` of refit channels.
+    """
 
     refit_ranks: int
     _specs: list[Any]
+
+    def __init__(
+        self,
+        group: Any,
+        specs: Sequence[Any],
+        *,
+        backend: str,
+        endpoints: Sequence[Endpoint] = (),
+        start_info: Sequence[dict[str, Any]] = (),
+        device_type: str = "cpu",
+    ) -> None:
+        super().__init__(group, backend=backend, role="generation")
+        self.refit_ranks = group.world_size
+        self.endpoints = list(endpoints)
+        self.start_info = list(start_info)
+        self.device_type = device_type
+        self._specs = list(specs)
+
+    @property
+    def endpoint(self) -> Endpoint | None:
+        """Engine 0's OpenAI-compatible endpoint, else None (engines without a server).
+
+        Each engine serves its own; spread load over :attr:`endpoints` if needed.
+        """
+        return self.endpoints[0] if self.endpoints else None
 
     # ------------------------------------------------------------ refit side
 
@@ -102,3 +147,188 @@ class GroupGeneration(GroupHandle):
     def _actors(self) -> list[Any]:
         self._check_open()
         return self.group.actors
+
+
+def start_engines(
+    ctx: InitContext,
+    worker_class: type,
+    *,
+    name: str,
+    model_dir: Path,
+    options: Any,
+    cuda: bool,
+    env: dict[str, str],
+    what: str,
+    endpoints: bool = True,
+    kwargs: dict[str, Any] | None = None,
+) -> tuple[WorkerGroup, list[dict[str, Any]], list[Any], list[Endpoint]]:
+    """Start the ``generation.workers`` engines of the init hook of ``ctx``.
+
+    Worker ``i`` is ``worker_class(i, workers, str(model_dir), dtype=..., refit_fed=...,
+    options=options, network=ctx.network, **kwargs)`` on one GPU (``cuda``) or on
+    ``generation.devices_per_worker`` CPUs, with ``env``; then every worker's
+    ``start(timeout_s)`` runs, bounded by ``options.server_start_timeout_s`` and the
+    deadline (``what`` names it in errors), and each call by ``options.call_timeout_s``.
+
+    Returns the group, each worker's start record, engine 0's ``weight_specs()`` and,
+    with ``endpoints``, each engine's :class:`rlcore.handles.Endpoint` (its
+    ``endpoint_info()``). Shuts the group down if any of that fails.
+    """
+    section = ctx.config.generation
+    group = WorkerGroup(
+        worker_class,
+        section.workers,
+        name=name,
+        args=(str(model_dir),),
+        kwargs={
+            "dtype": ctx.config.model.dtype,
+            "refit_fed": bool(section.refit_fed),
+            "options": options,
+            "network": ctx.network,
+            **(kwargs or {}),
+        },
+        num_cpus=1.0 if cuda else float(section.devices_per_worker),
+        num_gpus=1.0 if cuda else 0.0,
+        env=env,
+        dist_backend=None,
+        timeout_s=options.call_timeout_s,
+        cancel=ctx.cancel,
+        deadline=ctx.deadline,
+        placement=ctx.placement,
+    )
+    try:
+        remaining = ctx.deadline.remaining()
+        limit = options.server_start_timeout_s
+        info = group.call(
+            "start", limit if remaining is None else min(limit, remaining), what=what, deadline=ctx.deadline
+        )
+        specs = group.call("weight_specs", ranks=[0], what="weight specs", deadline=ctx.deadline)[0]
+        served = []
+        if endpoints:
+            served = [
+                Endpoint(base_url=e["base_url"], model=e["model"], api_key=e["api_key"])
+                for e in group.call("endpoint_info", what="endpoints", deadline=ctx.deadline)
+            ]
+    except BaseException:
+        group.shutdown()
+        raise
+    return group, info, specs, served
+
+
+class EngineWorker(DistributedWorker):
+    """A base for the workers of :class:`GroupGeneration`: one engine each (a Ray actor).
+
+    :meth:`generate` and :meth:`logprobs` check the call, and refuse while :attr:`stale`
+    says why the weights cannot be trusted (a refit failed half-way), before the
+    subclass's ``_generate`` and ``_logprobs`` run. A subclass names its engine in
+    ``engine`` (``vLLM``: errors say ``vLLM worker 0``); a server it starts is
+    :attr:`server` (a :class:`rlcore.runtime.server.GuardedServer`).
+
+    Args:
+        rank, world_size: this worker's index and the number of engines.
+        model_dir: Hugging Face checkpoint directory.
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
+        refit_fed: start with dummy weights; the first refit brings real ones.
+        options: the backend's options (``port``, ``served_model_name`` where it serves).
+        log_dir: where the engine's server writes its log.
+        seed: the engine's seed.
+        network: the run's :class:`rlcore.placement.Network`: where a server binds, its token.
+    """
+
+    engine = "engine"
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        model_dir: str,
+        *,
+        dtype: str,
+        refit_fed: bool,
+        options: Any,
+        log_dir: str | None = None,
+        seed: int = 0,
+        network: Any = None,
+    ) -> None:
+        super().__init__(rank, world_size)
+        self.model_dir = model_dir
+        self.dtype = dtype
+        self.refit_fed = refit_fed
+        self.options = options
+        self.log_dir = log_dir
+        self.seed = seed
+        self.network = network
+        self.server: Any = None
+        #: Why the engine's weights cannot be trusted (a refit failed half-way), or None.
+        self.stale: str | None = None
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        seeds: Sequence[int],
+    ) -> list[list[Sample]]:
+        """``n`` samples per prompt: ``[[{"token_ids": [...], "logprobs": [...]}] * n] * len(prompts)``;
+        prompt ``i`` samples with seed ``seeds[i]`` (see the subclass's ``_generate``)."""
+        self._check_weights()
+        if len(seeds) != len(prompt_ids):
+            raise ValueError(f"{len(prompt_ids)} prompts but {len(seeds)} seeds")
+        if not prompt_ids:
+            return []
+        return self._generate(prompt_ids, n, max_tokens, temperature, seeds)
+
+    def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        """Log-probabilities of each completion's tokens given its prompt (and the tokens before)."""
+        self._check_weights()
+        if not batch:
+            return []
+        return self._logprobs(batch)
+
+    def _generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        seeds: Sequence[int],
+    ) -> list[list[Sample]]:
+        raise NotImplementedError
+
+    def _logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        raise NotImplementedError
+
+    def _check_weights(self) -> None:
+        if self.stale is not None:
+            raise RuntimeError(
+                f"{self.engine} worker {self.rank}: {self.stale}; its weights may mix two versions, "
+                "so it refuses to generate until a refit succeeds"
+            )
+
+    def _bind(self) -> dict[str, Any]:
+        """``port``, ``host`` and ``token`` of this engine's server: ``options.port + rank``
+        (a free port when the option is 0), the address and token of the run's network."""
+        port = self.options.port
+        return {
+            "port": port + self.rank if port else free_port(),
+            "host": server_host(self.network),
+            "token": self.network.token if self.network is not None else None,
+        }
+
+    def _endpoint_info(self) -> dict[str, Any]:
+        """``{"base_url", "model", "api_key", "pid", "pgid"}`` of :attr:`server`."""
+        s = self.server
+        return {
+            "base_url": s.base + "/v1",
+            "model": self.options.served_model_name,
+            "api_key": s.token or "EMPTY",
+            "pid": s.proc.pid,
+            "pgid": s.pgid,
+        }
+
+    def _stop_server(self) -> None:
+        """Stop :attr:`server`'s process group, if one runs. Idempotent."""
+        if self.server is not None:
+            self.server.stop()
+            self.server = None

@@ -10,14 +10,13 @@ carries SGLang's own OpenAI-compatible endpoint (``endpoint``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 from rlcore.context import InitContext
 from rlcore.errors import ConfigError
 from rlcore.handles import Endpoint
-from rlcore.runtime.generation_group import GroupGeneration
-from rlcore.runtime.workers import WorkerGroup, server_host
+from rlcore.runtime.generation_group import GroupGeneration, start_engines
+from rlcore.runtime.workers import server_host
 from rlcore_sglang.options import SGLangOptions
 from rlcore_sglang.worker import SGLangWorker
 
@@ -27,32 +26,12 @@ GROUP_NAME = "sglang-generation"
 
 
 class SGLangGeneration(GroupGeneration):
-    """Handle of the ``sglang`` generation backend: ``workers`` independent SGLang servers.
+    """Handle of the ``sglang`` generation backend: ``workers`` independent SGLang servers,
+    one :class:`SGLangWorker` each, with :class:`rlcore.runtime.generation_group.GroupGeneration`'s
+    attributes; ``endpoints`` are the servers' own (SGLang's ``/v1``)."""
 
-    Attributes:
-        group: the Ray worker group (one :class:`SGLangWorker` per server).
-        refit_ranks: number of servers; server ``i`` is rank ``1 + i`` of refit channels.
-        endpoints: each server's OpenAI-compatible endpoint (SGLang's ``/v1``).
-        start_info: per-worker start timings (seconds) reported by the workers.
-    """
-
-    def __init__(
-        self,
-        group: WorkerGroup,
-        specs: list[Any],
-        *,
-        endpoints: Sequence[Endpoint],
-        start_info: Sequence[dict[str, Any]] = (),
-        device_type: str = "cpu",
-    ) -> None:
-        super().__init__(group, backend="sglang", role="generation")
-        self.refit_ranks = group.world_size
-        self.endpoints = list(endpoints)
-        self.start_info = list(start_info)
-        self.device_type = device_type
-        self._specs = list(specs)
-        #: rlcore's OpenAI-compatible endpoint in front of :meth:`generate` (option ``endpoint: rlcore``).
-        self.front: Any = None
+    #: rlcore's OpenAI-compatible endpoint in front of :meth:`generate` (option ``endpoint: rlcore``).
+    front: Any = None
 
     # -------------------------------------------------------- training loop
 
@@ -60,9 +39,7 @@ class SGLangGeneration(GroupGeneration):
     def endpoint(self) -> Endpoint | None:
         """The OpenAI-compatible endpoint: server 0's own ``/v1`` (each server serves one:
         :attr:`endpoints`), or rlcore's in front of :meth:`generate` (option ``endpoint: rlcore``)."""
-        if self.front is not None:
-            return self.front.endpoint
-        return self.endpoints[0] if self.endpoints else None
+        return self.front.endpoint if self.front is not None else super().endpoint
 
     def weight_versions(self) -> list[str]:
         """Each server's ``weight_version`` (``step-<n>`` after refit step n)."""
@@ -96,40 +73,17 @@ def start_generation(ctx: InitContext) -> SGLangGeneration:
     find_sglang_python(options.python)  # fail before anything starts if the venv is missing
     model_dir = ensure_model(ctx.config.model, ctx.cache_dir, cancel=ctx.cancel, deadline=ctx.deadline)
     cuda = ray.cluster_resources().get("GPU", 0) >= 1
-    group = WorkerGroup(
+    group, info, specs, endpoints = start_engines(
+        ctx,
         SGLangWorker,
-        section.workers,
         name=GROUP_NAME,
-        args=(str(model_dir),),
-        kwargs={
-            "dtype": ctx.config.model.dtype,
-            "refit_fed": bool(section.refit_fed),
-            "options": options,
-            "log_dir": str(ctx.run_dir / "sglang"),
-            "threads": max(1, int(section.devices_per_worker)),
-            "network": ctx.network,
-        },
-        num_cpus=1.0 if cuda else float(section.devices_per_worker),
-        num_gpus=1.0 if cuda else 0.0,
+        model_dir=model_dir,
+        options=options,
+        cuda=cuda,
         env={"TOKENIZERS_PARALLELISM": "false"},
-        dist_backend=None,
-        timeout_s=options.call_timeout_s,
-        cancel=ctx.cancel,
-        deadline=ctx.deadline,
-        placement=ctx.placement,
+        what="starting SGLang servers",
+        kwargs={"log_dir": str(ctx.run_dir / "sglang"), "threads": max(1, int(section.devices_per_worker))},
     )
-    try:
-        remaining = ctx.deadline.remaining()
-        limit = options.server_start_timeout_s if remaining is None else min(options.server_start_timeout_s, remaining)
-        info = group.call("start", limit, what="starting SGLang servers", deadline=ctx.deadline)
-        specs = group.call("weight_specs", ranks=[0], what="weight specs", deadline=ctx.deadline)[0]
-        endpoints = [
-            Endpoint(base_url=e["base_url"], model=e["model"], api_key=e["api_key"])
-            for e in group.call("endpoint_info", what="endpoints", deadline=ctx.deadline)
-        ]
-    except BaseException:
-        group.shutdown()
-        raise
     ctx.log.info(
         "sglang: %d server(s) up (%s) in %s",
         section.workers,
@@ -137,7 +91,7 @@ def start_generation(ctx: InitContext) -> SGLangGeneration:
         ", ".join(f"{i.get('total_s', 0.0):.1f}s" for i in info),
     )
     handle = SGLangGeneration(
-        group, specs, endpoints=endpoints, start_info=info, device_type="cuda" if cuda else "cpu"
+        group, specs, backend="sglang", endpoints=endpoints, start_info=info, device_type="cuda" if cuda else "cpu"
     )
     if options.endpoint == "rlcore":
         try:

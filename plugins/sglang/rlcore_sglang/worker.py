@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.errors import RefitError
-from rlcore.runtime.workers import DistributedWorker, free_port, server_host
+from rlcore.runtime.generation_group import EngineWorker
 from rlcore_sglang.server import ServerError, ServerProcess, find_sglang_python
 
 log = logging.getLogger(__name__)
@@ -71,49 +71,27 @@ def launch_args(
     return args + [str(a) for a in o.extra_args]
 
 
-class SGLangWorker(DistributedWorker):
+class SGLangWorker(EngineWorker):
     """One SGLang server of the generation worker group.
 
+    Arguments as :class:`rlcore.runtime.generation_group.EngineWorker`'s: ``model_dir``
+    gives config and tokenizer always, weights only when not ``refit_fed`` (then the
+    server starts with ``--load-format dummy``); ``options`` are the backend's
+    :class:`rlcore_sglang.options.SGLangOptions`; ``log_dir`` (required) is where the
+    server's log goes; ``seed + rank`` is the server's ``--random-seed``. Besides:
+
     Args:
-        rank, world_size: this replica's index and the number of replicas.
-        model_dir: Hugging Face checkpoint directory (config and tokenizer are
-            always read from it; weights only when not ``refit_fed``).
-        dtype: ``float32``, ``bfloat16`` or ``float16``.
-        refit_fed: start with dummy weights (``--load-format dummy``); the first refit brings real ones.
-        options: the backend's :class:`rlcore_sglang.options.SGLangOptions`.
-        log_dir: where the server's log goes.
-        seed: the server's ``--random-seed``.
         threads: CPU threads of the server (``OMP_NUM_THREADS``).
     """
 
+    engine = "SGLang"
+
     def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        model_dir: str,
-        *,
-        dtype: str,
-        refit_fed: bool,
-        options: Any,
-        log_dir: str,
-        seed: int = 0,
-        threads: int = 1,
-        network: Any = None,
+        self, rank: int, world_size: int, model_dir: str, *, log_dir: str, threads: int = 1, **kwargs: Any
     ) -> None:
-        super().__init__(rank, world_size)
-        #: The run's :class:`rlcore.placement.Network`: where the server binds, its token.
-        self.network = network
-        self.model_dir = model_dir
-        self.dtype = dtype
-        self.refit_fed = refit_fed
-        self.options = options
-        self.log_dir = log_dir
-        self.seed = seed
+        super().__init__(rank, world_size, model_dir, log_dir=log_dir, **kwargs)
         self.threads = threads
-        self.server: ServerProcess | None = None
         self.sessions = False  # the server has begin/end_weight_update
-        #: Why the server's weights cannot be trusted (a refit failed half-way), or None.
-        self.stale: str | None = None
         #: Open collective channels: key -> SGLang group name.
         self.groups: dict[str, str] = {}
 
@@ -130,7 +108,6 @@ class SGLangWorker(DistributedWorker):
             self.model_dir, dtype=self.dtype, refit_fed=self.refit_fed, options=self.options,
             seed=self.seed + self.rank, cuda=cuda,
         )
-        port = self.options.port + self.rank if self.options.port else free_port()
         env = {
             # logprobs of the unscaled distribution (temperature 1), as rlcore.handles wants
             "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
@@ -141,10 +118,7 @@ class SGLangWorker(DistributedWorker):
             env["SGLANG_USE_CPU_ENGINE"] = ""  # set, it needs a CPU sgl_kernel that PyPI lacks
             env["RLCORE_SGLANG_SEEDS"] = "1"  # per-request seeds (site/sitecustomize.py)
         log_path = Path(self.log_dir) / f"sglang-server-{self.rank}-{os.getpid()}.log"
-        self.server = ServerProcess(
-            python, args, port=port, log_path=log_path, env=env,
-            host=server_host(self.network), token=self.network.token if self.network is not None else None,
-        )
+        self.server = ServerProcess(python, args, log_path=log_path, env=env, **self._bind())
         try:
             ready = self.server.wait_ready(timeout_s)
             paths = self.server.request("/openapi.json", timeout_s=30).get("paths", {})
@@ -162,14 +136,7 @@ class SGLangWorker(DistributedWorker):
 
     # ------------------------------------------------------------- inference
 
-    def _check_weights(self) -> None:
-        if self.stale is not None:
-            raise RuntimeError(
-                f"SGLang worker {self.rank}: {self.stale}; its weights may mix two versions, "
-                "so it refuses to generate until a refit succeeds"
-            )
-
-    def generate(
+    def _generate(
         self,
         prompt_ids: Sequence[Sequence[int]],
         n: int,
@@ -177,19 +144,12 @@ class SGLangWorker(DistributedWorker):
         temperature: float,
         seeds: Sequence[int],
     ) -> list[list[Sample]]:
-        """``n`` samples per prompt: ``[[{"token_ids": [...], "logprobs": [...]}] * n] * len(prompts)``.
-
-        Sample ``j`` of prompt ``i`` is sampled with ``sampling_seed = seeds[i] + j``
+        """Sample ``j`` of prompt ``i`` is sampled with ``sampling_seed = seeds[i] + j``
         (on CPU through the server-side hook; on CUDA SGLang honours it with
         ``--enable-deterministic-inference`` in ``extra_args``).
         ``logprobs`` are the sampled tokens' log-probabilities at temperature 1;
         a completion ends with the EOS token when SGLang stopped on it.
         """
-        self._check_weights()
-        if len(seeds) != len(prompt_ids):
-            raise ValueError(f"{len(prompt_ids)} prompts but {len(seeds)} seeds")
-        if not prompt_ids:
-            return []
         ids = [list(map(int, p)) for p in prompt_ids for _ in range(n)]
         params = [
             {"temperature": float(temperature), "max_new_tokens": int(max_tokens),
@@ -207,11 +167,7 @@ class SGLangWorker(DistributedWorker):
         ]
         return [samples[i * n : (i + 1) * n] for i in range(len(prompt_ids))]
 
-    def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
-        """Log-probabilities of each completion's tokens given its prompt (and the tokens before)."""
-        self._check_weights()
-        if not batch:
-            return []
+    def _logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
         ids = [list(map(int, p)) + list(map(int, c)) for p, c in batch]
         body = {
             "input_ids": ids,
@@ -405,17 +361,12 @@ class SGLangWorker(DistributedWorker):
 
     def endpoint_info(self) -> dict[str, Any]:
         """``{"base_url", "model", "api_key", "pid", "pgid", "log"}`` of this worker's server."""
-        s = self._server()
-        return {
-            "base_url": s.base + "/v1", "model": self.options.served_model_name, "api_key": s.token or "EMPTY",
-            "pid": s.proc.pid, "pgid": s.pgid, "log": str(s.log_path),
-        }
+        s = self._server()  # raises, naming this worker, when no server runs
+        return {**self._endpoint_info(), "log": str(s.log_path)}
 
     def teardown(self) -> None:
         """Stop the server's process group. Idempotent."""
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
+        self._stop_server()
         self.groups.clear()
 
     shutdown = teardown

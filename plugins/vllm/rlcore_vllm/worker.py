@@ -26,54 +26,27 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from rlcore.runtime.workers import DistributedWorker, free_port, server_host
+from rlcore.runtime.generation_group import EngineWorker
 
 log = logging.getLogger(__name__)
 
 Sample = dict[str, list]  # {"token_ids": [...], "logprobs": [...]}
 
 
-class VLLMWorker(DistributedWorker):
+class VLLMWorker(EngineWorker):
     """One vLLM engine of the generation worker group.
 
-    Args:
-        rank, world_size: this worker's index and the number of engines.
-        model_dir: Hugging Face checkpoint directory (config and tokenizer are
-            always read from it; weights only when not ``refit_fed``).
-        dtype: ``float32``, ``bfloat16`` or ``float16``.
-        refit_fed: build the engine with dummy weights; the first refit brings real ones.
-        options: the backend's :class:`rlcore_vllm.options.VLLMOptions`.
-        log_dir: where server mode writes the server's log.
-        seed: the engine's global seed.
-        network: the run's :class:`rlcore.placement.Network`: where server mode binds
-            (loopback, or this node's address with the run's token).
+    Arguments as :class:`rlcore.runtime.generation_group.EngineWorker`'s: ``model_dir``
+    gives config and tokenizer always, weights only when not ``refit_fed`` (then the
+    engine is built with dummy weights); ``options`` are the backend's
+    :class:`rlcore_vllm.options.VLLMOptions`; ``log_dir`` is where server mode writes the
+    server's log; ``seed`` is the engine's global seed; server mode binds where
+    ``network`` says (loopback, or this node's address with the run's token).
     """
 
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        model_dir: str,
-        *,
-        dtype: str,
-        refit_fed: bool,
-        options: Any,
-        log_dir: str | None = None,
-        seed: int = 0,
-        network: Any = None,
-    ) -> None:
-        super().__init__(rank, world_size)
-        self.model_dir = model_dir
-        self.dtype = dtype
-        self.refit_fed = refit_fed
-        self.options = options
-        self.log_dir = log_dir
-        self.seed = seed
-        self.network = network
-        self.llm: Any = None
-        self.server: Any = None
-        #: Why the engine's weights cannot be trusted (a refit failed half-way), or None.
-        self.stale: str | None = None
+    engine = "vLLM"
+    #: The in-process engine (``vllm.LLM``); None in server mode.
+    llm: Any = None
 
     # ------------------------------------------------------------------ start
 
@@ -136,15 +109,12 @@ class VLLMWorker(DistributedWorker):
             env["VLLM_PLUGINS"] = ",".join(
                 [p for p in allow.split(",") if p] + ["rlcore_weight_transfer"]
             )
-        port = o.port + self.rank if o.port else free_port()
         log_dir = Path(self.log_dir) if self.log_dir else Path("/tmp")
         self.server = ServerProcess(
             argv,
-            port=port,
             log_path=log_dir / f"vllm-server-{self.rank}-{os.getpid()}.log",
             env=env,
-            host=server_host(self.network),
-            token=self.network.token if self.network is not None else None,
+            **self._bind(),
         )
         try:
             return self.server.wait_ready(timeout_s)
@@ -154,14 +124,7 @@ class VLLMWorker(DistributedWorker):
 
     # ------------------------------------------------------------- inference
 
-    def _check_weights(self) -> None:
-        if self.stale is not None:
-            raise RuntimeError(
-                f"vLLM worker {self.rank}: {self.stale}; its weights may mix two versions, "
-                "so it refuses to generate until a refit succeeds"
-            )
-
-    def generate(
+    def _generate(
         self,
         prompt_ids: Sequence[Sequence[int]],
         n: int,
@@ -169,20 +132,13 @@ class VLLMWorker(DistributedWorker):
         temperature: float,
         seeds: Sequence[int],
     ) -> list[list[Sample]]:
-        """``n`` samples per prompt: ``[[{"token_ids": [...], "logprobs": [...]}] * n] * len(prompts)``.
-
-        Prompt ``i`` samples with seed ``seeds[i]`` (vLLM gives its ``j``-th sample
+        """Prompt ``i`` samples with seed ``seeds[i]`` (vLLM gives its ``j``-th sample
         ``seeds[i] + j``). ``logprobs`` are the sampled tokens' log-probabilities
         under the model (before temperature), as :meth:`logprobs` computes them.
         """
-        self._check_weights()
-        if len(seeds) != len(prompt_ids):
-            raise ValueError(f"{len(prompt_ids)} prompts but {len(seeds)} seeds")
-        if not prompt_ids:
-            return []
         if temperature <= 0 and n > 1:
             # vLLM refuses n > 1 with greedy sampling; every greedy sample is the same one.
-            groups = self.generate(prompt_ids, 1, max_tokens, temperature, seeds)
+            groups = self._generate(prompt_ids, 1, max_tokens, temperature, seeds)
             return [[{**g[0], "token_ids": list(g[0]["token_ids"])} for _ in range(n)] for g in groups]
         if self.server is not None:
             return self._map(
@@ -220,11 +176,7 @@ class VLLMWorker(DistributedWorker):
             for o in outputs
         ]
 
-    def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
-        """Log-probabilities of each completion's tokens given its prompt (and the tokens before)."""
-        self._check_weights()
-        if not batch:
-            return []
+    def _logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
         if self.server is not None:
             return self._map(lambda i: self._server_logprobs(*batch[i]), len(batch))
         from vllm import SamplingParams
@@ -363,21 +315,11 @@ class VLLMWorker(DistributedWorker):
 
     def endpoint_info(self) -> dict[str, Any] | None:
         """``{"base_url", "model", "api_key", "pid", "pgid"}`` of this worker's server, or None in-process."""
-        if self.server is None:
-            return None
-        return {
-            "base_url": self.server.base + "/v1",
-            "model": self.options.served_model_name,
-            "api_key": self.server.token or "EMPTY",
-            "pid": self.server.proc.pid,
-            "pgid": self.server.pgid,
-        }
+        return None if self.server is None else self._endpoint_info()
 
     def teardown(self) -> None:
         """Stop the server's process group (server mode) and close refit channels. Idempotent."""
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
+        self._stop_server()
         if self.llm is not None:
             try:
                 self.llm.shutdown_weight_transfer_engine()
