@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from rlcore.errors import ConfigError
 from rlcore.runtime.proc import group_members
-from rlcore.runtime.server import GuardedServer, ServerError
+from rlcore.runtime.server import GuardedServer, ServerError, find_venv_python
 from rlcore.runtime.workers import free_port
 from rlcore.testing.waits import wait_for
 
@@ -84,6 +85,40 @@ def test_a_server_that_exits_during_start_is_named_with_its_log(tmp_path: Path) 
 def test_beyond_loopback_it_needs_the_token(tmp_path: Path) -> None:
     with pytest.raises(ServerError, match="beyond loopback, needs the run's token"):
         GuardedServer(["true"], port=free_port(), log_path=tmp_path / "log", env={}, host="10.1.2.3")
+
+
+def test_a_venvs_python_is_the_option_else_the_variable_else_a_venv_beside_the_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def find(option: str | None) -> Path:
+        return find_venv_python(
+            option, key="env.options.python", env_var="RLCORE_TEST_PYTHON", venv=".venv-test",
+            package_dir=tmp_path / "src" / "pkg", needs="backend 'x' needs the test venv",
+            install_hint="bash install.sh",
+        )
+
+    python = tmp_path / ".venv-test" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    monkeypatch.delenv("RLCORE_TEST_PYTHON", raising=False)
+    with pytest.raises(ConfigError, match="python there") as err:
+        find(None)  # not executable yet
+    python.chmod(0o755)
+    assert find(None) == python
+    assert find(str(python)) == python
+    monkeypatch.setenv("RLCORE_TEST_PYTHON", str(python))
+    assert find(None) == python
+    with pytest.raises(ConfigError) as err:
+        find(str(tmp_path / "nope"))
+    assert err.value.key == "env.options.python"
+    assert str(err.value).startswith(
+        f"backend 'x' needs the test venv, but env.options.python has no python there (looked at "
+        f"{tmp_path / 'nope'}). Install it with bash install.sh, or point env.options.python "
+        "(or $RLCORE_TEST_PYTHON) at its python"
+    )
+    monkeypatch.setenv("RLCORE_TEST_PYTHON", str(tmp_path / "gone"))
+    with pytest.raises(ConfigError, match=r"\$RLCORE_TEST_PYTHON has no python there"):
+        find(None)
 
 
 def test_the_guard_ends_the_server_when_the_worker_that_started_it_dies(tmp_path: Path) -> None:

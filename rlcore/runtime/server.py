@@ -6,6 +6,7 @@ Engines with their own server (vLLM's OpenAI-compatible server, SGLang's) subcla
 :mod:`rlcore.runtime.guard`, so it ends with the worker that started it even when
 that worker is killed. It binds loopback unless told otherwise; bound beyond
 loopback it needs the run's token, and every request this class makes carries it.
+:func:`find_venv_python` finds the python of a server kept in a venv of its own.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlcore.errors import RlcoreError
+from rlcore.errors import ConfigError, RlcoreError
 from rlcore.runtime.proc import log_tail, stop_group
 from rlcore.runtime.workers import is_loopback
 
@@ -38,6 +39,43 @@ class ServerError(RlcoreError):
         super().__init__(text)
         self.status = status
         self.message = message
+
+
+def find_venv_python(
+    option: str | None,
+    *,
+    key: str,
+    env_var: str,
+    venv: str,
+    package_dir: Path,
+    needs: str,
+    install_hint: str,
+    point_at: str = "its python",
+) -> Path:
+    """A venv's python: ``option``, else ``$env_var``, else ``<venv>/bin/python`` beside the
+    running venv or in a parent directory of ``package_dir`` (a source checkout).
+
+    Raises :class:`ConfigError` naming the option ``key``: ``"<needs>, but <where> has no
+    python there (looked at ...). Install it with <install_hint>, or point <key> (or
+    $<env_var>) at <point_at>"``.
+    """
+    if option:
+        candidates, where = [Path(option).expanduser()], key
+    elif os.environ.get(env_var):
+        candidates, where = [Path(os.environ[env_var]).expanduser()], f"${env_var}"
+    else:
+        where = "the default"
+        roots = [Path(sys.prefix).parent, *package_dir.parents]
+        candidates = [r / venv / "bin" / "python" for r in dict.fromkeys(roots)]
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return c
+    raise ConfigError(
+        f"{needs}, but {where} has no python there "
+        f"(looked at {', '.join(str(c) for c in candidates[:3])}). Install it with {install_hint}, "
+        f"or point {key} (or ${env_var}) at {point_at}",
+        key=key,
+    )
 
 
 class GuardedServer:

@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 
 from rlcore.errors import ConfigError, DeadlineExceeded, RlcoreError
 from rlcore.runtime.proc import group_members, log_tail, stop_group
+from rlcore.runtime.server import find_venv_python
 from rlcore.waiting import CancelToken, Deadline
 
 log = logging.getLogger(__name__)
@@ -86,25 +86,15 @@ def find_gym_python(option: str | None) -> Path:
 
     Raises :class:`ConfigError` naming ``env.options.gym_python`` and the install command.
     """
-    if option:
-        candidates, where = [Path(option).expanduser()], "env.options.gym_python"
-    elif os.environ.get("RLCORE_GYM_PYTHON"):
-        candidates, where = (
-            [Path(os.environ["RLCORE_GYM_PYTHON"]).expanduser()],
-            "$RLCORE_GYM_PYTHON",
-        )
-    else:
-        where = "the default"
-        roots = [Path(sys.prefix).parent, *PACKAGE_DIR.parents]
-        candidates = [r / ".venv-gym" / "bin" / "python" for r in dict.fromkeys(roots)]
-    for c in candidates:
-        if c.is_file() and os.access(c, os.X_OK):
-            return c
-    raise ConfigError(
-        f"backend 'nemo_gym' needs the NeMo Gym venv, but {where} has no python there "
-        f"(looked at {', '.join(str(c) for c in candidates[:3])}). Install it with {INSTALL_HINT}, "
-        "or point env.options.gym_python (or $RLCORE_GYM_PYTHON) at the Gym venv's python",
+    return find_venv_python(
+        option,
         key="env.options.gym_python",
+        env_var="RLCORE_GYM_PYTHON",
+        venv=".venv-gym",
+        package_dir=PACKAGE_DIR,
+        needs="backend 'nemo_gym' needs the NeMo Gym venv",
+        install_hint=INSTALL_HINT,
+        point_at="the Gym venv's python",
     )
 
 

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from pathlib import Path
 
-from rlcore.errors import ConfigError
-from rlcore.runtime.server import GuardedServer, ServerError
+from rlcore.runtime.server import GuardedServer, ServerError, find_venv_python
 
 __all__ = ["ServerError", "ServerProcess", "find_sglang_python"]
 
@@ -39,23 +37,14 @@ def find_sglang_python(option: str | None) -> Path:
 
     Raises :class:`ConfigError` naming ``generation.options.python`` and the install command.
     """
-    if option:
-        candidates, where = [Path(option).expanduser()], "generation.options.python"
-    elif os.environ.get("RLCORE_SGLANG_PYTHON"):
-        candidates = [Path(os.environ["RLCORE_SGLANG_PYTHON"]).expanduser()]
-        where = "$RLCORE_SGLANG_PYTHON"
-    else:
-        where = "the default"
-        roots = [Path(sys.prefix).parent, *PACKAGE_DIR.parents]
-        candidates = [r / ".venv-sglang" / "bin" / "python" for r in dict.fromkeys(roots)]
-    for c in candidates:
-        if c.is_file() and os.access(c, os.X_OK):
-            return c
-    raise ConfigError(
-        f"backend 'sglang' needs the SGLang venv, but {where} has no python there "
-        f"(looked at {', '.join(str(c) for c in candidates[:3])}). Install it with {INSTALL_HINT}, "
-        "or point generation.options.python (or $RLCORE_SGLANG_PYTHON) at its python",
+    return find_venv_python(
+        option,
         key="generation.options.python",
+        env_var="RLCORE_SGLANG_PYTHON",
+        venv=".venv-sglang",
+        package_dir=PACKAGE_DIR,
+        needs="backend 'sglang' needs the SGLang venv",
+        install_hint=INSTALL_HINT,
     )
 
 
