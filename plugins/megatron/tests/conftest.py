@@ -29,12 +29,9 @@ PROCESS_TIMEOUT_S = 240.0
 
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rlcore.config import TinyModelConfig
-    from rlcore.tinymodel import write_tiny_model
+    from rlcore.testing.fixtures import tiny_model_dir
 
-    path = tmp_path_factory.mktemp("llama")
-    write_tiny_model(path, TinyModelConfig())
-    return path
+    return tiny_model_dir(tmp_path_factory, "llama")
 
 
 @pytest.fixture(scope="session")

@@ -11,12 +11,9 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rlcore.config import TinyModelConfig
-    from rlcore.tinymodel import write_tiny_model
+    from rlcore.testing.fixtures import tiny_model_dir
 
-    path = tmp_path_factory.mktemp("tiny-model")
-    write_tiny_model(path, TinyModelConfig())
-    return path
+    return tiny_model_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
