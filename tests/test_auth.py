@@ -3,8 +3,6 @@ OpenAI-compatible endpoint (real uvicorn on this host's outward address)."""
 
 from __future__ import annotations
 
-import socket
-
 import httpx
 import pytest
 
@@ -12,17 +10,8 @@ from rlcore.errors import RlcoreError
 from rlcore.placement import TOKEN_ENV, Network
 from rlcore.serve.auth import BearerGuard, authorized
 from rlcore.serve.openai_endpoint import OpenAIEndpoint
+from rlcore.testing.fixtures import outward_address
 from rlcore.tinymodel import build_tokenizer
-
-
-def _outward_address() -> str:
-    """An address of this host other hosts could reach (not loopback)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect(("192.0.2.1", 9))  # no packet is sent: only the route is looked up
-        addr = s.getsockname()[0]
-    if addr.startswith("127."):
-        pytest.skip("this host has no address beyond loopback")
-    return addr
 
 
 class _Engine:
@@ -44,14 +33,14 @@ def test_a_guard_without_a_token_refuses_to_start(monkeypatch: pytest.MonkeyPatc
 
 def test_an_endpoint_beyond_loopback_needs_a_token() -> None:
     server = OpenAIEndpoint(_Engine(), build_tokenizer(), model_name="policy", max_sequence_length=64,
-                            host=_outward_address())
+                            host=outward_address())
     with pytest.raises(RlcoreError, match="without a token"):
         server.start(timeout_s=10)
 
 
 def test_an_endpoint_on_the_nodes_address_answers_401_without_the_token_and_200_with_it() -> None:
     network = Network.spread()
-    host = _outward_address()
+    host = outward_address()
     server = OpenAIEndpoint(_Engine(), build_tokenizer(), model_name="policy", max_sequence_length=64,
                             host=host, token=network.token)
     endpoint = server.start(timeout_s=10)

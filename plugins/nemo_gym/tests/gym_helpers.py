@@ -16,12 +16,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from rlcore.config import RunConfig, resolve_options
+from rlcore.config import RunConfig
 from rlcore.context import InitContext
 from rlcore.declarations import Role
-from rlcore.events import EventBoard
 from rlcore.handles import Endpoint, RolloutRequest
-from rlcore.waiting import CancelToken, Deadline
+from rlcore.testing import fixtures
 from rlcore_nemo_gym.options import NemoGymOptions
 
 REPO = Path(__file__).resolve().parents[3]
@@ -214,17 +213,9 @@ def make_ctx(
     config = RunConfig()
     for k, v in (grpo or {}).items():
         setattr(config.grpo, k, v)
-    cancel = CancelToken()
-    return InitContext(
-        role=Role.ENV,
-        backend="nemo_gym",
-        config=config,
-        options=resolve_options(options or {}, NemoGymOptions, section="env", backend="nemo_gym"),
-        cancel=cancel,
-        deadline=Deadline(deadline_s, "init:env"),
-        run_dir=tmp_path / "run",
-        cache_dir=tmp_path / "cache",
-        events=EventBoard(cancel),
+    return fixtures.init_context(
+        Role.ENV, "nemo_gym", config, NemoGymOptions, run_dir=tmp_path / "run",
+        cache_dir=tmp_path / "cache", options=options or {}, deadline_s=deadline_s,
     )
 
 

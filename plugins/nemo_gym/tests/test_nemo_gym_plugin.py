@@ -4,9 +4,6 @@ real Gym servers against a stub endpoint, and skip if the Gym venv is missing)."
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +13,7 @@ from gym_helpers import StubEndpoint, gym_python, make_ctx
 from rlcore.declarations import Role, validate_declaration
 from rlcore.errors import ConfigError, RlcoreError
 from rlcore.testing import BackendConformance
+from rlcore.testing.fixtures import heavy_imports
 from rlcore_nemo_gym.handle import rows_for_step, start_env, to_sample
 from rlcore_nemo_gym.options import NemoGymOptions
 from rlcore_nemo_gym.plugin import rlcore_declare_backend
@@ -36,16 +34,7 @@ def test_declaration_valid_and_waits_for_the_endpoint() -> None:
 
 
 def test_plugin_module_imports_nothing_heavy() -> None:
-    script = (
-        "import json, sys\n"
-        "import rlcore_nemo_gym.plugin as p\n"
-        "p.rlcore_declare_backend()\n"
-        "print(json.dumps(sorted(sys.modules)))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
-    )
-    loaded = [m for m in json.loads(out.stdout) if m.split(".")[0] in HEAVY]
+    loaded = heavy_imports("rlcore_nemo_gym.plugin", heavy=HEAVY)
     assert loaded == [], f"rlcore_nemo_gym.plugin imports {loaded}"
 
 

@@ -46,14 +46,6 @@ def stub() -> Iterator[StubEndpoint]:
     s.stop()
 
 
-@pytest.fixture
-def leaks() -> Iterator[LeakCheck]:
-    check = LeakCheck()
-    yield check
-    left = check.problems(10.0)
-    assert not left, f"left behind: {left}"
-
-
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)

@@ -4,8 +4,6 @@ loopback beside the driver, and an env placed on other nodes is refused."""
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -16,27 +14,11 @@ from rlcore.config import NodeSelector
 from rlcore.errors import ConfigError
 from rlcore.placement import Network
 from rlcore.testing import LeakCheck
+from rlcore.testing.fixtures import outward_address
 from rlcore_nemo_gym.handle import start_env
 
 ENV = "bunsenbench_chemistry_mcq"
 GRPO = {"max_new_tokens": 64, "temperature": 1.0}
-
-
-def _outward_address() -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect(("192.0.2.1", 9))  # no packet is sent: only the route is looked up
-        addr = s.getsockname()[0]
-    if addr.startswith("127."):
-        pytest.skip("this host has no address beyond loopback")
-    return addr
-
-
-@pytest.fixture
-def leaks() -> Iterator[LeakCheck]:
-    check = LeakCheck()
-    yield check
-    left = check.problems(10.0)
-    assert not left, f"left behind: {left}"
 
 
 def test_an_env_placed_on_other_nodes_is_refused(tmp_path: Path) -> None:
@@ -53,7 +35,7 @@ def test_an_env_placed_on_other_nodes_is_refused(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_gym_calls_a_guarded_endpoint_elsewhere_with_the_runs_token(tmp_path: Path, leaks: LeakCheck) -> None:
     network = Network.spread()
-    stub = StubEndpoint(host=_outward_address(), token=network.token).start()
+    stub = StubEndpoint(host=outward_address(), token=network.token).start()
     try:
         ctx = make_ctx(tmp_path, {"env_name": ENV}, grpo=GRPO)
         ctx.network = network

@@ -15,11 +15,10 @@ from typing import Any
 
 import psutil
 
-from rlcore.config import GenerationConfig, ModelConfig, RunConfig, SetupConfig, resolve_options
+from rlcore.config import GenerationConfig, ModelConfig, RunConfig, SetupConfig
 from rlcore.context import InitContext
 from rlcore.declarations import Role
-from rlcore.events import EventBoard
-from rlcore.waiting import CancelToken, Deadline
+from rlcore.testing import fixtures
 from rlcore_sglang.options import SGLangOptions
 
 PROMPTS = [[2, 5, 17, 6, 9, 25], [2, 12, 7, 14, 20], [2, 30, 31, 8]]
@@ -35,18 +34,8 @@ def make_config(model_dir: Path, cache_dir: Path, *, refit_fed: bool = True, **o
 
 def init_context(config: RunConfig, run_dir: Path, deadline_s: float = 300.0) -> InitContext:
     """An InitContext built as rlcore.setup.runner builds it for init:generation."""
-    cancel = CancelToken()
-    options = resolve_options(config.generation.options, SGLangOptions, section="generation", backend="sglang")
-    return InitContext(
-        role=Role.GENERATION,
-        backend="sglang",
-        config=config,
-        options=options,
-        cancel=cancel,
-        deadline=Deadline(deadline_s, "init:generation"),
-        run_dir=run_dir,
-        cache_dir=Path(config.setup.cache_dir or run_dir),
-        events=EventBoard(cancel),
+    return fixtures.init_context(
+        Role.GENERATION, "sglang", config, SGLangOptions, run_dir=run_dir, deadline_s=deadline_s
     )
 
 

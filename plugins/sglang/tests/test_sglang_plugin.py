@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 
 import pytest
 
 from rlcore.config import resolve_options
 from rlcore.declarations import Role, Transport, validate_declaration
 from rlcore.errors import ConfigError
+from rlcore.testing.fixtures import heavy_imports
 from rlcore_sglang.options import SGLangOptions
 from rlcore_sglang.plugin import rlcore_declare_backend
 
@@ -34,16 +33,10 @@ def test_options_are_checked() -> None:
 
 
 def test_plugin_import_is_light() -> None:
-    script = (
-        "import json, sys\n"
-        "import rlcore_sglang.plugin as p\n"
-        "p.rlcore_declare_backend()\n"
-        "import rlcore_sglang.handle, rlcore_sglang.worker, rlcore_sglang.server\n"
-        "print(json.dumps(sorted(sys.modules)))\n"
+    heavy = heavy_imports(
+        "rlcore_sglang.plugin", "rlcore_sglang.handle", "rlcore_sglang.worker", "rlcore_sglang.server",
+        heavy=("sglang", "torch", "transformers", "vllm"),
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    heavy = [m for m in json.loads(out.stdout) if m.split(".")[0] in ("sglang", "torch", "transformers", "vllm")]
     assert heavy == []
 
 

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from rlcore.config import resolve_options
 from rlcore.declarations import Role, Transport, validate_declaration
 from rlcore.errors import ConfigError
+from rlcore.testing.fixtures import heavy_imports
 from rlcore_vllm.options import VLLMOptions
 from rlcore_vllm.plugin import rlcore_declare_backend
 
@@ -34,18 +31,7 @@ def test_options_are_checked() -> None:
 
 
 def test_plugin_import_is_light() -> None:
-    script = (
-        "import json, sys\n"
-        "import rlcore_vllm.plugin as p\n"
-        "p.rlcore_declare_backend()\n"
-        "import rlcore_vllm.transfer\n"
-        "print(json.dumps(sorted(sys.modules)))\n"
+    heavy = heavy_imports(
+        "rlcore_vllm.plugin", "rlcore_vllm.transfer", heavy=("vllm", "torch", "ray", "transformers")
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    heavy = [
-        m
-        for m in json.loads(out.stdout)
-        if m.split(".")[0] in ("vllm", "torch", "ray", "transformers")
-    ]
     assert heavy == []

@@ -9,7 +9,6 @@ routes refit uses alike; with the token, 200. Off loopback without a token it re
 from __future__ import annotations
 
 import json
-import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,16 +17,8 @@ import pytest
 
 from rlcore.placement import Network
 from rlcore.runtime.workers import free_port
+from rlcore.testing.fixtures import outward_address
 from rlcore_vllm.server import ServerError, ServerProcess
-
-
-def _outward_address() -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect(("192.0.2.1", 9))  # no packet is sent: only the route is looked up
-        addr = s.getsockname()[0]
-    if addr.startswith("127."):
-        pytest.skip("this host has no address beyond loopback")
-    return addr
 
 
 def _status(url: str, body: dict | None = None, headers: dict[str, str] | None = None) -> int:
@@ -42,7 +33,7 @@ def _status(url: str, body: dict | None = None, headers: dict[str, str] | None =
 
 def test_off_loopback_without_a_token_the_server_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ServerError, match="token"):
-        ServerProcess(["--model", "x"], port=free_port(), log_path=tmp_path / "log", env={}, host=_outward_address())
+        ServerProcess(["--model", "x"], port=free_port(), log_path=tmp_path / "log", env={}, host=outward_address())
 
 
 @pytest.mark.slow
@@ -50,7 +41,7 @@ def test_off_loopback_without_a_token_the_server_is_refused(tmp_path: Path) -> N
 def test_server_on_the_nodes_address_answers_401_without_the_token_and_200_with_it(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    network, host = Network.spread(), _outward_address()
+    network, host = Network.spread(), outward_address()
     args = ["--model", str(tiny_model), "--served-model-name", "policy", "--dtype", "float32",
             "--enforce-eager", "--max-model-len", "128"]
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

@@ -13,11 +13,10 @@ from typing import Any
 
 import ray
 
-from rlcore.config import GenerationConfig, ModelConfig, RunConfig, SetupConfig, resolve_options
+from rlcore.config import GenerationConfig, ModelConfig, RunConfig, SetupConfig
 from rlcore.context import InitContext
 from rlcore.declarations import Role
-from rlcore.events import EventBoard
-from rlcore.waiting import CancelToken, Deadline
+from rlcore.testing import fixtures
 from rlcore_vllm.options import VLLMOptions
 
 # Ray workers cannot import this module by name: ship the actor class by value.
@@ -38,20 +37,8 @@ def make_config(model_dir: Path, cache_dir: Path, workers: int = 1, **options: A
 
 def init_context(config: RunConfig, run_dir: Path, deadline_s: float = 300.0) -> InitContext:
     """An InitContext built as rlcore.setup.runner builds it for init:generation."""
-    cancel = CancelToken()
-    options = resolve_options(
-        config.generation.options, VLLMOptions, section="generation", backend="vllm"
-    )
-    return InitContext(
-        role=Role.GENERATION,
-        backend="vllm",
-        config=config,
-        options=options,
-        cancel=cancel,
-        deadline=Deadline(deadline_s, "init:generation"),
-        run_dir=run_dir,
-        cache_dir=Path(config.setup.cache_dir or run_dir),
-        events=EventBoard(cancel),
+    return fixtures.init_context(
+        Role.GENERATION, "vllm", config, VLLMOptions, run_dir=run_dir, deadline_s=deadline_s
     )
 
 
