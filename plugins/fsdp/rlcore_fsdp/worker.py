@@ -40,8 +40,7 @@ from torch import nn
 
 from rlcore.refit.specs import TensorSpec, plan_buckets
 from rlcore.refit.worker import RefitSenderWorker
-from rlcore.runtime.batches import Row, check_rows, check_train_inputs, shard_range
-from rlcore.runtime.losses import clipped_pg_loss
+from rlcore.runtime.losses import PolicyGradientWorker, right_padded
 from rlcore.runtime.workers import DistributedWorker
 
 if TYPE_CHECKING:
@@ -79,8 +78,15 @@ class _Entry:
     dtype: str
 
 
-class FSDPWorker(RefitSenderWorker, DistributedWorker):
-    """One FSDP rank. See the module docstring for the lockstep rule and conventions."""
+class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
+    """One FSDP rank. See the module docstring for the lockstep rule and conventions.
+
+    ``logprobs`` and ``train_step``: :class:`rlcore.runtime.losses.PolicyGradientWorker`,
+    with every rank a replica of its own, in lockstep (ranks with fewer rows run padding
+    passes), and FSDP averaging the gradients.
+    """
+
+    averages_gradients = True
 
     def __init__(self, rank: int, world_size: int) -> None:
         super().__init__(rank, world_size)
@@ -303,7 +309,7 @@ class FSDPWorker(RefitSenderWorker, DistributedWorker):
 
     def weight_specs(self) -> list[TensorSpec]:
         """Every exported weight (HF name, full shape, dtype) in export order. No collective."""
-        self._require_loaded()
+        self._require_model()
         return list(self._specs)
 
     def export_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -316,7 +322,7 @@ class FSDPWorker(RefitSenderWorker, DistributedWorker):
         """
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        self._require_loaded()
+        self._require_model()
         for unit, entries in self._layout:
             with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=True):
                 if self.rank != 0:
@@ -356,18 +362,16 @@ class FSDPWorker(RefitSenderWorker, DistributedWorker):
         debugging only. Collective."""
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        self._require_loaded()
+        self._require_model()
         with FSDP.summon_full_params(self.model, writeback=False, rank0_only=False):
             return {
                 hf_name(n): p.detach().clone().cpu()
                 for n, p in self.model.named_parameters(remove_duplicate=False)
             }
 
-    # ----------------------------------------------------------------- refit
-
     # ------------------------------------------------------------- compute
 
-    def _forward_token_logprobs(
+    def _forward_logprobs(
         self, rows: Sequence[tuple[list[int], list[int]]]
     ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
         """Right-padded forward pass over ``rows`` (explicit attention mask).
@@ -378,26 +382,23 @@ class FSDPWorker(RefitSenderWorker, DistributedWorker):
         shortest prompt's last position on (``logits_to_keep``): prompt positions that
         predict no completion token cost no vocabulary-sized memory.
         """
-        lengths = [len(p) + len(c) for p, c in rows]
-        width = max(lengths)
-        first = min(len(p) for p, _ in rows) - 1  # first position that predicts a completion token
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        padded = right_padded(rows, self.pad_id)
+        first, width = padded.first, padded.ids.shape[1]
         attention = torch.zeros((len(rows), width), dtype=torch.long)
-        mask = torch.zeros((len(rows), width - 1 - first), dtype=torch.bool)
-        spans = []
-        for i, (p, c) in enumerate(rows):
-            ids[i, : lengths[i]] = torch.tensor(p + c, dtype=torch.long)
-            attention[i, : lengths[i]] = 1
-            spans.append((len(p) - 1 - first, len(p) - 1 - first + len(c)))
-            mask[i, spans[-1][0] : spans[-1][1]] = True
-        ids, attention = ids.to(self.device), attention.to(self.device)
+        for i, length in enumerate(padded.lengths):
+            attention[i, :length] = 1
+        ids, attention = padded.ids.to(self.device), attention.to(self.device)
         out = self.model(
             input_ids=ids, attention_mask=attention, use_cache=False, logits_to_keep=width - first
         )
         logits = out.logits[:, :-1].float()  # positions first .. width - 2
         target = ids[:, first + 1 :].unsqueeze(-1)
         token_lp = logits.gather(-1, target).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-        return token_lp, mask.to(self.device), spans
+        return token_lp, padded.mask.to(self.device), padded.spans
+
+    def _data_parallel(self) -> tuple[int, int]:
+        """Every rank takes its own rows (FSDP shards the weights over the same ranks)."""
+        return self.world_size, self.rank
 
     def _micro_batches(self, local: list[Any], n_rows: int) -> Iterator[list[Any]]:
         """This rank's rows in micro-batches; every rank yields the same number of them
@@ -407,106 +408,15 @@ class FSDPWorker(RefitSenderWorker, DistributedWorker):
         for i in range(micro_batch_count(n_rows, self.world_size, size)):
             yield local[i * size : (i + 1) * size]
 
-    def logprobs(self, batch: Sequence[Row]) -> list[list[float]]:
-        """Per-token logprobs of each completion under the current weights. Collective.
-
-        The rows are split into contiguous near-equal shards, one per rank; each rank
-        returns the logprobs of its own shard, so concatenating the results in rank
-        order gives the whole batch (:meth:`FSDPPolicy.logprobs` does). A rank without
-        rows runs padding passes so that FSDP's gathers stay in lockstep.
-        """
-        self._require_loaded()
-        rows = check_rows(batch)
-        start, end = shard_range(len(rows), self.world_size, self.rank)
-        out: list[list[float]] = []
-        with torch.no_grad():
-            for chunk in self._micro_batches(rows[start:end], len(rows)):
-                token_lp, _, spans = self._forward_token_logprobs(
-                    chunk or [([self.pad_id], [self.pad_id])]
-                )
-                if not chunk:
-                    continue
-                token_lp = token_lp.cpu()
-                out.extend(
-                    token_lp[i, a:b].tolist() for i, (a, b) in enumerate(spans[: len(chunk)])
-                )
-        return out
-
-    def train_step(
-        self,
-        batch: Sequence[Row],
-        advantages: Sequence[float],
-        old_logprobs: Sequence[Sequence[float]] | None,
-        clip_eps: float,
-        lr: float,
-    ) -> dict[str, float]:
-        """One GRPO step (clipped policy gradient, AdamW). Collective.
-
-        ``loss = -mean over all completion tokens of the batch of
-        min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)`` with
-        ``ratio = exp(logprob - old_logprob)`` and ``A`` the row's advantage.
-        ``old_logprobs=None`` means on-policy (ratio 1, same gradient as REINFORCE).
-
-        Rows are sharded across ranks like :meth:`logprobs`; each rank scales its token
-        sum by ``world_size / total_tokens`` so that FSDP's gradient averaging yields
-        exactly the gradient of the global token mean. Ranks without rows (a batch
-        smaller than the group) run zero-weight padding passes.
-
-        Returns ``loss``, ``grad_norm`` (before clipping), ``clip_fraction`` (tokens whose
-        ratio left the clip range), ``tokens`` and ``lr``; identical on every rank.
-        """
-        self._require_loaded()
-        assert self.optimizer is not None and self.options is not None
-        rows = check_train_inputs(batch, advantages, old_logprobs)
-        n_tokens = sum(len(c) for _, c in rows)
-        start, end = shard_range(len(rows), self.world_size, self.rank)
-        local = [
-            (rows[i], float(advantages[i]), None if old_logprobs is None else old_logprobs[i])
-            for i in range(start, end)
-        ]
-        scale = self.world_size / max(n_tokens, 1)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        clipped = torch.zeros((), dtype=torch.float64)
-        for chunk in self._micro_batches(local, len(rows)):
-            padding = not chunk
-            chunk_rows = [r for r, _, _ in chunk] or [([self.pad_id], [self.pad_id])]
-            token_lp, mask, spans = self._forward_token_logprobs(chunk_rows)
-            if padding:
-                mask = torch.zeros_like(mask)
-            token_loss, n_clipped = clipped_pg_loss(
-                token_lp,
-                mask,
-                spans,
-                [a for _, a, _ in chunk] or [0.0],
-                [old_row for _, _, old_row in chunk] or [None],
-                clip_eps,
-                adv_dtype=torch.float32,
-            )
-            (token_loss.sum() * scale).backward()
-            loss_sum += token_loss.detach().sum().double().cpu()
-            clipped += n_clipped.double().cpu()
+    def _finish_gradients(self) -> float:
+        """FSDP averaged the gradients over the ranks: clip the global norm."""
+        assert self.options is not None
         max_norm = self.options.max_grad_norm if self.options.max_grad_norm > 0 else math.inf
-        grad_norm = self.model.clip_grad_norm_(max_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        stats = torch.stack([loss_sum, clipped]).to(self.device)
-        if self.world_size > 1:
-            dist.all_reduce(stats)
-        stats = stats.cpu()
-        return {
-            "loss": float(stats[0]) / max(n_tokens, 1),
-            "grad_norm": float(grad_norm),
-            "clip_fraction": float(stats[1]) / max(n_tokens, 1),
-            "tokens": float(n_tokens),
-            "lr": float(lr),
-        }
+        return float(self.model.clip_grad_norm_(max_norm))
 
     # ------------------------------------------------------------ lifecycle
 
-    def _require_loaded(self) -> None:
+    def _require_model(self) -> None:
         if self.model is None:
             raise RuntimeError("FSDPWorker.load must be called first")
 

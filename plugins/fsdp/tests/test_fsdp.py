@@ -22,13 +22,15 @@ from typing import Any
 import pytest
 import torch
 
-from rlcore.config import ClusterConfig, TinyModelConfig, cache_dir, load_config, resolve_options
+from rlcore.config import ClusterConfig, cache_dir, load_config, resolve_options
 from rlcore.context import InitContext
 from rlcore.declarations import Role, validate_declaration
 from rlcore.errors import RlcoreError
 from rlcore.events import EventBoard
 from rlcore.refit.specs import plan_buckets, spec_of
+from rlcore.runtime.batches import shard_range
 from rlcore.runtime.workers import free_port
+from rlcore.testing.fixtures import tiny_model_dir
 from rlcore.testing.reference import (
     GRPO_ADVANTAGES,
     GRPO_BATCH,
@@ -39,11 +41,10 @@ from rlcore.testing.reference import (
     reference_logprobs,
 )
 from rlcore.testing.waits import wait_for
-from rlcore.tinymodel import write_tiny_model
 from rlcore.waiting import CancelToken, Deadline
 from rlcore_fsdp.options import FSDPOptions
 from rlcore_fsdp.plugin import rlcore_declare_backend, rlcore_init_policy
-from rlcore_fsdp.worker import FSDPWorker, micro_batch_count, shard_range
+from rlcore_fsdp.worker import FSDPWorker, micro_batch_count
 
 BATCH = GRPO_BATCH
 ADVANTAGES = GRPO_ADVANTAGES
@@ -68,9 +69,7 @@ def assert_same_tensors(got: dict, want: dict) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny-model")
-    write_tiny_model(d, TinyModelConfig())
-    return d
+    return tiny_model_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

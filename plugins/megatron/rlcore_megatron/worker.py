@@ -49,8 +49,8 @@ import torch.distributed as dist
 
 from rlcore.errors import NotServingError
 from rlcore.refit.worker import RefitChannels, RefitSenderWorker
-from rlcore.runtime.batches import Row, check_rows, check_train_inputs, shard_range
-from rlcore.runtime.losses import clipped_pg_loss
+from rlcore.runtime.batches import Row, shard_range
+from rlcore.runtime.losses import LogprobWorker, PolicyGradientWorker, right_padded
 from rlcore.runtime.workers import DistributedWorker
 
 if TYPE_CHECKING:
@@ -101,8 +101,12 @@ def eos_token_ids(model_dir: str) -> list[int]:
     return list(dict.fromkeys(eos))
 
 
-class MegatronWorker(RefitChannels, DistributedWorker):
-    """What policy and generation ranks share: parallel state, the model, logprobs, channels."""
+class MegatronWorker(LogprobWorker, RefitChannels, DistributedWorker):
+    """What policy and generation ranks share: parallel state, the model, logprobs, channels.
+
+    ``logprobs``: :class:`rlcore.runtime.losses.LogprobWorker`, over the data-parallel
+    replicas (the tensor-parallel ranks of a replica take the same rows).
+    """
 
     #: Offer the native layout on cuda_ipc channels (tests and benchmarks turn it off to
     #: run the Hugging Face path between two identical layouts).
@@ -306,46 +310,26 @@ class MegatronWorker(RefitChannels, DistributedWorker):
         from rlcore_megatron.cpu_compat import causal_mask
         from rlcore_megatron.parallel import vocab_parallel_logprobs
 
-        lengths = [len(p) + len(c) for p, c in rows]
-        width = max(lengths)
-        first = min(len(p) for p, _ in rows) - 1
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width - 1 - first), dtype=torch.bool)
-        spans = []
-        for i, (p, c) in enumerate(rows):
-            ids[i, : lengths[i]] = torch.tensor(p + c, dtype=torch.long)
-            spans.append((len(p) - 1 - first, len(p) - 1 - first + len(c)))
-            mask[i, spans[-1][0] : spans[-1][1]] = True
-        ids = ids.to(self.device)
+        padded = right_padded(rows, self.pad_id)
+        first, width = padded.first, padded.ids.shape[1]
+        ids = padded.ids.to(self.device)
         positions = torch.arange(width, device=self.device).unsqueeze(0).expand(len(rows), -1)
         logits = self.model(ids, positions, causal_mask(width, device=self.device))
         token_lp = vocab_parallel_logprobs(
             logits[:, first:-1], ids[:, first + 1 :], self.spec.vocab_size
         )
-        return token_lp, mask.to(self.device), spans
+        return token_lp, padded.mask.to(self.device), padded.spans
 
-    def _micro_batches(self, rows: list[Any]) -> Iterator[list[Any]]:
+    def _data_parallel(self) -> tuple[int, int]:
+        return self.dp_size, self.dp_rank
+
+    def _micro_batches(self, local: list[Any], n_rows: int) -> Iterator[list[Any]]:
+        """``local`` in micro-batches (the replicas need not run as many: no collective
+        of a forward pass spans them)."""
         assert self.options is not None
         size = max(1, int(self.options.micro_batch_size))
-        for i in range(0, len(rows), size):
-            yield rows[i : i + size]
-
-    def logprobs(self, batch: Sequence[Row]) -> list[list[float]]:
-        """Per-token logprobs of each completion, for this rank's data-parallel shard.
-
-        Collective over the tensor-parallel group. Concatenating the shards of
-        tensor-parallel rank 0 of each replica, in replica order, gives the batch.
-        """
-        self._require_model()
-        rows = check_rows(batch)
-        start, end = shard_range(len(rows), self.dp_size, self.dp_rank)
-        out: list[list[float]] = []
-        with torch.no_grad():
-            for chunk in self._micro_batches(rows[start:end]):
-                token_lp, _, spans = self._forward_logprobs(chunk)
-                token_lp = token_lp.cpu()
-                out.extend(token_lp[i, a:b].tolist() for i, (a, b) in enumerate(spans))
-        return out
+        for i in range(0, len(local), size):
+            yield local[i : i + size]
 
     # ------------------------------------------------------------- channels
 
@@ -363,8 +347,13 @@ class MegatronWorker(RefitChannels, DistributedWorker):
         super().teardown()
 
 
-class MegatronPolicyWorker(RefitSenderWorker, MegatronWorker):
-    """One rank of the Megatron policy (see the module docstring)."""
+class MegatronPolicyWorker(PolicyGradientWorker, RefitSenderWorker, MegatronWorker):
+    """One rank of the Megatron policy (see the module docstring).
+
+    ``train_step``: :class:`rlcore.runtime.losses.PolicyGradientWorker` (the fsdp
+    backend's as well), the gradients summed over the data-parallel group here
+    (:meth:`_finish_gradients`); a sleeping (colocated) rank wakes first.
+    """
 
     def __init__(self, rank: int, world_size: int) -> None:
         super().__init__(rank, world_size)
@@ -418,71 +407,32 @@ class MegatronPolicyWorker(RefitSenderWorker, MegatronWorker):
             "local_numel": local,
         }
 
-    def train_step(
-        self,
-        batch: Sequence[Row],
-        advantages: Sequence[float],
-        old_logprobs: Sequence[Sequence[float]] | None,
-        clip_eps: float,
-        lr: float,
-    ) -> dict[str, float]:
-        """One GRPO step (clipped policy gradient, AdamW). Collective.
+    def _before_step(self) -> None:
+        if self.asleep:  # colocated: the loop normally wakes the policy before training
+            self.wake()
 
-        ``loss = -mean over all completion tokens of the batch of
-        min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)`` with
-        ``ratio = exp(logprob - old_logprob)`` and ``A`` the row's advantage;
-        ``old_logprobs=None`` means on-policy (ratio 1). The same semantics as the
-        fsdp backend's ``train_step``.
+    def _replica_group(self) -> Any:
+        from megatron.core import parallel_state
 
-        Rows are split over the data-parallel replicas; every rank scales its token
-        sum by ``1 / total_tokens`` and gradients are summed over the data-parallel
-        group, which gives exactly the gradient of the global token mean.
-        Tensor-parallel ranks of a replica see the same rows and hold different
-        shards of the weights; replicated weights (norms) get identical gradients.
-        The gradient norm is global (shards summed over the tensor-parallel group,
-        replicated weights counted once), clipped to ``options.max_grad_norm``.
+        return parallel_state.get_data_parallel_group()
 
-        Returns ``loss``, ``grad_norm`` (before clipping), ``clip_fraction``,
-        ``tokens`` and ``lr``; identical on every rank.
+    def _finish_gradients(self) -> float:
+        """Sum the gradients over the data-parallel group (each rank scaled its loss by
+        ``1 / total_tokens``) and clip them to ``options.max_grad_norm``.
+
+        Tensor-parallel ranks of a replica see the same rows and hold different shards
+        of the weights; replicated weights (norms) get identical gradients. The norm is
+        global: shards summed over the tensor-parallel group, replicated weights once.
         """
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-        self._require_model()
-        assert self.optimizer is not None and self.options is not None
-        if self.asleep:  # colocated: the loop normally wakes the policy before training
-            self.wake()
-        rows = check_train_inputs(batch, advantages, old_logprobs)
-        n_tokens = sum(len(c) for _, c in rows)
-        start, end = shard_range(len(rows), self.dp_size, self.dp_rank)
-        local = [
-            (rows[i], float(advantages[i]), None if old_logprobs is None else old_logprobs[i])
-            for i in range(start, end)
-        ]
-        scale = 1.0 / max(n_tokens, 1)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
-        stats = torch.zeros(2, dtype=torch.float64)  # loss sum, clipped tokens
-        for chunk in self._micro_batches(local):
-            token_lp, mask, spans = self._forward_logprobs([r for r, _, _ in chunk])
-            token_loss, n_clipped = clipped_pg_loss(
-                token_lp,
-                mask,
-                spans,
-                [a for _, a, _ in chunk],
-                [old_row for _, _, old_row in chunk],
-                clip_eps,
-            )
-            (token_loss.sum() * scale).backward()
-            stats[0] += token_loss.detach().sum().double().cpu()
-            stats[1] += n_clipped.double().cpu()
-
+        assert self.options is not None
         params = [p for p in self.model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         if self.dp_size > 1:
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
+            dist.all_reduce(flat, group=self._replica_group())
             offset = 0
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -500,19 +450,7 @@ class MegatronPolicyWorker(RefitSenderWorker, MegatronWorker):
             if coef < 1.0:
                 g.mul_(coef)
             p.grad = g
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.dp_size > 1:
-            stats = stats.to(self.device)
-            dist.all_reduce(stats, group=parallel_state.get_data_parallel_group())
-            stats = stats.cpu()
-        return {
-            "loss": float(stats[0]) / max(n_tokens, 1),
-            "grad_norm": grad_norm,
-            "clip_fraction": float(stats[1]) / max(n_tokens, 1),
-            "tokens": float(n_tokens),
-            "lr": float(lr),
-        }
+        return grad_norm
 
     # ------------------------------------------------------------- colocated
 
