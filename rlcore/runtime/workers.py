@@ -20,7 +20,7 @@ from typing import Any
 
 # WorkerError and WorkerLost live in the contract (rlcore.errors); importing them from
 # here keeps working.
-from rlcore.errors import Cancelled, DeadlineExceeded, WorkerError, WorkerLost
+from rlcore.errors import Cancelled, ConfigError, DeadlineExceeded, WorkerError, WorkerLost
 from rlcore.placement import Network, RolePlacement
 from rlcore.waiting import CancelToken, Deadline
 
@@ -180,6 +180,51 @@ def node_ip() -> str:
     except Exception:  # pragma: no cover - fallback outside Ray
         pass
     return "127.0.0.1"
+
+
+def require_ray(backend: str, role: str) -> None:
+    """Raise unless this process is connected to Ray (a backend's init starts its
+    workers in the run's cluster)."""
+    import ray
+
+    if not ray.is_initialized():
+        raise RuntimeError(
+            f"the {backend} {role} backend needs a running Ray cluster: start one with "
+            f"rlcore.runtime.cluster.Cluster(config.cluster).start() before calling rlcore_init_{role} "
+            "(`rlcore run` does this)"
+        )
+
+
+def resolve_worker_device(requested: str, *, backend: str, section: str) -> str:
+    """``<section>.options.device`` of ``backend``: ``cpu``, ``cuda``, or ``auto`` (CUDA when
+    the Ray cluster has a GPU); ConfigError for anything else."""
+    import ray
+
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ConfigError(
+            f"{section}.options.device of backend '{backend}' is {requested!r}; use auto, cpu or cuda",
+            key=f"{section}.options.device",
+        )
+    if requested != "auto":
+        return requested
+    return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+
+
+def device_resources(
+    device: str, devices_per_worker: float, threads_per_worker: int = 0
+) -> tuple[dict[str, Any], int]:
+    """:class:`WorkerGroup`'s ``num_cpus``, ``num_gpus`` and ``dist_backend`` for ranks on
+    ``device``, and each rank's torch threads (``threads_per_worker``, 0: the default).
+
+    On ``cuda`` a rank holds one GPU and one CPU (NCCL, one thread by default); on ``cpu``
+    ``devices_per_worker`` CPUs (gloo, as many threads): the convention of
+    ``<role>.devices_per_worker`` that the preflight checks.
+    """
+    if device == "cuda":
+        resources = {"num_cpus": 1.0, "num_gpus": 1.0, "dist_backend": "nccl"}
+        return resources, threads_per_worker or 1
+    resources = {"num_cpus": float(devices_per_worker), "num_gpus": 0.0, "dist_backend": "gloo"}
+    return resources, threads_per_worker or max(1, int(devices_per_worker))
 
 
 class DistributedWorker:

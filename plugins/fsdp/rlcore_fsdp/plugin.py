@@ -39,32 +39,16 @@ def rlcore_declare_backend() -> BackendDeclaration:
     )
 
 
-def _resolve_device(requested: str) -> str:
-    import ray
-
-    if requested not in ("auto", "cpu", "cuda"):
-        from rlcore.errors import ConfigError
-
-        raise ConfigError(
-            f"policy.options.device of backend 'fsdp' is {requested!r}; use auto, cpu or cuda",
-            key="policy.options.device",
-        )
-    if requested != "auto":
-        return requested
-    return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
-
-
 @hookimpl
 def rlcore_init_policy(ctx: InitContext) -> FSDPPolicy:
-    import ray
+    from rlcore.runtime.workers import (
+        WorkerGroup,
+        device_resources,
+        require_ray,
+        resolve_worker_device,
+    )
 
-    if not ray.is_initialized():
-        raise RuntimeError(
-            "the fsdp policy backend needs a running Ray cluster: start one with "
-            "rlcore.runtime.cluster.Cluster(config.cluster).start() before calling rlcore_init_policy "
-            "(`rlcore run` does this)"
-        )
-    from rlcore.runtime.workers import WorkerGroup
+    require_ray("fsdp", "policy")
     from rlcore.tinymodel import ensure_model
     from rlcore_fsdp.handle import FSDPPolicy
     from rlcore_fsdp.worker import FSDPWorker
@@ -79,23 +63,17 @@ def rlcore_init_policy(ctx: InitContext) -> FSDPPolicy:
     model_dir = ensure_model(
         ctx.config.model, ctx.cache_dir, cancel=ctx.cancel, deadline=ctx.deadline
     )
-    device = _resolve_device(options.device)
-    if device == "cuda":
-        # One GPU per rank: FSDP shards across ranks, never across GPUs of one rank.
-        threads = options.threads_per_worker or 1
-        resources = {"num_cpus": 1.0, "num_gpus": 1.0}
-        dist_backend = "nccl"
-    else:
-        threads = options.threads_per_worker or max(1, int(role.devices_per_worker))
-        resources = {"num_cpus": float(role.devices_per_worker), "num_gpus": 0.0}
-        dist_backend = "gloo"
+    device = resolve_worker_device(options.device, backend="fsdp", section="policy")
+    # One GPU per rank: FSDP shards across ranks, never across GPUs of one rank.
+    resources, threads = device_resources(
+        device, role.devices_per_worker, options.threads_per_worker
+    )
     group = WorkerGroup(
         FSDPWorker,
         role.workers,
         name="fsdp-policy",
         **resources,
         env={"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"},
-        dist_backend=dist_backend,
         timeout_s=options.timeout_s,
         cancel=ctx.cancel,
         deadline=ctx.deadline,
