@@ -40,7 +40,12 @@ from rlcore.refit.specs import TensorSpec
 from rlcore.runtime.batches import put_rows
 from rlcore.runtime.group_handle import GroupHandle
 from rlcore.runtime.policy_group import GroupPolicy
-from rlcore.runtime.workers import WorkerGroup
+from rlcore.runtime.workers import (
+    WorkerGroup,
+    device_resources,
+    require_ray,
+    resolve_worker_device,
+)
 from rlcore.waiting import CancelToken
 from rlcore_megatron.options import CHECKPOINT_ARTIFACT, MegatronOptions, resolve_engine
 
@@ -59,31 +64,13 @@ def _options(raw: Any, section: str = "policy") -> MegatronOptions:
     return resolve_options(dict(raw or {}), MegatronOptions, section=section, backend=BACKEND)
 
 
-def _resolve_device(requested: str, section: str) -> str:
-    import ray
-
-    if requested not in ("auto", "cpu", "cuda"):
-        raise ConfigError(
-            f"{section}.options.device of backend 'megatron' is {requested!r}; use auto, cpu or cuda",
-            key=f"{section}.options.device",
-        )
-    if requested != "auto":
-        return requested
-    return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
-
-
 def _group_kwargs(
     section: Any, options: MegatronOptions, device: str, ctx: InitContext
 ) -> dict[str, Any]:
     """Resources, environment and process-group backend of a worker group."""
-    if device == "cuda":
-        threads = options.threads_per_worker or 1
-        resources = {"num_cpus": 1.0, "num_gpus": 1.0}
-        backend = "nccl"
-    else:
-        threads = options.threads_per_worker or max(1, int(section.devices_per_worker))
-        resources = {"num_cpus": float(section.devices_per_worker), "num_gpus": 0.0}
-        backend = "gloo"
+    resources, threads = device_resources(
+        device, section.devices_per_worker, options.threads_per_worker
+    )
     return {
         **resources,
         "env": {
@@ -94,7 +81,6 @@ def _group_kwargs(
             "TQDM_DISABLE": "1",
             "PYTHONWARNINGS": "ignore",
         },
-        "dist_backend": backend,
         "timeout_s": options.timeout_s,
         "cancel": ctx.cancel,
         "deadline": ctx.deadline,
@@ -134,11 +120,19 @@ class _Handle(GroupHandle):
     kind = "megatron"
 
     def __init__(
-        self, group: WorkerGroup, layout: Sequence[dict[str, Any]], info: dict[str, Any]
+        self,
+        group: WorkerGroup,
+        *,
+        device_type: str,
+        specs: Sequence[TensorSpec],
+        layout: Sequence[dict[str, Any]],
+        info: dict[str, Any] | None = None,
     ) -> None:
         GroupHandle.__init__(self, group, backend="megatron", role=self.kind)
+        self.device_type = device_type
+        self._specs = list(specs)
         self.layout = [dict(x) for x in layout]
-        self.info = dict(info)
+        self.info = dict(info or {})
         # The rank that answers for each data-parallel replica: its tensor-parallel rank 0.
         leads = sorted((x["dp_rank"], x["rank"]) for x in self.layout if x["tp_rank"] == 0)
         self._leads = [rank for _, rank in leads]
@@ -165,6 +159,13 @@ class _Handle(GroupHandle):
                 getattr(a, method).remote(*(per_rank(i) if per_rank else ()), *args)
                 for i, a in enumerate(self.group.actors)
             ]
+
+    def weight_specs(self) -> list[TensorSpec]:
+        """Every weight under its Hugging Face name, full shape and dtype, in the refit's
+        order: from the model's config (:func:`rlcore_megatron.convert.tensor_specs`),
+        no weight touched."""
+        self._check_open()
+        return list(self._specs)
 
     def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
         """Per-token logprobs of each ``(prompt_ids, completion_ids)`` row's completion;
@@ -210,32 +211,8 @@ class MegatronPolicy(GroupPolicy, _Handle):
 
     kind = "policy"
 
-    def __init__(
-        self,
-        group: WorkerGroup,
-        *,
-        device_type: str,
-        specs: Sequence[TensorSpec],
-        layout: Sequence[dict[str, Any]],
-        info: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(group, layout, info or {})
-        self.device_type = device_type
-        self._specs = list(specs)
-
-    # ------------------------------------------------------------ refit sender
-
-    def weight_specs(self) -> list[TensorSpec]:
-        """Every weight under its Hugging Face name, full shape, dtype, in exact send order.
-
-        Computed from the model's config (:func:`rlcore_megatron.convert.tensor_specs`):
-        no weight is touched.
-        """
-        self._check_open()
-        return list(self._specs)
-
     # refit_address, open_refit_channel, refit_ceiling, send_weights and train_step:
-    # rlcore.runtime.policy_group.GroupPolicy; logprobs: _Handle.
+    # rlcore.runtime.policy_group.GroupPolicy; weight_specs and logprobs: _Handle.
 
 
 class MegatronGeneration(_Handle):
@@ -259,22 +236,13 @@ class MegatronGeneration(_Handle):
     """
 
     kind = "generation"
+    #: The OpenAI-compatible endpoint (``serve_openai``), started by :func:`start_generation`.
+    server: Any = None
 
-    def __init__(
-        self,
-        group: WorkerGroup,
-        *,
-        device_type: str,
-        specs: Sequence[TensorSpec],
-        layout: Sequence[dict[str, Any]],
-        info: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(group, layout, info or {})
-        self.device_type = device_type
-        self.refit_ranks = group.world_size
-        self._specs = list(specs)
-        #: The OpenAI-compatible endpoint (``serve_openai``), started by :func:`start_generation`.
-        self.server: Any = None
+    @property
+    def refit_ranks(self) -> int:
+        """Every rank receives (rank ``i`` is refit channel rank ``1 + i``)."""
+        return int(self.group.world_size)
 
     @property
     def endpoint(self) -> Endpoint | None:
@@ -282,11 +250,6 @@ class MegatronGeneration(_Handle):
         return None if self.server is None else self.server.endpoint
 
     # ------------------------------------------------------------ refit receiver
-
-    def weight_specs(self) -> list[TensorSpec]:
-        """Every weight the engine expects (Hugging Face names), from the config alone."""
-        self._check_open()
-        return list(self._specs)
 
     def open_refit_channel(self, spec: Any) -> list[Any]:
         """Rank ``i`` joins ``spec`` as channel rank ``1 + i``; Ray refs."""
@@ -445,18 +408,20 @@ class _Start:
     spec: Any
     device: str
     t0: float
+    colocated: bool
+
+    def report(self, group: WorkerGroup) -> dict[str, Any]:
+        """What both inits report first: ``colocated``, ``init_s`` (so far), ``group_start_s``."""
+        return {
+            "colocated": self.colocated,
+            "init_s": time.monotonic() - self.t0,
+            "group_start_s": group.start_time_s,
+        }
 
 
 def _prepare(ctx: InitContext, role: str) -> _Start:
     """Ray is up, the model is there, tensor parallelism fits it, the device is chosen."""
-    import ray
-
-    if not ray.is_initialized():
-        raise RuntimeError(
-            f"the megatron {role} backend needs a running Ray cluster: start one with "
-            f"rlcore.runtime.cluster.Cluster(config.cluster).start() before calling rlcore_init_{role} "
-            "(`rlcore run` does this)"
-        )
+    require_ray(BACKEND, role)
     from rlcore.tinymodel import ensure_model
     from rlcore_megatron import convert
 
@@ -468,8 +433,9 @@ def _prepare(ctx: InitContext, role: str) -> _Start:
     )
     spec = convert.ModelSpec.from_hf(model_dir)
     _check_tp(spec, section.workers, options, role)
-    device = _resolve_device(options.device, role)
-    return _Start(options, section, ctx.config.model.dtype, model_dir, spec, device, t0)
+    device = resolve_worker_device(options.device, backend=BACKEND, section=role)
+    colocated = bool(ctx.config.placement.colocated)
+    return _Start(options, section, ctx.config.model.dtype, model_dir, spec, device, t0, colocated)
 
 
 def start_policy(ctx: InitContext) -> MegatronPolicy:
@@ -480,7 +446,7 @@ def start_policy(ctx: InitContext) -> MegatronPolicy:
     from rlcore_megatron.worker import MegatronPolicyWorker
 
     options, section, dtype = start.options, start.section, start.dtype
-    model_dir, spec, device, t0 = start.model_dir, start.spec, start.device, start.t0
+    model_dir, spec, device = start.model_dir, start.spec, start.device
     # Converted only when a reader of this run needs it (the plan says: a refit-fed
     # Megatron generation's need does not hold, so a refit-fed run converts nothing).
     needed = ctx.artifact_needed(CHECKPOINT_ARTIFACT)
@@ -512,9 +478,7 @@ def start_policy(ctx: InitContext) -> MegatronPolicy:
             group.shutdown()
         raise
     info = {
-        "colocated": bool(ctx.config.placement.colocated),
-        "init_s": time.monotonic() - t0,
-        "group_start_s": group.start_time_s,
+        **start.report(group),
         "build_s": max(x["build_s"] for x in layout),
         "load_s": max(x["load_s"] for x in layout),
         "convert_s": converter.seconds if converter is not None else 0.0,
@@ -608,9 +572,7 @@ def start_generation(ctx: InitContext) -> MegatronGeneration:
         group.shutdown()
         raise
     info = {
-        "colocated": bool(ctx.config.placement.colocated),
-        "init_s": time.monotonic() - t0,
-        "group_start_s": group.start_time_s,
+        **start.report(group),
         "start_s": max(x["start_s"] for x in layout),
         "started_at": t0,
         "checkpoint_wait_s": wait_s,

@@ -148,6 +148,49 @@ def sampling_params(temperature: float, max_tokens: int, **extra: Any) -> Sampli
     )
 
 
+def _controller(
+    model: Any,
+    tokenizer: Any,
+    spec: ModelSpec,
+    context: Any,
+    config: Any,
+) -> Any:
+    """The text-generation controller both engines drive: the model in a
+    :class:`MaskedGPTInferenceWrapper` that knows the real vocabulary, and the tokenizer
+    (an adapter with megatron-core's interface, or a Hugging Face tokenizer wrapped in one)."""
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+
+    wrapped = MaskedGPTInferenceWrapper(model, config, context)
+    wrapped.real_vocab_size = spec.vocab_size
+    adapter = tokenizer if hasattr(tokenizer, "eod") else HFTokenizerAdapter(tokenizer)
+    return TextGenerationController(wrapped, adapter)
+
+
+def _wrapper_config(
+    spec: ModelSpec,
+    params_dtype: torch.dtype,
+    tp: int,
+    make_vocab_size_divisible_by: int,
+    max_batch_size: int,
+    max_sequence_length: int,
+) -> Any:
+    """megatron-core's ``InferenceWrapperConfig`` of both engines (the padded vocabulary at ``tp``)."""
+    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+        InferenceWrapperConfig,
+    )
+
+    return InferenceWrapperConfig(
+        hidden_size=spec.hidden_size,
+        params_dtype=params_dtype,
+        inference_batch_times_seqlen_threshold=-1,
+        padded_vocab_size=spec.padded_vocab_size(tp, make_vocab_size_divisible_by),
+        inference_max_requests=max_batch_size,
+        inference_max_seq_length=max_sequence_length,
+    )
+
+
 def build_static_engine(
     model: Any,
     tokenizer: Any,
@@ -170,26 +213,17 @@ def build_static_engine(
 
     from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.inference.engines.static_engine import StaticInferenceEngine
-    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
-        InferenceWrapperConfig,
-    )
-    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
-        TextGenerationController,
-    )
 
-    config = InferenceWrapperConfig(
-        hidden_size=spec.hidden_size,
-        params_dtype=next(model.parameters()).dtype,
-        inference_batch_times_seqlen_threshold=-1,
-        padded_vocab_size=spec.padded_vocab_size(tp, make_vocab_size_divisible_by),
-        inference_max_requests=max_batch_size,
-        inference_max_seq_length=max_sequence_length,
+    config = _wrapper_config(
+        spec,
+        next(model.parameters()).dtype,
+        tp,
+        make_vocab_size_divisible_by,
+        max_batch_size,
+        max_sequence_length,
     )
     context = StaticInferenceContext.from_config(config)
-    wrapped = MaskedGPTInferenceWrapper(model, config, context)
-    wrapped.real_vocab_size = spec.vocab_size
-    adapter = tokenizer if hasattr(tokenizer, "eod") else HFTokenizerAdapter(tokenizer)
-    controller = TextGenerationController(wrapped, adapter)
+    controller = _controller(model, tokenizer, spec, context, config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         # "The static engine will be deprecated": it is the one that runs on CPU.
@@ -260,12 +294,6 @@ def build_dynamic_engine(
     """
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
     from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
-    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
-        InferenceWrapperConfig,
-    )
-    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
-        TextGenerationController,
-    )
 
     from rlcore_megatron import paged_attention
 
@@ -296,18 +324,10 @@ def build_dynamic_engine(
         use_flashinfer_fused_rope=False,
         unified_memory_level=0,
     )
-    config = InferenceWrapperConfig(
-        hidden_size=spec.hidden_size,
-        params_dtype=dtype,
-        inference_batch_times_seqlen_threshold=-1,
-        padded_vocab_size=spec.padded_vocab_size(tp, make_vocab_size_divisible_by),
-        inference_max_requests=max_batch_size,
-        inference_max_seq_length=max_sequence_length,
+    config = _wrapper_config(
+        spec, dtype, tp, make_vocab_size_divisible_by, max_batch_size, max_sequence_length
     )
-    wrapped = MaskedGPTInferenceWrapper(model, config, context)
-    wrapped.real_vocab_size = spec.vocab_size
-    adapter = tokenizer if hasattr(tokenizer, "eod") else HFTokenizerAdapter(tokenizer)
-    controller = TextGenerationController(wrapped, adapter)
+    controller = _controller(model, tokenizer, spec, context, config)
     return DynamicInferenceEngine(
         controller, context, random_seed=int(seed), enable_chunked_prefill=False
     )
