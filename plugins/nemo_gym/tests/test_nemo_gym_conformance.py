@@ -37,6 +37,8 @@ def stub() -> Iterator[StubEndpoint]:
 class TestNemoGymConformance(BackendConformance):
     plugin = "rlcore_nemo_gym.plugin"
     init_timeout_s = 240.0
+    settle_s = 10.0
+    heavy_modules = (*BackendConformance.heavy_modules, "nemo_gym", "httpx")
     # The stub's thread and HTTP server are the test's, not the backend's.
     leak_ignore_threads = ("stub-endpoint",)
 

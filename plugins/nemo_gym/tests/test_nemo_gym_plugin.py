@@ -1,18 +1,16 @@
 """The nemo_gym backend without Gym's servers: declaration, light import, options,
-row cycling, result parsing; and rlcore's conformance suite (its init tests start
-real Gym servers against a stub endpoint, and skip if the Gym venv is missing)."""
+row cycling, result parsing (rlcore's conformance suite, with real Gym servers, is
+``test_nemo_gym_conformance.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gym_helpers import StubEndpoint, gym_python, make_ctx
+from gym_helpers import make_ctx
 
 from rlcore.declarations import Role, validate_declaration
 from rlcore.errors import ConfigError, RlcoreError
-from rlcore.testing import BackendConformance
 from rlcore.testing.fixtures import heavy_imports
 from rlcore_nemo_gym.handle import rows_for_step, start_env, to_sample
 from rlcore_nemo_gym.options import NemoGymOptions
@@ -122,34 +120,6 @@ def test_to_sample_rejects_results_without_token_ids_or_reward() -> None:
     bad["generation_log_probs"] = [-1.0]
     with pytest.raises(RlcoreError, match="logprobs"):
         to_sample({"reward": 0.0, "response": {"output": [bad]}})
-
-
-# ----------------------------------------------------------------------- conformance
-
-
-@pytest.fixture(scope="module")
-def conformance_stub() -> Iterator[StubEndpoint]:
-    stub = StubEndpoint().start()
-    yield stub
-    stub.stop()
-
-
-class TestNemoGymConformance(BackendConformance):
-    plugin = "rlcore_nemo_gym.plugin"
-    init_timeout_s = 150.0
-    settle_s = 10.0
-    heavy_modules = (*BackendConformance.heavy_modules, "nemo_gym", "httpx")
-    _stub: StubEndpoint | None = None
-
-    @pytest.fixture(autouse=True)
-    def _endpoint(self, conformance_stub: StubEndpoint) -> None:
-        type(self)._stub = conformance_stub
-
-    def conformance_events(self) -> dict[str, object]:
-        if gym_python() is None:
-            pytest.skip("the NeMo Gym venv (.venv-gym) is not installed: run install.sh")
-        assert self._stub is not None
-        return {"generation.endpoint": self._stub.endpoint}
 
 
 def test_example_plan_starts_gym_at_once_and_waits_for_the_endpoint_inside() -> None:
