@@ -22,42 +22,41 @@ from typing import Any
 import pytest
 import torch
 
-from rlcore.config import ClusterConfig, cache_dir, load_config, resolve_options
+from rlcore.config import cache_dir, load_config, resolve_options
 from rlcore.context import InitContext
 from rlcore.declarations import Role, validate_declaration
 from rlcore.errors import RlcoreError
-from rlcore.events import EventBoard
 from rlcore.refit.specs import plan_buckets, spec_of
 from rlcore.runtime.batches import shard_range
 from rlcore.runtime.workers import free_port
+from rlcore.testing import fixtures
 from rlcore.testing.fixtures import tiny_model_dir
+from rlcore.testing.policy_checks import (
+    CLIP_EPS,
+    LR,
+    actor_pids,
+    check_logprobs,
+    check_on_policy_step,
+    check_train_step,
+    reference_step,
+    running_cluster,
+    write_hf_model,
+)
 from rlcore.testing.reference import (
     GRPO_ADVANTAGES,
     GRPO_BATCH,
     hf_model,
     max_diff,
     perturbed_old,
-    reference_grpo_step,
     reference_logprobs,
 )
 from rlcore.testing.waits import wait_for
-from rlcore.waiting import CancelToken, Deadline
 from rlcore_fsdp.options import FSDPOptions
 from rlcore_fsdp.plugin import rlcore_declare_backend, rlcore_init_policy
 from rlcore_fsdp.worker import FSDPWorker, micro_batch_count
 
 BATCH = GRPO_BATCH
 ADVANTAGES = GRPO_ADVANTAGES
-CLIP_EPS = 0.2
-LR = 1e-3
-
-
-# ---------------------------------------------------------------- reference
-
-
-def reference_step(model: Any, batch: list, adv: list, old: list, **kwargs: Any) -> dict:
-    """:func:`rlcore.testing.reference.reference_grpo_step` at these tests' LR and clip."""
-    return reference_grpo_step(model, batch, adv, old, lr=LR, clip_eps=CLIP_EPS, **kwargs)
 
 
 def assert_same_tensors(got: dict, want: dict) -> None:
@@ -75,22 +74,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 with tied input/output embeddings (one tensor under two names)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     d = tmp_path_factory.mktemp("tiny-qwen2-tied")
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(d)
-    return d
+    return write_hf_model(d, "qwen2", vocab_size=64, tie_word_embeddings=True)
 
 
 def test_sharding_helpers() -> None:
@@ -119,11 +104,7 @@ def worker(model_dir: Path) -> Iterator[FSDPWorker]:
 
 
 def test_logprobs_match_transformers(worker: FSDPWorker, model_dir: Path) -> None:
-    got = worker.logprobs(BATCH)
-    assert [len(r) for r in got] == [len(c) for _, c in BATCH]
-    assert max_diff(got, reference_logprobs(hf_model(model_dir), BATCH)) < 1e-5
-    with pytest.raises(ValueError, match="row 1 has an empty prompt"):
-        worker.logprobs([([2], [3]), ([], [3])])
+    check_logprobs(worker, model_dir)
 
 
 def test_export_equals_hf_state_dict_and_specs(worker: FSDPWorker, model_dir: Path) -> None:
@@ -149,25 +130,13 @@ def test_export_buckets_are_bounded(worker: FSDPWorker, bucket_bytes: int) -> No
 
 
 def test_train_step_matches_reference(worker: FSDPWorker, model_dir: Path) -> None:
-    before = worker.export_state_dict()
-    old = perturbed_old(worker.logprobs(BATCH))
-    got = worker.train_step(BATCH, ADVANTAGES, old, CLIP_EPS, LR)
-    ref = reference_step(hf_model(model_dir), BATCH, ADVANTAGES, old)
-    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
-    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
-    assert 0.0 < got["clip_fraction"] < 1.0 and got["tokens"] == 10
-    after = worker.export_state_dict()
-    assert all(not torch.equal(before[n], after[n]) for n in before if "norm" not in n)
-    for name, t in ref["state"].items():
-        torch.testing.assert_close(after[name], t, rtol=0, atol=1e-5, msg=name)
+    check_train_step(worker, model_dir, weight_atol=1e-5)
     # The next logprobs see the update.
     assert max_diff(worker.logprobs(BATCH), reference_logprobs(hf_model(model_dir), BATCH)) > 1e-4
 
 
 def test_on_policy_step_without_old_logprobs(worker: FSDPWorker) -> None:
-    got = worker.train_step(BATCH[:2], [1.0, -1.0], None, CLIP_EPS, 0.0)
-    # ratio == 1: loss is minus the token-weighted mean advantage (4 tokens at +1, 1 at -1)
-    assert got["loss"] == pytest.approx(-(4 - 1) / 5) and got["clip_fraction"] == 0.0
+    check_on_policy_step(worker)
 
 
 def test_tied_embeddings_in_process(worker: FSDPWorker, tied_model_dir: Path) -> None:
@@ -189,17 +158,8 @@ def test_tied_embeddings_in_process(worker: FSDPWorker, tied_model_dir: Path) ->
 
 
 def fsdp_actor_pids() -> set[int]:
-    """FSDPWorker actor processes started from this process (Ray titles them)."""
-    import psutil
-
-    pids = set()
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if "FSDPWorker" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
-                pids.add(p.pid)
-        except psutil.Error:
-            pass
-    return pids
+    """FSDPWorker actor processes started from this process."""
+    return actor_pids("FSDPWorker")
 
 
 def init_context(tmp: Path, *overrides: str) -> InitContext:
@@ -213,29 +173,21 @@ def init_context(tmp: Path, *overrides: str) -> InitContext:
             *overrides,
         ],
     )
-    cancel = CancelToken()
-    return InitContext(
-        role=Role.POLICY,
-        backend="fsdp",
-        config=cfg,
-        options=resolve_options(cfg.policy.options, FSDPOptions, section="policy", backend="fsdp"),
-        cancel=cancel,
-        deadline=Deadline(120.0, "init:policy"),
+    return fixtures.init_context(
+        Role.POLICY,
+        "fsdp",
+        cfg,
+        FSDPOptions,
         run_dir=tmp / "run",
         cache_dir=cache_dir(cfg),
-        events=EventBoard(cancel),
+        deadline_s=120.0,
     )
 
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    from rlcore.runtime.cluster import Cluster
-
-    cluster = Cluster(ClusterConfig(num_cpus=2)).start()
-    try:
+    with running_cluster(num_cpus=2):
         yield
-    finally:
-        cluster.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -9,51 +9,24 @@ safetensors alone.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from rlcore.runtime.workers import free_port
+from rlcore.testing.policy_checks import LR, write_hf_model
+from rlcore.testing.reference import GRPO_ADVANTAGES, GRPO_BATCH
+
 pytestmark = pytest.mark.gpu
 
-BATCH = [
-    ([2, 5, 6], [7, 8, 9, 10]),
-    ([2, 11], [12]),
-    ([2, 3, 4, 5, 6, 7], [8, 9]),
-    ([2], []),
-    ([2, 30, 31], [32, 33, 34]),
-]
-ADVANTAGES = [1.0, -0.5, 0.7, 0.0, -1.2]
-LR = 1e-3
+BATCH = GRPO_BATCH
+ADVANTAGES = GRPO_ADVANTAGES
 BUCKET_BYTES = 100_000
 #: ``cpu`` runs the same processes over gloo (a dry run of this file without GPUs).
 DEVICE = os.environ.get("RLCORE_FSDP_GPU_TEST_DEVICE", "cuda")
 BACKEND = "nccl" if DEVICE == "cuda" else "gloo"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _write_model(directory: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
 
 
 def _policy_rank(
@@ -100,20 +73,26 @@ def _run(tmp: Path, dtype: str) -> tuple[list[dict], dict]:
 
     from rlcore.refit.channels import ChannelSpec
 
-    model_dir = tmp / "model"
-    _write_model(model_dir)
+    model_dir = write_hf_model(
+        tmp / "model",
+        "llama",
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=256,
+        tie_word_embeddings=False,
+    )
     spec = ChannelSpec(
         "collective",
         f"gpu-{dtype}",
         2,
         addr="127.0.0.1",
-        port=_port(),
+        port=free_port(),
         backend=BACKEND,
         timeout_s=120,
     )
     ctx = mp.get_context("spawn")
     specs_q = ctx.Queue()
-    port = _port()
+    port = free_port()
     outs = [str(tmp / f"{dtype}-rank{r}.pt") for r in range(2)]
     recv_out = str(tmp / f"{dtype}-recv.pt")
     procs = [

@@ -13,25 +13,28 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from rlcore.testing.policy_checks import (  # noqa: F401  (re-exported to the tests)
+    CLIP_EPS,
+    LR,
+    check_logprobs,
+    check_on_policy_step,
+    check_train_step,
+    reference_step,
+    write_hf_model,
+)
 from rlcore.testing.reference import (  # noqa: F401  (re-exported to the tests)
     GRPO_ADVANTAGES,
     GRPO_BATCH,
     hf_model,
     max_diff,
     perturbed_old,
-    reference_grpo_step,
     reference_logprobs,
 )
 
-#: Shape of the tiny Qwen2 model (vocab 100: padded to 128 at TP=1 and 256 at TP=2).
+#: Shape of the tiny Qwen2 model over rlcore.testing.policy_checks.TINY_SHAPE (vocab 100:
+#: padded to 128 at TP=1 and 256 at TP=2).
 QWEN2_SHAPE = dict(
     vocab_size=100,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
     tie_word_embeddings=True,
     rope_theta=1_000_000.0,
     rms_norm_eps=1e-6,
@@ -40,18 +43,17 @@ QWEN2_SHAPE = dict(
 
 def write_tiny_qwen2(directory: Path, seed: int = 0) -> None:
     """A Qwen2 checkpoint with random weights of O(1) logits, random norms and q/k/v biases."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**QWEN2_SHAPE))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
+    def init(model: Any) -> None:
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
         for name, p in sorted(model.named_parameters()):
             noise = torch.randn(p.shape, generator=gen)
             # Norm weights differ from 1 so that swapping two norms would show.
             p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.1 * noise)
-    model.save_pretrained(str(directory), safe_serialization=True)
+
+    write_hf_model(directory, "qwen2", seed=seed, init=init, **QWEN2_SHAPE)
 
 
 def input_ids(vocab_size: int, batch: int = 2, seq: int = 12, seed: int = 0) -> Any:
@@ -194,13 +196,6 @@ def tp_worker(
 
 BATCH = GRPO_BATCH
 ADVANTAGES = GRPO_ADVANTAGES
-CLIP_EPS = 0.2
-LR = 1e-3
-
-
-def reference_step(model: Any, batch: list, adv: list, old: list, **kwargs: Any) -> dict:
-    """:func:`rlcore.testing.reference.reference_grpo_step` at these tests' LR and clip."""
-    return reference_grpo_step(model, batch, adv, old, lr=LR, clip_eps=CLIP_EPS, **kwargs)
 
 
 def tp_generate_worker(

@@ -11,32 +11,33 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _megatron_helpers import spawn_ranks, tp_worker, write_tiny_qwen2  # noqa: E402
+from _megatron_helpers import (  # noqa: E402
+    spawn_ranks,
+    tp_worker,
+    write_hf_model,
+    write_tiny_qwen2,
+)
 
 
 def write_tiny_llama(directory: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    def init(model: Any) -> None:
+        for p in model.parameters():
+            p.normal_(0, 0.05)
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
+    write_hf_model(
+        directory,
+        "llama",
+        init=init,
         vocab_size=52,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=512,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.05)
-    model.save_pretrained(str(directory), safe_serialization=True)
 
 
 def main() -> None:

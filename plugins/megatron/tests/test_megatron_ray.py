@@ -35,13 +35,14 @@ from _megatron_helpers import (
     reference_step,
 )
 
-from rlcore.config import ClusterConfig, cache_dir, load_config, resolve_options
+from rlcore.config import cache_dir, load_config, resolve_options
 from rlcore.context import InitContext
 from rlcore.declarations import Role
 from rlcore.errors import DeadlineExceeded, RlcoreError
 from rlcore.events import EventBoard
 from rlcore.handles import RefitReceiver, RefitSender
 from rlcore.refit.sessions import RefitSessions
+from rlcore.testing.policy_checks import actor_pids, running_cluster
 from rlcore.testing.waits import wait_for
 from rlcore.waiting import CancelToken, Deadline
 from rlcore_megatron.options import MegatronOptions
@@ -57,20 +58,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 #: sharded matmuls moves it by a few percent of lr (seen: 1.3e-5 on one of 32768 entries);
 #: a wrong gradient moves entries by the whole lr (1e-3).
 WEIGHT_ATOL = 0.05 * LR
-
-
-def actor_pids(name: str) -> set[int]:
-    """Live actor processes of worker class ``name`` started from this process."""
-    import psutil
-
-    pids = set()
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if name in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
-                pids.add(p.pid)
-        except psutil.Error:
-            pass
-    return pids
 
 
 class RecordingContext(InitContext):
@@ -120,13 +107,8 @@ def context(role: Role, tmp: Path, *overrides: str, deadline_s: float = 180.0) -
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    from rlcore.runtime.cluster import Cluster
-
-    cluster = Cluster(ClusterConfig(num_cpus=2)).start()
-    try:
+    with running_cluster(num_cpus=2):
         yield
-    finally:
-        cluster.shutdown()
 
 
 TP2 = [
