@@ -2,7 +2,8 @@
 
 A policy worker (one rank, driven in the test's process) must compute what
 :mod:`rlcore.testing.reference` computes with transformers: :func:`check_logprobs`,
-:func:`check_train_step` and :func:`check_on_policy_step` hold it to that at the tests'
+:func:`check_train_step` and :func:`check_on_policy_step` hold it to that (and
+:func:`check_group_train_step` a handle over such workers) at the tests'
 settings (:data:`CLIP_EPS`, :data:`LR`, :func:`reference_step`). Besides: tiny Hugging
 Face checkpoints of a given shape (:func:`write_hf_model`), a Ray cluster for a test
 module (:func:`running_cluster`) and the actor processes of a worker class
@@ -139,6 +140,25 @@ def check_train_step(worker: Any, model_dir: str | Path, *, weight_atol: float) 
     assert not unmoved, f"the step left {unmoved} unchanged"
     for name, t in ref["state"].items():
         torch.testing.assert_close(after[name], t, rtol=0, atol=weight_atol, msg=name)
+
+
+def check_group_train_step(
+    policy: Any, model_dir: str | Path, *, weight_atol: float
+) -> list[dict[str, Any]]:
+    """:func:`check_train_step` through a policy handle over a worker group whose ranks have
+    ``export_state_dict``: loss and gradient norm as the reference's, rank 0's export
+    within ``weight_atol`` of its weights. Returns every rank's export."""
+    import torch
+
+    old = perturbed_old(policy.logprobs(GRPO_BATCH))
+    got = policy.train_step(GRPO_BATCH, GRPO_ADVANTAGES, old, clip_eps=CLIP_EPS, lr=LR)
+    ref = reference_step(hf_model(model_dir), GRPO_BATCH, GRPO_ADVANTAGES, old)
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6), (got, ref["loss"])
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), (got, ref["grad_norm"])
+    exported = list(policy.group.call("export_state_dict"))
+    for name, t in ref["state"].items():
+        torch.testing.assert_close(exported[0][name], t, rtol=0, atol=weight_atol, msg=name)
+    return exported
 
 
 def check_on_policy_step(worker: Any) -> None:

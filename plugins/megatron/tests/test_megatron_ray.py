@@ -22,7 +22,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from _megatron_helpers import (
     ADVANTAGES,
     BATCH,
@@ -30,9 +29,7 @@ from _megatron_helpers import (
     LR,
     hf_model,
     max_diff,
-    perturbed_old,
     reference_logprobs,
-    reference_step,
 )
 
 from rlcore.config import cache_dir, load_config, resolve_options
@@ -42,7 +39,7 @@ from rlcore.errors import DeadlineExceeded, RlcoreError
 from rlcore.events import EventBoard
 from rlcore.handles import RefitReceiver, RefitSender
 from rlcore.refit.sessions import RefitSessions
-from rlcore.testing.policy_checks import actor_pids, running_cluster
+from rlcore.testing.policy_checks import actor_pids, check_group_train_step, running_cluster
 from rlcore.testing.waits import wait_for
 from rlcore.waiting import CancelToken, Deadline
 from rlcore_megatron.options import MegatronOptions
@@ -219,15 +216,8 @@ def test_tp2_logprobs_match_transformers(pair: tuple[Any, Any], llama_dir: Path)
 
 def test_tp2_train_step_matches_reference(pair: tuple[Any, Any], llama_dir: Path) -> None:
     policy, _ = pair
-    old = perturbed_old(policy.logprobs(BATCH))
-    got = policy.train_step(BATCH, ADVANTAGES, old, clip_eps=CLIP_EPS, lr=LR)
-    ref = reference_step(hf_model(llama_dir), BATCH, ADVANTAGES, old)
-    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
-    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
-    exported, empty = policy.group.call("export_state_dict")
+    _, empty = check_group_train_step(policy, llama_dir, weight_atol=WEIGHT_ATOL)
     assert empty == {}  # only rank 0 yields; rank 1 gathers with it
-    for name, t in ref["state"].items():
-        torch.testing.assert_close(exported[name], t, rtol=0, atol=WEIGHT_ATOL, msg=name)
 
 
 @pytest.mark.parametrize("transport", ["collective", "disk", "shared_memory"])
@@ -318,14 +308,7 @@ def test_data_parallel_policy_matches_reference(
         assert [(x["tp_rank"], x["dp_rank"]) for x in policy.layout] == [(0, 0), (0, 1)]
         ref_model = hf_model(llama_dir)
         assert max_diff(policy.logprobs(BATCH), reference_logprobs(ref_model, BATCH)) < 1e-5
-        old = perturbed_old(policy.logprobs(BATCH))
-        got = policy.train_step(BATCH, ADVANTAGES, old, clip_eps=CLIP_EPS, lr=LR)
-        ref = reference_step(ref_model, BATCH, ADVANTAGES, old)
-        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
-        exported = policy.group.call("export_state_dict")[0]
-        for name, t in ref["state"].items():
-            torch.testing.assert_close(exported[name], t, rtol=0, atol=WEIGHT_ATOL, msg=name)
+        check_group_train_step(policy, llama_dir, weight_atol=WEIGHT_ATOL)
     finally:
         policy.shutdown()
 
