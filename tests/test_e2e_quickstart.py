@@ -1,7 +1,9 @@
 """End to end: the README's main job on real backends (FSDP + vLLM + arithmetic env).
 
-One shared run (module fixture) is checked from several angles; a second run
-kills a generation worker mid-run and must end with an error naming it.
+One shared run (module fixture: ``rlcore run`` in a subprocess, as a user starts it)
+is checked from several angles, among them that every socket its processes listen on
+is on loopback (issue 12, item 3); a second run kills a generation worker mid-run and
+must end with an error naming it.
 """
 
 from __future__ import annotations
@@ -10,9 +12,13 @@ import json
 import os
 import signal
 import statistics
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytest.importorskip("rlcore_fsdp")
@@ -22,17 +28,74 @@ from rlcore.app.run import run_job  # noqa: E402
 from rlcore.errors import RlcoreError  # noqa: E402
 from rlcore.hookspecs import hookimpl  # noqa: E402
 from rlcore.setup.metrics import read_metrics  # noqa: E402
+from rlcore.testing.fixtures import listening_sockets  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
+RLCORE = Path(sys.executable).with_name("rlcore")
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 STEPS = 12
 
 
+@dataclass
+class Quickstart:
+    dir: Path
+    #: Every listening TCP socket and bound UDP socket seen in the run's process tree
+    #: (Ray's GCS, raylet and agents, the worker actors, vLLM inside them, the driver),
+    #: and the name of the process that had it.
+    sockets: dict[tuple[str, int, str], str]
+    output: str
+
+
 @pytest.fixture(scope="module")
-def quickstart_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("quickstart")
+def quickstart(tmp_path_factory: pytest.TempPathFactory) -> Quickstart:
+    run_dir = tmp_path_factory.mktemp("quickstart") / "run"
     cache = tmp_path_factory.mktemp("cache")
-    return run_job(QUICKSTART, [f"grpo.steps={STEPS}", f"setup.cache_dir={cache}"], out=str(out / "run"))
+    proc = subprocess.Popen(
+        [str(RLCORE), "run", QUICKSTART, f"grpo.steps={STEPS}", f"setup.cache_dir={cache}", "--out", str(run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+    )
+    seen: dict[tuple[str, int, str], str] = {}
+    try:
+        root = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            try:
+                procs = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                break
+            for p in procs:
+                try:
+                    for sock in listening_sockets(p):
+                        seen.setdefault(sock, p.name())
+                except psutil.Error:
+                    pass  # exited meanwhile
+            time.sleep(0.1)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, output[-3000:]
+    return Quickstart(run_dir, seen, output)
+
+
+@pytest.fixture(scope="module")
+def quickstart_run(quickstart: Quickstart) -> Path:
+    return quickstart.dir
+
+
+def test_every_socket_of_the_run_is_on_loopback(quickstart: Quickstart) -> None:
+    """No listener beyond loopback on a single host: each socket another host could reach
+    is on 127.0.0.1 or ::1."""
+    owners = set(quickstart.sockets.values())
+    # The sample saw the run's servers, so the check below is not vacuous.
+    for expected in ("gcs_server", "raylet"):
+        assert expected in owners, sorted(owners)
+    assert any("FSDPWorker" in o for o in owners) and any("VLLMWorker" in o for o in owners), sorted(owners)
+    outside = sorted(
+        f"{owner}: {ip}:{port}/{kind}" for (ip, port, kind), owner in quickstart.sockets.items() if ip not in LOOPBACK
+    )
+    assert not outside, f"sockets reachable from other hosts: {outside}"
 
 
 def test_run_directory_files_exist_and_parse(quickstart_run: Path) -> None:

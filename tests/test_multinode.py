@@ -16,7 +16,6 @@ must still be alive and serving.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from typing import Any
 import psutil
 import pytest
 
+from rlcore.testing.fixtures import listening_sockets
 from rlcore.testing.waits import wait_for
 
 pytest.importorskip("rlcore_fsdp")
@@ -80,13 +80,6 @@ def _driver(script: str, *args: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def _listening(proc: psutil.Process) -> list[tuple[str, int]]:
-    return [
-        (c.laddr.ip, c.laddr.port) for c in proc.net_connections("inet")
-        if c.laddr and c.type == socket.SOCK_STREAM and c.status == psutil.CONN_LISTEN
-    ]
-
-
 def _sample_workers(seen: dict[tuple[str, int], str]) -> None:
     """Record the listening sockets of the run's worker processes (and vLLM's server)."""
     for p in psutil.process_iter(["cmdline"]):
@@ -94,8 +87,8 @@ def _sample_workers(seen: dict[tuple[str, int], str]) -> None:
             cmd = " ".join(p.info["cmdline"] or [])
             kind = next((w for w in WORKERS if w in cmd), None)
             if kind is not None:
-                for sock in _listening(p):
-                    seen.setdefault(sock, kind)
+                for ip, port, _ in listening_sockets(p, udp=False):
+                    seen.setdefault((ip, port), kind)
         except psutil.Error:
             continue  # exited meanwhile
 

@@ -5,8 +5,8 @@
         return tiny_model_dir(tmp_path_factory)
 
 rlcore's tiny model in a temporary directory, an :class:`rlcore.context.InitContext`
-for one init hook without the rest of setup, this host's address beyond loopback, and
-what a fresh interpreter loads with a plugin module. Imports the config stack and
+for one init hook without the rest of setup, this host's address beyond loopback,
+what a fresh interpreter loads with a plugin module, and the sockets a process listens on. Imports the config stack and
 torch only when called.
 """
 
@@ -105,3 +105,20 @@ def heavy_imports(plugin: str, *also: str, heavy: Iterable[str], timeout_s: floa
         raise AssertionError(f"importing {plugin} failed:\n{out.stderr}")
     packages = set(heavy)
     return [m for m in json.loads(out.stdout) if m.split(".")[0] in packages]
+
+
+def listening_sockets(proc: Any, *, udp: bool = True) -> list[tuple[str, int, str]]:
+    """``(ip, port, "tcp" | "udp")`` of the TCP sockets ``proc`` (a ``psutil.Process``)
+    listens on and, with ``udp``, the UDP sockets it bound without a peer: what another
+    host could reach. Raises ``psutil.Error`` if the process is gone."""
+    import psutil
+
+    out = []
+    for c in proc.net_connections("inet"):
+        if not c.laddr:
+            continue
+        if c.type == socket.SOCK_STREAM and c.status == psutil.CONN_LISTEN:
+            out.append((c.laddr.ip, c.laddr.port, "tcp"))
+        elif udp and c.type == socket.SOCK_DGRAM and not c.raddr:
+            out.append((c.laddr.ip, c.laddr.port, "udp"))
+    return out
