@@ -101,7 +101,7 @@ def test_generated_package_installs_registers_and_conforms(tmp_path: Path) -> No
     deferred = "covered by test_refit_fed_round_trip"
     assert skips and all("not claimed" in line or deferred in line for line in skips), skips
     assert sum(deferred in line for line in skips) == 1, skips
-    assert "18 passed, 8 skipped" in tests.stdout, tests.stdout
+    assert "17 passed, 9 skipped" in tests.stdout, tests.stdout
 
     # `rlcore plugins --json` finds it through the entry point.
     listing = _run([sys.executable, "-m", "rlcore", "plugins", "--json"], cwd=tmp_path, env=env)
