@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rlcore.context import InitContext
 from rlcore.declarations import ENDPOINT_EVENT
@@ -330,6 +330,16 @@ def load_rows(path: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _never_ready_nor_announced(ctx: InitContext, servers: GymServers) -> NoReturn:
+    """The deadline of ``init:env`` passed before the endpoint event came and before Gym's
+    servers were ready: one error that names the event, the servers and their log."""
+    raise DeadlineExceeded(
+        f"{ctx.task} ({ctx.backend}) waited {ctx.deadline.seconds:g}s for event "
+        f"'{ENDPOINT_EVENT}', which never came (deadline of {ctx.deadline.what}); Gym's "
+        f"servers were not ready either; end of {servers.log_path}:\n{servers.log_tail()}"
+    )
+
+
 def start_env(ctx: InitContext) -> NemoGymEnv:
     """``rlcore_init_env`` of ``nemo_gym``: see the module docstring."""
     o = ctx.options
@@ -396,6 +406,9 @@ def start_env(ctx: InitContext) -> NemoGymEnv:
                         info["run_via"],
                     )
                 elif start_deadline.expired:
+                    if endpoint is None and ctx.deadline.expired:
+                        # The task's own deadline, with both waits outstanding: name both.
+                        _never_ready_nor_announced(ctx, servers)
                     servers.wait_ready(
                         cancel=ctx.cancel, deadline=start_deadline
                     )  # raises, naming it

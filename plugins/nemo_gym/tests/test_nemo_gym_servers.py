@@ -249,12 +249,14 @@ def test_a_server_that_crashes_at_start_fails_init_naming_it(
 def test_endpoint_never_announced_is_a_deadline_naming_the_event(
     tmp_path: Path, leaks: LeakCheck
 ) -> None:
-    # A deadline that Gym's servers meet even on a loaded machine (20-40 s), so that the
-    # wait that runs out is the one for the event.
-    ctx = make_ctx(tmp_path, {"env_name": ENV}, deadline_s=90.0)
+    # The task's deadline passes while Gym's servers are still starting (a few seconds
+    # in) or after they are up (a loaded machine may take either path): the error names
+    # the event it waited for, and the task, either way.
+    ctx = make_ctx(tmp_path, {"env_name": ENV}, deadline_s=4.0)
     with pytest.raises(DeadlineExceeded) as info:
         start_env(ctx)
     assert "generation.endpoint" in str(info.value) and "init:env" in str(info.value)
+    assert "which never came" in str(info.value)
 
 
 def test_announced_endpoint_that_never_answers_is_a_deadline_naming_it(
