@@ -101,6 +101,7 @@ def test_vllm_engine_killed_at_three_steps_is_replaced_and_the_run_finishes(tmp_
     check_replaced(chaos, records, steps, "vllm-generation")
 
 
+@pytest.mark.soak  # the same replacement path as vLLM's above, with another backend
 def test_megatron_generation_killed_at_three_steps_is_replaced(tmp_path: Path) -> None:
     pytest.importorskip("rlcore_megatron")
     steps = 40
