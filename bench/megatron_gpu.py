@@ -258,7 +258,8 @@ class Proc:
             )
             info = w.start(model_dir, dtype, options, self.device)
         if self.worker is not None:  # the refit channel stays open across phases
-            w._open_channels = self.worker._open_channels
+            # (the joined channels move to the new worker, whose teardown closes them)
+            w._joined_channels().extend(self.worker._joined_channels())
             w._channel_ranks = getattr(self.worker, "_channel_ranks", {})
         self.groups_ready = True
         self.worker = w
@@ -374,7 +375,6 @@ class Proc:
         from rlcore.refit import channels
         from rlcore.refit.specs import plan_buckets
         from rlcore_megatron import convert
-        from rlcore_megatron.worker import _as_planned
 
         w = self.worker
         buckets = plan_buckets(w.weight_specs(), bucket_bytes)
@@ -387,7 +387,9 @@ class Proc:
 
             def export_pack() -> None:
                 slots = [torch.empty(max(sizes), dtype=torch.uint8, device=dev) for _ in sizes[:2]]
-                stream = _as_planned(w.export_stream(), buckets)
+                # what RefitSenderWorker.send_weights streams (channels._buckets_in_order
+                # checks each tensor against the plan, as the send does)
+                stream = w.export_stream()
                 if self.index == 0:
                     for i, tensors in channels._buckets_in_order(stream, buckets):
                         channels._pack(tensors, slots[i % len(slots)][: sizes[i]])
