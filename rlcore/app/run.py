@@ -141,16 +141,7 @@ def run_job(
                 network=cluster.network(config),
             )
         trace.add_execution(setup.execution, setup.plan)
-        setup_record = dict(setup.metrics)
-        setup_record["timing/setup/cluster_start_time_s"] = cluster.start_time_s or 0.0
-        metrics_writer.write(setup_record, step=0)
-        console.print(
-            "setup: total {:.2f}s, critical path {:.2f}s, serial sum {:.2f}s".format(
-                setup.metrics["timing/setup/total_setup_time_s"],
-                setup.metrics["timing/setup/critical_path_s"],
-                setup.metrics["timing/setup/serial_sum_s"],
-            )
-        )
+        _record_setup(setup, cluster, metrics_writer, console)
         plot = overlap.Background("setup plot", _plot_setup, setup, run_dir, config)
         _write_placement(run_dir, setup, cluster.network(config), groups_before)
         if not setup_only:
@@ -174,6 +165,19 @@ def run_job(
         cluster.shutdown()
         metrics_writer.close()
         trace.write(run_dir / "trace.json")
+
+
+def _record_setup(setup: SetupResult, cluster: Cluster, writer: MetricsWriter, console: Console) -> None:
+    """The setup's metrics (with Ray's start) as the run's first line, and one line on the console."""
+    record = dict(setup.metrics)
+    record["timing/setup/cluster_start_time_s"] = cluster.start_time_s or 0.0
+    writer.write(record, step=0)
+    m = setup.metrics
+    console.print(
+        f"setup: total {m['timing/setup/total_setup_time_s']:.2f}s, "
+        f"critical path {m['timing/setup/critical_path_s']:.2f}s, "
+        f"serial sum {m['timing/setup/serial_sum_s']:.2f}s"
+    )
 
 
 @contextlib.contextmanager
@@ -343,14 +347,7 @@ def _train(
     def refit(step: int) -> Any:
         return setup.refit(step, cancel)
 
-    handoff = None
-    if config.placement.colocated:
-        sleeper = {
-            role: setup.handles[role]
-            for role in ("policy", "generation")
-            if (d := setup.plugins[role].declaration) is not None and d.memory_handoff
-        }
-        handoff = Handoff(sleeper.get("policy"), sleeper.get("generation"))
+    handoff = _handoff(config, setup)
 
     recovery = None
     if config.generation.on_worker_loss == "replace":
@@ -392,6 +389,18 @@ def _train(
     )
     if history:
         plot_reward(history, run_dir / "reward.png", title=f"{config.name}: reward per step")
+
+
+def _handoff(config: RunConfig, setup: SetupResult) -> Handoff | None:
+    """Colocated: the device handed between the roles that declare ``memory_handoff``."""
+    if not config.placement.colocated:
+        return None
+    sleeper = {
+        role: setup.handles[role]
+        for role in ("policy", "generation")
+        if (d := setup.plugins[role].declaration) is not None and d.memory_handoff
+    }
+    return Handoff(sleeper.get("policy"), sleeper.get("generation"))
 
 
 def _record_loss(m: dict[str, Any], step: int, writer: MetricsWriter, console: Console) -> None:
