@@ -36,3 +36,10 @@ class TestSGLangConformance(BackendConformance):
         on a loaded CI machine, for a claim the other servers' tests meet one at a time
         (init, refit, generation) and ``examples/sglang_nemo_gym.yaml`` meets overlapped."""
         super().test_overlap_non_colocated(harness)
+
+    @pytest.mark.soak
+    def test_refit_round_trip(self, harness: Harness) -> None:
+        """The round trip with a server that loaded the checkpoint: the same refit through
+        the same transports as ``test_refit_fed_round_trip`` (which runs by default), after
+        a start that ``test_init_and_shutdown`` covers."""
+        super().test_refit_round_trip(harness)
