@@ -36,6 +36,9 @@ class EchoWorker(DistributedWorker):
     def sleep(self, s: float) -> None:
         time.sleep(s)
 
+    def niceness(self) -> int:
+        return os.nice(0)
+
     def listening(self) -> list[str]:
         """Addresses this worker process listens on (TCP)."""
         import psutil
@@ -89,6 +92,15 @@ def test_group_forms_a_process_group_and_tears_down(cluster) -> None:
         group.shutdown()
     # shutdown() returns only once the processes have exited: no waiting here.
     assert not [p for p in pids if _running(p)], "worker processes survived shutdown"
+
+
+def test_workers_of_the_embedded_cluster_run_at_the_drivers_priority(cluster) -> None:
+    """Ray's default niceness for workers (15) starves them beside ordinary busy processes."""
+    group = WorkerGroup(EchoWorker, 2, name="echo-nice", num_cpus=0.5)
+    try:
+        assert group.call("niceness") == [os.nice(0)] * 2
+    finally:
+        group.shutdown()
 
 
 def test_rendezvous_and_gloo_listen_on_loopback_only(cluster) -> None:
