@@ -4,13 +4,56 @@ Measures on this machine, one after another (never two at once: they share the c
 
 * **floor**: the config's backends started bare and concurrently by a plain script,
   without rlcore and without Ray, the way a careful engineer would by hand: one process
-  per worker, each importing the real library and building the real engine or trainer
-  on the same model with the same threads (``OMP_NUM_THREADS``) rlcore gives it. The
-  floor is the moment the last of them is ready, counted from their launch (interpreter
-  start and imports included). Recipes: FSDP (``torch.distributed`` over gloo,
-  ``from_pretrained``, FSDP1 per decoder layer, AdamW), vLLM (``vllm.LLM`` in-process,
-  dummy weights for a refit-fed engine), Megatron (the plugin's worker class, called
-  directly in plain processes: megatron-core has no public one-call trainer to start);
+  per worker or server, each importing the real library and building the real engine,
+  trainer or server on the same model with the same threads (``OMP_NUM_THREADS``) and
+  environment rlcore gives it, each in a process group of its own. A process prints a
+  ready line when it is ready; a server cannot, so a small watcher started beside it
+  prints the line once the server's ``GET /health`` answers 200 (polled every 50 ms;
+  rlcore's worker waits on the same route). The floor is the moment the last of them is
+  ready, counted from their launch (interpreter start and imports included). Then every
+  process group is ended (SIGTERM, SIGKILL after a grace) and checked gone. Recipes:
+
+  - FSDP: ``torch.distributed`` over gloo, ``from_pretrained``, FSDP1 per decoder layer,
+    AdamW;
+  - vLLM in-process (``vllm.LLM``), dummy weights for a refit-fed engine, on CPU the
+    plugin's KV cache size (``kv_cache_memory_bytes``);
+  - vLLM server mode (``generation.options.serve_openai``): ``python -m
+    vllm.entrypoints.openai.api_server --model M --served-model-name N --dtype D --seed 0
+    --max-model-len L [--enforce-eager] [--load-format dummy] [--kv-cache-memory-bytes B]
+    --host 127.0.0.1 --port P``
+    per worker, with the environment the plugin gives it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+    ``VLLM_LOGGING_LEVEL``, ``VLLM_SERVER_DEV_MODE=1``,
+    ``OMP_NUM_THREADS``, ``TOKENIZERS_PARALLELISM``). Both vLLM recipes leave out rlcore's
+    weight-transfer engine: no ``--weight-transfer-config``, and ``VLLM_PLUGINS`` names
+    every installed vLLM plugin but rlcore's (vLLM would otherwise import it at start);
+  - SGLang: ``python -m sglang.launch_server ARGS --host 127.0.0.1 --port P`` from the
+    SGLang venv, one per generation worker. ARGS come from the plugin's own argument
+    builder (``rlcore_sglang.worker.launch_args``, called in this parent); the
+    environment is the one ``SGLangWorker.start`` gives its server, copied here
+    (``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, ``OMP_NUM_THREADS``, ``TOKENIZERS_PARALLELISM``,
+    on CPU ``SGLANG_USE_CPU_ENGINE=`` and ``RLCORE_SGLANG_SEEDS=1``), with the plugin's
+    ``rlcore_sglang/site`` as ``PYTHONPATH``: SGLang does not start on CPU without its
+    ``sitecustomize`` (torchvision's op schemas), which also adds per-request seeds;
+  - NeMo Gym: Gym's head server and the env's servers from the Gym venv, started with
+    Gym's ``RunHelper`` as the plugin's launcher drives it: the same spec
+    (``rlcore_nemo_gym.servers.LaunchSpec``), the launcher's own config builder and venv
+    farm (``rlcore_nemo_gym/launcher.py``, loaded from its file: it imports nothing of
+    rlcore), its patches (no Ray; readiness polled every 0.2 s, not 3 s), ``python -I``,
+    the launcher's environment (``PYTHONPATH`` its ``_gym_site``, ``RLCORE_GYM_NO_RAY=1``,
+    Ray kept on loopback), its niceness and a private working directory. Ready when
+    ``RunHelper.start`` returns (every server answers): what the plugin waits for before
+    it writes the generation endpoint. Gym's model server reads the endpoint only when a
+    request comes and Gym's own endpoint probe is off, so Gym needs no endpoint to be ready;
+  - Megatron (policy and generation): the plugin's worker class, called directly in
+    plain processes (megatron-core has no public one-call trainer or engine to start).
+    rlcore's OpenAI-compatible endpoint in front of an engine (Megatron's
+    ``serve_openai``, SGLang's ``endpoint: rlcore``) is a thread in rlcore's driver, no
+    process of its own: the floor starts the engines only;
+  - the arithmetic env is an object in the driver: no process.
+
+  Of rlcore, the bare processes use only Megatron's worker classes, SGLang's ``site``
+  directory and the Gym launcher's functions; this parent reads the plugins' option
+  classes and argument builders to write their command lines;
 * **Ray's start**: a plain ``python -c 'import ray; ray.init(...)'`` with the embedded
   cluster's settings, from launch to ``ray.init`` returning;
 * **rlcore**: ``rlcore run CONFIG grpo.steps=1``: its setup critical path
@@ -27,6 +70,7 @@ are then there.
     python bench/first_step.py                                  # quickstart
     python bench/first_step.py --repeat 3 --write bench/results/first_step_cpu.txt
     python bench/first_step.py --twice --config examples/megatron.yaml
+    python bench/first_step.py --config examples/sglang_nemo_gym.yaml
 """
 
 from __future__ import annotations
@@ -39,12 +83,25 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve()
+REPO = HERE.parents[1]
 PY = sys.executable
 READY = "FIRST_STEP_READY"
+HOST = "127.0.0.1"
+BASE_ENV = {"TOKENIZERS_PARALLELISM": "false"}
+#: Backends with a bare recipe, by section (the arithmetic env has no process).
+KNOWN = {
+    "policy": {"fsdp", "megatron"},
+    "generation": {"vllm", "sglang", "megatron"},
+    "env": {"arithmetic", "nemo_gym"},
+}
 
 
 # ----------------------------------------------------------------- the bare workers
@@ -73,7 +130,9 @@ def bare_fsdp(rank: int, world: int, port: int, model_dir: str, dtype: str) -> N
     layers = {type(m) for m in model.modules() if type(m).__name__.endswith("DecoderLayer")}
     model = FSDP(
         model,
-        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layers),
+        auto_wrap_policy=functools.partial(
+            transformer_auto_wrap_policy, transformer_layer_cls=layers
+        ),
         sharding_strategy=ShardingStrategy.FULL_SHARD,
         device_id=torch.device("cpu"),
         use_orig_params=True,
@@ -84,19 +143,37 @@ def bare_fsdp(rank: int, world: int, port: int, model_dir: str, dtype: str) -> N
     dist.destroy_process_group()
 
 
-def bare_vllm(model_dir: str, dtype: str, refit_fed: bool, max_model_len: int) -> None:
+def bare_vllm(
+    model_dir: str, dtype: str, refit_fed: bool, max_model_len: int, kv_cache_bytes: int | None
+) -> None:
     """One in-process vLLM engine as ``vllm.LLM`` is documented to start."""
     from vllm import LLM
 
-    kwargs = {"load_format": "dummy"} if refit_fed else {}
-    LLM(model=model_dir, dtype=dtype, seed=0, max_model_len=max_model_len, enforce_eager=True, **kwargs)
+    kwargs: dict[str, Any] = {"load_format": "dummy"} if refit_fed else {}
+    if kv_cache_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+    LLM(
+        model=model_dir,
+        dtype=dtype,
+        seed=0,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        **kwargs,
+    )
     _ready()
     os._exit(0)  # the in-process engine has no quick teardown; the floor is measured
 
 
 def bare_megatron(
-    rank: int, world: int, port: int, role: str, model_dir: str, dtype: str, options: dict,
-    checkpoint: str | None = None, padded_vocab_size: int | None = None,
+    rank: int,
+    world: int,
+    port: int,
+    role: str,
+    model_dir: str,
+    dtype: str,
+    options: dict,
+    checkpoint: str | None = None,
+    padded_vocab_size: int | None = None,
 ) -> None:
     """A Megatron policy rank or generation engine. megatron-core has no one-call trainer or
     engine to start by hand, so this calls the plugin's worker class directly in a plain
@@ -122,12 +199,86 @@ def bare_megatron(
     os._exit(0)
 
 
+def _load_module(name: str, path: str) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bare_gym(spec: dict[str, Any], launcher: str) -> None:
+    """NeMo Gym's head server and the env's servers (run by the Gym venv's python), started
+    with Gym's ``RunHelper`` as rlcore-nemo-gym's launcher starts them: the launcher's
+    config builder, venv farm and patches (its file imports nothing of rlcore). Ready when
+    every server answers; they stay up until stdin closes or the group is signalled."""
+    gl = _load_module("rlcore_gym_launcher", launcher)
+    if spec.get("nice"):
+        os.nice(
+            int(spec["nice"])
+        )  # as the launcher: Gym's start has slack, inherited by its servers
+    import nemo_gym.cli.env as gym_env
+    from nemo_gym.global_config import GlobalConfigDictParserConfig, get_global_config_dict
+    from omegaconf import DictConfig
+
+    config_file = gl.check_config(spec, gl._gym_root())
+    gym_env.initialize_ray = lambda: None
+    gym_env.sleep = lambda seconds: time.sleep(min(seconds, gl.POLL_S))
+    parser = GlobalConfigDictParserConfig(
+        initial_global_config_dict=DictConfig(gl.gym_config(spec, config_file)),
+        skip_load_from_cli=True,
+        skip_load_from_dotenv=True,
+    )
+    config = get_global_config_dict(global_config_dict_parser_config=parser)
+    gl.build_farm(Path(spec["farm_dir"]), gl._servers(config))
+    helper = gym_env.RunHelper()
+    helper.start(parser)
+    _ready()
+    sys.stdin.read()  # until the parent closes it (or is gone)
+    helper.shutdown()
+
+
+def watch_health(url: str, timeout_s: float = 900.0, poll_s: float = 0.05) -> None:
+    """A server's ready line (``--watch URL``): printed once ``GET url`` answers 200."""
+    import urllib.error
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            with opener.open(url, timeout=5) as r:
+                if r.status == 200:
+                    _ready(url=url)
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(poll_s)
+    sys.exit(f"{url} did not answer 200 within {timeout_s:g}s")
+
+
 def _worker_main(argv: list[str]) -> None:
     kind, payload = argv[0], json.loads(argv[1])
-    {"fsdp": bare_fsdp, "vllm": bare_vllm, "megatron": bare_megatron}[kind](**payload)
+    {"fsdp": bare_fsdp, "vllm": bare_vllm, "megatron": bare_megatron, "gym": bare_gym}[kind](
+        **payload
+    )
 
 
-# ----------------------------------------------------------------- the parent
+# ----------------------------------------------------------------- the floor's processes
+
+
+@dataclass
+class Bare:
+    """One process of the floor: its command line and whole environment. ``health``: a
+    server's ``/health`` URL, which a watcher polls (``None``: it prints its ready line)."""
+
+    label: str
+    argv: list[str]
+    env: dict[str, str]
+    health: str | None = None
+    cwd: str | None = None
 
 
 def _free_port() -> int:
@@ -138,56 +289,226 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(kind: str, payload: dict, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        [PY, __file__, "--worker", kind, json.dumps(payload)],
-        env={**os.environ, **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
+def _threads(section: Any) -> str:
+    return str(max(1, int(section.devices_per_worker)))
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _worker(
+    label: str,
+    kind: str,
+    payload: dict[str, Any],
+    env: dict[str, str],
+    python: str = PY,
+    flags: Sequence[str] = (),
+) -> Bare:
+    """A bare worker: this file run as ``--worker KIND PAYLOAD``."""
+    argv = [python, *flags, str(HERE), "--worker", kind, json.dumps(payload)]
+    return Bare(label, argv, {**os.environ, **env})
+
+
+def _server(label: str, argv: list[str], env: dict[str, str], port: int) -> Bare:
+    """A server binding ``HOST:port``, ready when its ``/health`` answers 200."""
+    return Bare(
+        label,
+        [*argv, "--host", HOST, "--port", str(port)],
+        {**os.environ, **env},
+        health=f"http://{HOST}:{port}/health",
     )
 
 
-def _floor_processes(config, model_dir: str) -> list[tuple[str, str, dict, dict]]:
-    """(label, kind, payload, env) of every bare worker the config's backends need."""
-    out = []
+def _check_known(config: Any) -> None:
+    for section, known in KNOWN.items():
+        backend = getattr(config, section).backend
+        if backend not in known:
+            raise SystemExit(
+                f"no bare recipe for {section} backend {backend!r} (have {sorted(known)})"
+            )
+
+
+def _floor_processes(config: Any, model_dir: str, workdir: Path) -> list[Bare]:
+    """Every bare process the config's backends need."""
+    _check_known(config)
     pol, gen = config.policy, config.generation
-    threads = lambda section: str(max(1, int(section.devices_per_worker)))  # noqa: E731
-    base = {"TOKENIZERS_PARALLELISM": "false"}
-    dtype = config.model.dtype
+    out: list[Bare] = []
     if pol.backend == "fsdp":
         port = _free_port()
+        env = {**BASE_ENV, "OMP_NUM_THREADS": _threads(pol)}
         for r in range(pol.workers):
-            out.append((f"fsdp[{r}]", "fsdp", dict(rank=r, world=pol.workers, port=port, model_dir=model_dir, dtype=dtype), {**base, "OMP_NUM_THREADS": threads(pol)}))
+            payload = dict(
+                rank=r, world=pol.workers, port=port, model_dir=model_dir, dtype=config.model.dtype
+            )
+            out.append(_worker(f"fsdp[{r}]", "fsdp", payload, env))
     if gen.backend == "vllm":
-        opts = dict(gen.options or {})
-        env = {**base, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": threads(gen),
-               "VLLM_CPU_KVCACHE_SPACE": str(opts.get("kv_cache_gib", 1)), "VLLM_LOGGING_LEVEL": "WARNING"}
-        for r in range(gen.workers):
-            out.append((f"vllm[{r}]", "vllm", dict(model_dir=model_dir, dtype=dtype, refit_fed=bool(gen.refit_fed), max_model_len=int(opts.get("max_model_len", 512))), env))
+        out += _vllm_floor(config, model_dir)
+    if gen.backend == "sglang":
+        out += _sglang_floor(config, model_dir)
     for role, section in (("policy", pol), ("generation", gen)):
         if section.backend == "megatron":
-            out += _megatron_floor(config, role, section, model_dir, {**base, "OMP_NUM_THREADS": threads(section)})
-    known = {"fsdp", "vllm", "megatron"}
-    for section in (pol, gen):
-        if section.backend not in known:
-            raise SystemExit(f"no bare recipe for backend {section.backend!r} (have {sorted(known)})")
+            env = {**BASE_ENV, "OMP_NUM_THREADS": _threads(section)}
+            out += _megatron_floor(config, role, section, model_dir, env)
+    if config.env.backend == "nemo_gym":
+        out.append(_gym_floor(config, workdir))
     return out
 
 
-def _megatron_floor(config, role, section, model_dir, env) -> list[tuple[str, str, dict, dict]]:
+def _vllm_plugins_but_rlcore() -> str:
+    """``VLLM_PLUGINS`` naming every installed vLLM plugin except rlcore's weight-transfer engine."""
+    from importlib.metadata import distributions
+
+    names = {e.name for d in distributions() for e in d.entry_points if e.group.startswith("vllm.")}
+    names.discard("rlcore_weight_transfer")
+    return ",".join(sorted(names))
+
+
+def _vllm_floor(config: Any, model_dir: str) -> list[Bare]:
+    """vLLM engines: in-process ``vllm.LLM``, or vLLM's OpenAI server (``serve_openai``)."""
+    from rlcore_vllm.options import VLLMOptions
+    from rlcore_vllm.worker import kv_cache_bytes
+
+    gen = config.generation
+    o = VLLMOptions(**dict(gen.options or {}))
+    kv_bytes = None if _cuda() else kv_cache_bytes(o.kv_cache_gib)  # the plugin's engine argument
+    env = {
+        **BASE_ENV,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "OMP_NUM_THREADS": _threads(gen),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "VLLM_PLUGINS": _vllm_plugins_but_rlcore(),
+    }
+    if not o.serve_openai:
+        payload = dict(
+            model_dir=model_dir,
+            dtype=config.model.dtype,
+            refit_fed=bool(gen.refit_fed),
+            max_model_len=o.max_model_len,
+            kv_cache_bytes=kv_bytes,
+        )
+        return [_worker(f"vllm[{r}]", "vllm", payload, env) for r in range(gen.workers)]
+    argv = [
+        PY,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--served-model-name",
+        o.served_model_name,
+        "--dtype",
+        config.model.dtype,
+        "--seed",
+        "0",
+        "--max-model-len",
+        str(o.max_model_len),
+    ]
+    argv += ["--enforce-eager"] if o.enforce_eager else []
+    argv += ["--load-format", "dummy"] if gen.refit_fed else []
+    argv += ["--gpu-memory-utilization", str(o.gpu_memory_utilization)] if _cuda() else []
+    argv += ["--kv-cache-memory-bytes", str(kv_bytes)] if kv_bytes is not None else []
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    return [
+        _server(f"vllm-server[{r}]", argv, env, o.port + r if o.port else _free_port())
+        for r in range(gen.workers)
+    ]
+
+
+def _sglang_floor(config: Any, model_dir: str) -> list[Bare]:
+    """One ``sglang.launch_server`` per worker, with the plugin's arguments and environment."""
+    from rlcore_sglang.options import SGLangOptions
+    from rlcore_sglang.server import SITE_DIR, find_sglang_python
+    from rlcore_sglang.worker import launch_args
+
+    gen = config.generation
+    o = SGLangOptions(**dict(gen.options or {}))
+    python, cuda = str(find_sglang_python(o.python)), _cuda()
+    env = {
+        **BASE_ENV,
+        "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
+        "OMP_NUM_THREADS": _threads(gen),
+        "PYTHONPATH": str(SITE_DIR),
+    }
+    if not cuda:
+        env |= {"SGLANG_USE_CPU_ENGINE": "", "RLCORE_SGLANG_SEEDS": "1"}
+    out = []
+    for r in range(gen.workers):
+        args = launch_args(
+            model_dir,
+            dtype=config.model.dtype,
+            refit_fed=bool(gen.refit_fed),
+            options=o,
+            seed=r,
+            cuda=cuda,
+        )  # seed + rank, the worker's seed being 0
+        argv = [python, "-m", "sglang.launch_server", *args]
+        out.append(_server(f"sglang[{r}]", argv, env, o.port + r if o.port else _free_port()))
+    return out
+
+
+def _gym_floor(config: Any, workdir: Path) -> Bare:
+    """Gym's servers for the config's env, from the Gym venv, as the plugin's launcher starts them."""
+    from rlcore_nemo_gym.options import NemoGymOptions
+    from rlcore_nemo_gym.servers import (
+        LAUNCHER,
+        RAY_LOOPBACK_ENV,
+        SITE_DIR,
+        LaunchSpec,
+        find_gym_python,
+    )
+
+    o = NemoGymOptions(**dict(config.env.options or {}))
+    gym_dir = workdir / "nemo_gym"
+    gym_dir.mkdir(parents=True, exist_ok=True)
+    spec = LaunchSpec(
+        env_name=o.env_name,
+        config_path=o.config_path,
+        agent_name=o.agent_name,
+        data_path=o.data_path,
+        model_name=o.model_name,
+        api_key=o.api_key,
+        head_port=o.head_port or _free_port(),
+        spinup_timeout_s=o.server_start_timeout_s,
+        workdir=gym_dir,
+        nice=o.nice,
+    )
+    drop = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")  # nothing of rlcore's venv
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env |= {"PYTHONPATH": str(SITE_DIR), "RLCORE_GYM_NO_RAY": "1", "PYTHONUNBUFFERED": "1"}
+    env |= RAY_LOOPBACK_ENV
+    payload = {"spec": spec.to_json(), "launcher": str(LAUNCHER)}
+    python = str(find_gym_python(o.gym_python))
+    bare = _worker("nemo_gym", "gym", payload, {}, python=python, flags=["-I"])
+    return Bare(bare.label, bare.argv, env, cwd=str(gym_dir))
+
+
+def _megatron_floor(
+    config: Any, role: str, section: Any, model_dir: str, env: dict[str, str]
+) -> list[Bare]:
     checkpoint, padded = None, None
     if role == "generation" and not section.refit_fed:
         checkpoint, padded = _published_checkpoint(config, model_dir)
     port = _free_port()
     env = {**env, "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore"}
-    payload = dict(world=section.workers, port=port, role=role, model_dir=model_dir,
-                   dtype=config.model.dtype, options=dict(section.options or {}), checkpoint=checkpoint,
-                   padded_vocab_size=padded)
-    return [(f"megatron-{role}[{r}]", "megatron", {**payload, "rank": r}, env) for r in range(section.workers)]
+    payload = dict(
+        world=section.workers,
+        port=port,
+        role=role,
+        model_dir=model_dir,
+        dtype=config.model.dtype,
+        options=dict(section.options or {}),
+        checkpoint=checkpoint,
+        padded_vocab_size=padded,
+    )
+    return [
+        _worker(f"megatron-{role}[{r}]", "megatron", {**payload, "rank": r}, env)
+        for r in range(section.workers)
+    ]
 
 
-def _published_checkpoint(config, model_dir: str) -> tuple[str | None, int | None]:
+def _published_checkpoint(config: Any, model_dir: str) -> tuple[str | None, int | None]:
     """The converted checkpoint a generation that is not refit-fed loads (if published) and
     the padded vocabulary it was written with (the policy's tensor-parallel size)."""
     from rlcore.config import cache_dir
@@ -205,29 +526,120 @@ def _published_checkpoint(config, model_dir: str) -> tuple[str | None, int | Non
     return (str(path) if is_complete(path) else None), padded
 
 
-def measure_floor(config, model_dir: str) -> dict[str, float]:
-    """Start every bare worker at once; seconds from launch to each one's ready line."""
-    specs = _floor_processes(config, model_dir)
-    t0 = time.time()
-    procs = [(label, _launch(kind, payload, env)) for label, kind, payload, env in specs]
+# ----------------------------------------------------------------- running the floor
+
+
+@dataclass
+class Started:
+    """A launched :class:`Bare`: its process (a group leader), the process that prints its
+    ready line (itself, or its watcher) and the log of its stderr (a server: all output)."""
+
+    bare: Bare
+    proc: subprocess.Popen
+    reporter: subprocess.Popen
+    log: Path
+
+
+def _start(bare: Bare, logs: Path) -> Started:
+    """Launch ``bare`` in a process group of its own (and its watcher, for a server)."""
+    log = logs / f"{bare.label}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            bare.argv,
+            env=bare.env,
+            cwd=bare.cwd,
+            stdin=subprocess.DEVNULL
+            if bare.health
+            else subprocess.PIPE,  # Gym's servers stop at EOF
+            stdout=out if bare.health else subprocess.PIPE,
+            stderr=out,
+            start_new_session=True,
+            text=True,
+        )
+    if bare.health is None:
+        return Started(bare, proc, proc, log)
+    watcher = subprocess.Popen(
+        [PY, str(HERE), "--watch", bare.health],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        text=True,
+    )
+    return Started(bare, proc, watcher, log)
+
+
+def _read_ready(s: Started, t0: float, ready: dict[str, float]) -> threading.Thread:
+    """A thread that records ``s``'s ready time (seconds after ``t0``) and drains its stdout."""
+
+    def read() -> None:
+        assert s.reporter.stdout is not None
+        for line in s.reporter.stdout:
+            if line.startswith(READY) and s.bare.label not in ready:
+                ready[s.bare.label] = json.loads(line.split(" ", 1)[1])["t"] - t0
+
+    thread = threading.Thread(target=read, name=f"ready-{s.bare.label}", daemon=True)
+    thread.start()
+    return thread
+
+
+def _wait_all(
+    started: list[Started],
+    readers: list[threading.Thread],
+    ready: dict[str, float],
+    timeout_s: float = 900.0,
+) -> None:
+    """Until every process is ready; exits naming one that ended (or died) before it was."""
+    end = time.monotonic() + timeout_s
+    while len(ready) < len(started):
+        for s, reader in zip(started, readers, strict=True):
+            if s.bare.label not in ready and (not reader.is_alive() or s.proc.poll() is not None):
+                reader.join(5.0)  # its ready line may still be in the pipe
+                if s.bare.label not in ready:
+                    tail = "\n".join(s.log.read_text(errors="replace").splitlines()[-30:])
+                    raise SystemExit(
+                        f"bare process {s.bare.label} exited ({s.proc.poll()}) before it "
+                        f"was ready; end of {s.log}:\n{tail}"
+                    )
+        if time.monotonic() > end:
+            late = [s.bare.label for s in started if s.bare.label not in ready]
+            raise SystemExit(
+                f"bare processes {late} not ready after {timeout_s:g}s (logs in {started[0].log.parent})"
+            )
+        time.sleep(0.05)
+
+
+def _stop_all(started: list[Started], grace_s: float = 10.0) -> None:
+    """End every process group (SIGTERM, SIGKILL after ``grace_s``); warn of any that survives."""
+    from rlcore.runtime.proc import group_members, stop_group
+
+    for s in started:
+        for p in dict.fromkeys([s.proc, s.reporter]):
+            if not stop_group(p.pid, grace_s, reap=[p], what=f"bare {s.bare.label}"):
+                print(
+                    f"warning: bare {s.bare.label} left processes {group_members(p.pid)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if p.stdin is not None:
+                p.stdin.close()
+
+
+def measure_floor(config: Any, model_dir: str, workdir: Path) -> dict[str, float]:
+    """Start every bare process at once; seconds from launch to each one's ready line.
+    Their process groups are ended before it returns (logs under ``workdir``)."""
+    specs = _floor_processes(config, model_dir, workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    started: list[Started] = []
     ready: dict[str, float] = {}
+    t0 = time.time()
     try:
-        for label, p in procs:
-            assert p.stdout is not None
-            for line in p.stdout:
-                if line.startswith(READY):
-                    ready[label] = json.loads(line.split(" ", 1)[1])["t"] - t0
-                    break
-            if label not in ready:
-                raise SystemExit(f"bare worker {label} exited ({p.wait()}) before it was ready")
+        for bare in specs:
+            started.append(_start(bare, workdir))
+        readers = [_read_ready(s, t0, ready) for s in started]
+        _wait_all(started, readers, ready)
     finally:
-        for _, p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    return ready
+        _stop_all(started)
+    return {s.bare.label: ready[s.bare.label] for s in started}
 
 
 RAY_START = """
@@ -243,7 +655,10 @@ def measure_ray(num_cpus: int) -> float:
     t0 = time.time()
     out = subprocess.run(
         [PY, "-c", RAY_START.format(cpus=num_cpus, ready=READY)],
-        capture_output=True, text=True, timeout=300, check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
         env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
     ).stdout
     line = next(line for line in out.splitlines() if line.startswith(READY))
@@ -262,13 +677,30 @@ def _source_env(root: str | None) -> dict[str, str]:
 def measure_rlcore(
     config_path: str, overrides: list[str], out_dir: Path, root: str | None = None
 ) -> dict[str, float]:
-    """``rlcore run CONFIG grpo.steps=1``: setup figures and command-to-first-step."""
-    cmd = [str(Path(PY).with_name("rlcore")), "run", config_path, "--out", str(out_dir), "grpo.steps=1", *overrides]
+    """``rlcore run CONFIG grpo.steps=1``: setup figures and command-to-first-step. From
+    another source tree ``root``, a relative ``config_path`` is that tree's own file."""
+    if (
+        root is not None
+        and not Path(config_path).is_absolute()
+        and Path(root, config_path).exists()
+    ):
+        config_path = str(Path(root, config_path))
+    cmd = [
+        str(Path(PY).with_name("rlcore")),
+        "run",
+        config_path,
+        "--out",
+        str(out_dir),
+        "grpo.steps=1",
+        *overrides,
+    ]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_source_env(root))
     t_exit = time.time() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise SystemExit(
+            f"{shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     lines = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     setup = next(m for m in lines if "timing/setup/critical_path_s" in m)
     step1 = next(m for m in lines if m.get("step") == 1 and "timing/step_time_s" in m)
@@ -290,10 +722,16 @@ def main(argv: list[str]) -> None:
     parser.add_argument("overrides", nargs="*", help="key=value overrides for the config")
     parser.add_argument("--config", default="examples/quickstart.yaml")
     parser.add_argument("--repeat", type=int, default=1, help="rounds (floor, Ray, rlcore)")
-    parser.add_argument("--twice", action="store_true", help="rlcore twice per round on a fresh cache; report the second")
+    parser.add_argument(
+        "--twice",
+        action="store_true",
+        help="rlcore twice per round on a fresh cache; report the second",
+    )
     parser.add_argument("--write", default=None, help="append the report to this file")
     parser.add_argument(
-        "--baseline", default=None, metavar="DIR",
+        "--baseline",
+        default=None,
+        metavar="DIR",
         help="also run rlcore from this source tree in every round (e.g. `git archive` of the commit before a change)",
     )
     args = parser.parse_args(argv)
@@ -305,7 +743,10 @@ def main(argv: list[str]) -> None:
     overrides = list(args.overrides)
     config = load_config(args.config, overrides)
     command = "python bench/first_step.py " + shlex.join(argv)
-    report = [f"$ {command}", f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}"]
+    report = [
+        f"$ {command}",
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}",
+    ]
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -323,28 +764,38 @@ def main(argv: list[str]) -> None:
         if args.twice:
             for tag in trees:
                 run_overrides[tag].append(f"setup.cache_dir={scratch / f'cache-{k}-{tag}'}")
-                cold = measure_rlcore(args.config, run_overrides[tag], scratch / f"run-{k}-{tag}-cold", trees[tag])
+                cold = measure_rlcore(
+                    args.config, run_overrides[tag], scratch / f"run-{k}-{tag}-cold", trees[tag]
+                )
                 say(f"round {k + 1}: {tag} cold (1st) run: {_fmt(cold)}")
         floor_config = load_config(args.config, run_overrides["rlcore"])
         model_dir = str(ensure_model(floor_config.model, cache_dir(floor_config)))
-        floor_each = measure_floor(floor_config, model_dir)
+        floor_each = measure_floor(floor_config, model_dir, scratch / f"floor-{k}")
         floor = max(floor_each.values())
         ray_s = measure_ray(int(config.cluster.num_cpus or os.cpu_count() or 1))
-        say(f"round {k + 1}: floor {floor:.2f}s ({', '.join(f'{n} {t:.1f}' for n, t in floor_each.items())}), Ray start {ray_s:.2f}s")
+        say(
+            f"round {k + 1}: floor {floor:.2f}s ({', '.join(f'{n} {t:.1f}' for n, t in floor_each.items())}), Ray start {ray_s:.2f}s"
+        )
         row = {"floor_s": floor, "ray_s": ray_s}
         # Alternate which tree runs first: the machine's load drifts within a round.
-        for tag in (list(trees) if k % 2 == 0 else list(trees)[::-1]):
-            run = measure_rlcore(args.config, run_overrides[tag], scratch / f"run-{k}-{tag}", trees[tag])
+        for tag in list(trees) if k % 2 == 0 else list(trees)[::-1]:
+            run = measure_rlcore(
+                args.config, run_overrides[tag], scratch / f"run-{k}-{tag}", trees[tag]
+            )
             row[f"{tag} cp/floor"] = run["critical_path_s"] / floor
             row[f"{tag} first_step/(ray+floor)"] = run["first_step_s"] / (ray_s + floor)
             say(f"round {k + 1}: {tag}{' (warm, 2nd run)' if args.twice else ''}: {_fmt(run)}")
-            say(f"round {k + 1}: {tag}: critical path / floor = {row[f'{tag} cp/floor']:.3f} (goal <= 1.10); "
-                f"command-to-first-step / (Ray start + floor) = {row[f'{tag} first_step/(ray+floor)']:.3f} (goal <= 1.25)")
+            say(
+                f"round {k + 1}: {tag}: critical path / floor = {row[f'{tag} cp/floor']:.3f} (goal <= 1.10); "
+                f"command-to-first-step / (Ray start + floor) = {row[f'{tag} first_step/(ray+floor)']:.3f} (goal <= 1.25)"
+            )
         rows.append(row)
     if len(rows) > 1:
         for key in [k for k in rows[0] if "/" in k]:
             vals = [r[key] for r in rows]
-            say(f"{key}: median {statistics.median(vals):.3f}, min {min(vals):.3f}, max {max(vals):.3f} over {len(vals)} rounds")
+            say(
+                f"{key}: median {statistics.median(vals):.3f}, min {min(vals):.3f}, max {max(vals):.3f} over {len(vals)} rounds"
+            )
     say(f"# run directories under {scratch}")
     if args.write:
         with open(args.write, "a") as f:
@@ -354,5 +805,7 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         _worker_main(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "--watch":
+        watch_health(sys.argv[2])
     else:
         main(sys.argv[1:])

@@ -57,7 +57,6 @@ def start_generation(ctx: InitContext) -> VLLMGeneration:
     threads = max(1, int(section.devices_per_worker))
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine: no engine-core subprocess
-        "VLLM_CPU_KVCACHE_SPACE": str(options.kv_cache_gib),
         "OMP_NUM_THREADS": str(threads),
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         "TOKENIZERS_PARALLELISM": "false",

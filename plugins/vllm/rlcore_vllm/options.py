@@ -15,8 +15,10 @@ class VLLMOptions:
     #: and serve generation through it; the handle's ``endpoint`` then points at
     #: worker 0's server. Off: the engine runs inside the worker process (faster start).
     serve_openai: bool = False
-    #: CPU only: GiB of memory for the KV cache (``VLLM_CPU_KVCACHE_SPACE``).
-    kv_cache_gib: int = 1
+    #: CPU only: GiB of memory for the KV cache (vLLM's ``kv_cache_memory_bytes``;
+    #: fractions allowed). The engine zeroes all of it at start: a tiny model needs a few
+    #: MiB, and where first-touched memory is slow (a VM) each GiB can cost seconds.
+    kv_cache_gib: float = 1.0
     #: CUDA only: fraction of GPU memory vLLM may take (``gpu_memory_utilization``).
     gpu_memory_utilization: float = 0.9
     #: Longest prompt + completion, in tokens.

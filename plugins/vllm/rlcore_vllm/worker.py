@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 Sample = dict[str, list]  # {"token_ids": [...], "logprobs": [...]}
 
 
+def kv_cache_bytes(gib: float) -> int:
+    """``kv_cache_gib`` as vLLM's ``kv_cache_memory_bytes`` (at least 1 MiB)."""
+    return max(1 << 20, int(gib * (1 << 30)))
+
+
 class VLLMWorker(EngineWorker):
     """One vLLM engine of the generation worker group.
 
@@ -65,7 +70,23 @@ class VLLMWorker(EngineWorker):
             args["load_format"] = "dummy"
         if torch.cuda.is_available():
             args["gpu_memory_utilization"] = o.gpu_memory_utilization
+        else:
+            args["kv_cache_memory_bytes"] = kv_cache_bytes(o.kv_cache_gib)
         return args
+
+    def _uncompiled(self) -> bool:
+        """Whether vLLM's small ``torch.compile`` helpers run eagerly in this engine.
+
+        With ``enforce_eager`` on CPU nothing of the model is compiled, yet vLLM's sampler
+        still compiles its logprob-rank helper (``batched_count_greater_than``) with
+        inductor at the first request that asks for logprobs: 2-4 s of C++ compilation
+        inside the run's first step (the first refit's check). Run eagerly, the helper
+        computes the same counts. On CUDA, or with compilation asked for, vLLM's choice
+        stands.
+        """
+        import torch
+
+        return bool(self.options.enforce_eager) and not torch.cuda.is_available()
 
     def start(self, timeout_s: float) -> dict[str, Any]:
         """Build the engine (or start the server and wait for it); returns timings in seconds."""
@@ -78,6 +99,11 @@ class VLLMWorker(EngineWorker):
         from rlcore_vllm.transfer import BACKEND, register
 
         register(strict=True)
+        if self._uncompiled():
+            import torch._dynamo
+
+            # What TORCHDYNAMO_DISABLE=1 sets, for this process only.
+            torch._dynamo.config.disable = True
         from vllm import LLM
         from vllm.config import WeightTransferConfig
 
@@ -103,6 +129,8 @@ class VLLMWorker(EngineWorker):
         for key, value in args.items():
             argv += ["--" + key.replace("_", "-"), str(value)]
         env = {"VLLM_SERVER_DEV_MODE": "1"}
+        if self._uncompiled():
+            env["TORCHDYNAMO_DISABLE"] = "1"
         allow = os.environ.get("VLLM_PLUGINS")
         if allow is not None and "rlcore_weight_transfer" not in allow.split(","):
             # An allowlist that leaves out our engine would make the server fail at start.

@@ -62,6 +62,22 @@ def test_refit_fed_engine_starts_without_checkpoint_weights(
     assert max_abs_diff(gen.logprobs(PROBE), policy.logprobs(PROBE)) > 0.05
 
 
+def test_logprobs_compile_nothing_on_cpu(setup: dict[str, Any]) -> None:
+    """With enforce_eager on CPU no engine compiles a graph, not even vLLM's logprob-rank
+    helper, which inductor would otherwise compile inside the first logprobs request
+    (seconds of C++ compilation on a run's first step)."""
+    gen = setup["gen"]
+    assert len(gen.logprobs(PROBE)) == len(PROBE)
+
+    def _dynamo_stats(worker: Any) -> dict[str, int]:  # local: pickled by value into the actor
+        import torch._dynamo.utils
+
+        return dict(torch._dynamo.utils.counters["stats"])
+
+    stats = ray.get([a.__ray_call__.remote(_dynamo_stats) for a in gen.group.actors], timeout=60)
+    assert [s.get("unique_graphs", 0) for s in stats] == [0, 0], stats
+
+
 @pytest.mark.parametrize("transport", ["collective", "disk", "shared_memory"])
 def test_refit_loads_the_policy_weights(setup: dict[str, Any], policy: Any, transport: str) -> None:
     gen, config = setup["gen"], setup["config"]
