@@ -462,17 +462,12 @@ def _gym_floor(config: Any, workdir: Path) -> Bare:
     o = NemoGymOptions(**dict(config.env.options or {}))
     gym_dir = workdir / "nemo_gym"
     gym_dir.mkdir(parents=True, exist_ok=True)
-    spec = LaunchSpec(
-        env_name=o.env_name,
-        config_path=o.config_path,
-        agent_name=o.agent_name,
-        data_path=o.data_path,
+    spec = LaunchSpec.from_options(
+        o,
         model_name=o.model_name,
         api_key=o.api_key,
         head_port=o.head_port or _free_port(),
-        spinup_timeout_s=o.server_start_timeout_s,
         workdir=gym_dir,
-        nice=o.nice,
     )
     drop = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")  # nothing of rlcore's venv
     env = {k: v for k, v in os.environ.items() if k not in drop}

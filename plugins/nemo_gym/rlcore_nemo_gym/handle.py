@@ -371,17 +371,12 @@ def start_env(ctx: InitContext) -> NemoGymEnv:
 
     def launch(model_name: str, api_key: str) -> GymServers:
         workdir = Path(tempfile.mkdtemp(prefix=f"{o.env_name}-{next(_instances)}-", dir=base))
-        spec = LaunchSpec(
-            env_name=o.env_name,
-            config_path=o.config_path,
-            agent_name=o.agent_name,
-            data_path=o.data_path,
+        spec = LaunchSpec.from_options(
+            o,
             model_name=model_name,
             api_key=api_key,
             head_port=o.head_port or free_port(),
-            spinup_timeout_s=o.server_start_timeout_s,
             workdir=workdir,
-            nice=o.nice,
         )
         s = GymServers(python, spec, name=f"nemo_gym env '{o.env_name}'")
         s.start()

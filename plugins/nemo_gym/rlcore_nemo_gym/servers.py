@@ -137,6 +137,26 @@ class LaunchSpec:
     workdir: Path
     nice: int = 0
 
+    @classmethod
+    def from_options(
+        cls, o: Any, *, model_name: str, api_key: str, head_port: int, workdir: Path
+    ) -> LaunchSpec:
+        """The spec of ``env.options`` ``o`` (:class:`rlcore_nemo_gym.options.NemoGymOptions`)
+        for one launch: Gym's model server named ``model_name`` and called with ``api_key``,
+        the head server on ``head_port``, files under ``workdir``."""
+        return cls(
+            env_name=o.env_name,
+            config_path=o.config_path,
+            agent_name=o.agent_name,
+            data_path=o.data_path,
+            model_name=model_name,
+            api_key=api_key,
+            head_port=head_port,
+            spinup_timeout_s=o.server_start_timeout_s,
+            workdir=workdir,
+            nice=o.nice,
+        )
+
     @property
     def endpoint_file(self) -> Path:
         return self.workdir / "endpoint"
