@@ -476,6 +476,12 @@ def start_env(ctx: InitContext) -> NemoGymEnv:
         )
         _write_timings(servers.workdir, timings)
         return env
+    except Cancelled:
+        # Another task failed (or the run was interrupted): the executor gives a running
+        # task a few seconds to stop before it abandons it, and Gym's own stop can take
+        # longer than that on a loaded machine. Nothing to keep: end the servers at once.
+        servers.stop(grace_s=0.0, term_s=1.0)
+        raise
     except BaseException:
         servers.stop(o.shutdown_grace_s)
         raise

@@ -367,8 +367,9 @@ class GymServers:
         """Every live process of the launcher's group (itself and all Gym servers)."""
         return [] if self.pgid is None else group_members(self.pgid)
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        """Ask the launcher to stop its servers; after ``grace_s`` kill the whole group. Idempotent."""
+    def stop(self, grace_s: float = 15.0, term_s: float = 3.0) -> None:
+        """Ask the launcher to stop its servers; after ``grace_s`` end the whole group (SIGTERM,
+        SIGKILL ``term_s`` later). Idempotent."""
         proc = self.proc
         if proc is None:
             return
@@ -381,18 +382,19 @@ class GymServers:
         try:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            log.warning(
-                "%s: launcher did not stop within %gs; killing its process group",
-                self.name,
-                grace_s,
-            )
+            if grace_s > 0:
+                log.warning(
+                    "%s: launcher did not stop within %gs; killing its process group",
+                    self.name,
+                    grace_s,
+                )
         if proc.stdin is not None:
             try:
                 proc.stdin.close()
             except OSError:
                 pass
         # Whatever is left of the group (a server that ignored SIGINT, a grandchild).
-        stop_group(self.pgid, 3.0, reap=[proc], what=self.name)
+        stop_group(self.pgid, term_s, reap=[proc], what=self.name)
         proc.poll()
 
     def log_tail(self, n: int = 40) -> str:
