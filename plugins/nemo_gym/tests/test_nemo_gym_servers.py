@@ -28,7 +28,7 @@ from rlcore.errors import Cancelled, ConfigError, DeadlineExceeded, RlcoreError
 from rlcore.handles import Endpoint
 from rlcore.testing import LeakCheck
 from rlcore_nemo_gym.handle import NemoGymEnv, start_env
-from rlcore_nemo_gym.servers import GymError
+from rlcore_nemo_gym.servers import GymError, GymServers
 
 pytestmark = pytest.mark.skipif(
     gym_python() is None, reason="the NeMo Gym venv (.venv-gym) is not installed: run install.sh"
@@ -272,15 +272,29 @@ def test_announced_endpoint_that_never_answers_is_a_deadline_naming_it(
     assert f"http://127.0.0.1:{dead}/v1" in str(info.value)
 
 
-def test_cancel_during_start_stops_everything(tmp_path: Path, leaks: LeakCheck) -> None:
+def test_cancel_during_start_stops_everything(
+    tmp_path: Path, leaks: LeakCheck, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled, Gym's servers are ended at once, not asked to stop and waited for: the
+    executor abandons a task that takes more than a few seconds to stop, and Gym's graceful
+    stop took longer than that beside busy processes (its servers then outlived the run)."""
     ctx = make_ctx(tmp_path, {"env_name": ENV})
     import threading
 
+    stops: list[tuple[float, float]] = []
+    real_stop = GymServers.stop
+
+    def recording_stop(self: GymServers, grace_s: float = 15.0, term_s: float = 3.0) -> None:
+        stops.append((grace_s, term_s))
+        real_stop(self, grace_s, term_s)
+
+    monkeypatch.setattr(GymServers, "stop", recording_stop)
     timer = threading.Timer(3.0, ctx.cancel.cancel, args=("test: another task failed",))
     timer.start()
     with pytest.raises(Cancelled, match="another task failed"):  # not the 1800 s deadline
         start_env(ctx)
     timer.join()
+    assert stops and stops[0] == (0.0, 1.0), stops
 
 
 # Each of Gym's server kinds, killed between two steps (as a crash meets a run): the
