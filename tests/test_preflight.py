@@ -138,6 +138,7 @@ CASES: list[tuple[str, list, str, str]] = [
     ("transport-cuda-ipc", ["refit.transport=cuda_ipc"], "refit.transport", "cuda_ipc"),
     ("transport-http", ["refit.transport=http"], "refit.transport", "http"),
     ("unknown-option", ["policy.options.use_orig_param=true"], "policy.options.use_orig_param", "use_orig_params"),
+    ("kv-cache-0", ["generation.options.kv_cache_gib=0"], "generation.options.kv_cache_gib", "at least 0.001"),
     ("model-missing", ["model.path=/nonexistent/model"], "model.path", "does not exist"),
     ("model-empty-string", ["model.path=''"], "model.path", "empty"),
     ("model-empty-dir", ["model.path={}", _empty_dir], "model.path", "config.json"),

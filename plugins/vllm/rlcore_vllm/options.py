@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlcore.config import bounded
+
 
 @dataclass
 class VLLMOptions:
@@ -18,7 +20,7 @@ class VLLMOptions:
     #: CPU only: GiB of memory for the KV cache (vLLM's ``kv_cache_memory_bytes``;
     #: fractions allowed). The engine zeroes all of it at start: a tiny model needs a few
     #: MiB, and where first-touched memory is slow (a VM) each GiB can cost seconds.
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: float = bounded(1.0, ge=0.001)  # ~1 MiB at least
     #: CUDA only: fraction of GPU memory vLLM may take (``gpu_memory_utilization``).
     gpu_memory_utilization: float = 0.9
     #: Longest prompt + completion, in tokens.

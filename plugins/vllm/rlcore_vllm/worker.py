@@ -34,8 +34,8 @@ Sample = dict[str, list]  # {"token_ids": [...], "logprobs": [...]}
 
 
 def kv_cache_bytes(gib: float) -> int:
-    """``kv_cache_gib`` as vLLM's ``kv_cache_memory_bytes`` (at least 1 MiB)."""
-    return max(1 << 20, int(gib * (1 << 30)))
+    """``kv_cache_gib`` as vLLM's ``kv_cache_memory_bytes``."""
+    return int(gib * (1 << 30))
 
 
 class VLLMWorker(EngineWorker):
