@@ -281,12 +281,12 @@ class Bare:
     cwd: str | None = None
 
 
-def _free_port() -> int:
-    import socket
+def free_port() -> int:
+    """rlcore's :func:`rlcore.runtime.workers.free_port`, imported when called: the bare Gym
+    process runs this file from Gym's venv, which has no rlcore."""
+    from rlcore.runtime.workers import free_port as core_free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return core_free_port()
 
 
 def _threads(section: Any) -> str:
@@ -337,7 +337,7 @@ def _floor_processes(config: Any, model_dir: str, workdir: Path) -> list[Bare]:
     pol, gen = config.policy, config.generation
     out: list[Bare] = []
     if pol.backend == "fsdp":
-        port = _free_port()
+        port = free_port()
         env = {**BASE_ENV, "OMP_NUM_THREADS": _threads(pol)}
         for r in range(pol.workers):
             payload = dict(
@@ -411,7 +411,7 @@ def _vllm_floor(config: Any, model_dir: str) -> list[Bare]:
     argv += ["--kv-cache-memory-bytes", str(kv_bytes)] if kv_bytes is not None else []
     env["VLLM_SERVER_DEV_MODE"] = "1"
     return [
-        _server(f"vllm-server[{r}]", argv, env, o.port + r if o.port else _free_port())
+        _server(f"vllm-server[{r}]", argv, env, o.port + r if o.port else free_port())
         for r in range(gen.workers)
     ]
 
@@ -420,19 +420,13 @@ def _sglang_floor(config: Any, model_dir: str) -> list[Bare]:
     """One ``sglang.launch_server`` per worker, with the plugin's arguments and environment."""
     from rlcore_sglang.options import SGLangOptions
     from rlcore_sglang.server import SITE_DIR, find_sglang_python
-    from rlcore_sglang.worker import launch_args
+    from rlcore_sglang.worker import launch_args, server_env
 
     gen = config.generation
     o = SGLangOptions(**dict(gen.options or {}))
     python, cuda = str(find_sglang_python(o.python)), _cuda()
-    env = {
-        **BASE_ENV,
-        "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
-        "OMP_NUM_THREADS": _threads(gen),
-        "PYTHONPATH": str(SITE_DIR),
-    }
-    if not cuda:
-        env |= {"SGLANG_USE_CPU_ENGINE": "", "RLCORE_SGLANG_SEEDS": "1"}
+    # The worker's server environment; ServerProcess puts the site directory on PYTHONPATH.
+    env = {**server_env(int(_threads(gen)), cuda=cuda), "PYTHONPATH": str(SITE_DIR)}
     out = []
     for r in range(gen.workers):
         args = launch_args(
@@ -444,20 +438,14 @@ def _sglang_floor(config: Any, model_dir: str) -> list[Bare]:
             cuda=cuda,
         )  # seed + rank, the worker's seed being 0
         argv = [python, "-m", "sglang.launch_server", *args]
-        out.append(_server(f"sglang[{r}]", argv, env, o.port + r if o.port else _free_port()))
+        out.append(_server(f"sglang[{r}]", argv, env, o.port + r if o.port else free_port()))
     return out
 
 
 def _gym_floor(config: Any, workdir: Path) -> Bare:
     """Gym's servers for the config's env, from the Gym venv, as the plugin's launcher starts them."""
     from rlcore_nemo_gym.options import NemoGymOptions
-    from rlcore_nemo_gym.servers import (
-        LAUNCHER,
-        RAY_LOOPBACK_ENV,
-        SITE_DIR,
-        LaunchSpec,
-        find_gym_python,
-    )
+    from rlcore_nemo_gym.servers import LAUNCHER, LaunchSpec, find_gym_python, launcher_env
 
     o = NemoGymOptions(**dict(config.env.options or {}))
     gym_dir = workdir / "nemo_gym"
@@ -466,13 +454,10 @@ def _gym_floor(config: Any, workdir: Path) -> Bare:
         o,
         model_name=o.model_name,
         api_key=o.api_key,
-        head_port=o.head_port or _free_port(),
+        head_port=o.head_port or free_port(),
         workdir=gym_dir,
     )
-    drop = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")  # nothing of rlcore's venv
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env |= {"PYTHONPATH": str(SITE_DIR), "RLCORE_GYM_NO_RAY": "1", "PYTHONUNBUFFERED": "1"}
-    env |= RAY_LOOPBACK_ENV
+    env = launcher_env()
     payload = {"spec": spec.to_json(), "launcher": str(LAUNCHER)}
     python = str(find_gym_python(o.gym_python))
     bare = _worker("nemo_gym", "gym", payload, {}, python=python, flags=["-I"])
@@ -485,7 +470,7 @@ def _megatron_floor(
     checkpoint, padded = None, None
     if role == "generation" and not section.refit_fed:
         checkpoint, padded = _published_checkpoint(config, model_dir)
-    port = _free_port()
+    port = free_port()
     env = {**env, "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore"}
     payload = dict(
         world=section.workers,

@@ -122,6 +122,19 @@ def check_env_name(python: Path, env_name: str) -> None:
     )
 
 
+def launcher_env() -> dict[str, str]:
+    """The Gym launcher's whole environment: this process's, without anything of rlcore's
+    venv, with only the sitecustomize that keeps Gym's servers off Ray, Ray on loopback."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
+    }
+    env.update(PYTHONPATH=str(SITE_DIR), RLCORE_GYM_NO_RAY="1", PYTHONUNBUFFERED="1")
+    env.update(RAY_LOOPBACK_ENV)
+    return env
+
+
 @dataclass
 class LaunchSpec:
     """What the launcher needs (written as JSON into the work directory)."""
@@ -208,14 +221,7 @@ class GymServers:
         spec_path = self.workdir / "spec.json"
         spec_path.touch(mode=0o600)  # it holds the API key (the run's token across nodes)
         spec_path.write_text(json.dumps(self.spec.to_json(), indent=1))
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
-        }
-        # Only the sitecustomize that keeps Gym's servers off Ray; nothing of rlcore's venv.
-        env.update(PYTHONPATH=str(SITE_DIR), RLCORE_GYM_NO_RAY="1", PYTHONUNBUFFERED="1")
-        env.update(RAY_LOOPBACK_ENV)
+        env = launcher_env()
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
                 [str(self.python), "-I", str(LAUNCHER), str(spec_path)],

@@ -51,6 +51,21 @@ def group_name(spec: Any) -> str:
     return f"{GROUP_PREFIX}{spec.key}:{spec.timeout_s:g}"
 
 
+def server_env(threads: int, *, cuda: bool) -> dict[str, str]:
+    """The environment a server gets beside the caller's (``ServerProcess`` puts the
+    plugin's ``site`` directory first on its ``PYTHONPATH``)."""
+    env = {
+        # logprobs of the unscaled distribution (temperature 1), as rlcore.handles wants
+        "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
+        "OMP_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if not cuda:
+        env["SGLANG_USE_CPU_ENGINE"] = ""  # set, it needs a CPU sgl_kernel that PyPI lacks
+        env["RLCORE_SGLANG_SEEDS"] = "1"  # per-request seeds (site/sitecustomize.py)
+    return env
+
+
 def launch_args(
     model_dir: str, *, dtype: str, refit_fed: bool, options: Any, seed: int, cuda: bool
 ) -> list[str]:
@@ -108,15 +123,7 @@ class SGLangWorker(EngineWorker):
             self.model_dir, dtype=self.dtype, refit_fed=self.refit_fed, options=self.options,
             seed=self.seed + self.rank, cuda=cuda,
         )
-        env = {
-            # logprobs of the unscaled distribution (temperature 1), as rlcore.handles wants
-            "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
-            "OMP_NUM_THREADS": str(self.threads),
-            "TOKENIZERS_PARALLELISM": "false",
-        }
-        if not cuda:
-            env["SGLANG_USE_CPU_ENGINE"] = ""  # set, it needs a CPU sgl_kernel that PyPI lacks
-            env["RLCORE_SGLANG_SEEDS"] = "1"  # per-request seeds (site/sitecustomize.py)
+        env = server_env(self.threads, cuda=cuda)
         log_path = Path(self.log_dir) / f"sglang-server-{self.rank}-{os.getpid()}.log"
         self.server = ServerProcess(python, args, log_path=log_path, env=env, **self._bind())
         try:
