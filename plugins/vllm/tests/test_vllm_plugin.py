@@ -35,3 +35,23 @@ def test_plugin_import_is_light() -> None:
         "rlcore_vllm.plugin", "rlcore_vllm.transfer", heavy=("vllm", "torch", "ray", "transformers")
     )
     assert heavy == []
+
+
+def test_cpu_engine_gets_the_kv_cache_size_as_an_engine_argument() -> None:
+    """On CPU the engine's KV cache is ``kv_cache_gib`` (fractions allowed), passed as vLLM's
+    ``kv_cache_memory_bytes``; with ``enforce_eager`` its helpers run uncompiled."""
+    import torch
+
+    from rlcore_vllm.worker import VLLMWorker
+
+    if torch.cuda.is_available():
+        pytest.skip("the KV cache size is a CPU option")
+    opts = resolve_options(
+        {"kv_cache_gib": 0.0625}, VLLMOptions, section="generation", backend="vllm"
+    )
+    worker = VLLMWorker(0, 1, "/model", dtype="float32", refit_fed=True, options=opts)
+    args = worker._engine_args()
+    assert args["kv_cache_memory_bytes"] == 64 * 2**20 and args["load_format"] == "dummy"
+    assert worker._uncompiled()
+    opts.enforce_eager = False
+    assert not VLLMWorker(0, 1, "/m", dtype="float32", refit_fed=False, options=opts)._uncompiled()
