@@ -208,7 +208,10 @@ class RolloutRequest:
             (prompt-and-score envs). Envs that talk to the model through its
             OpenAI-compatible endpoint ignore it.
         tokenizer: the run's Hugging Face tokenizer (to encode prompts, decode
-            completions).
+            completions): :func:`rlcore.tokenizer.load`'s, which serves
+            ``tokenizer(text).input_ids``, ``encode``, ``decode`` and the special
+            token ids itself where it can, and the rest of Hugging Face's interface
+            through transformers.
     """
 
     step: int

@@ -16,18 +16,19 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import threading
 from dataclasses import asdict
 from pathlib import Path
 
 from rlcore.config import ModelConfig, TinyModelConfig
+from rlcore.tokenizer import TRANSFORMERS_LOCK
 from rlcore.waiting import CancelToken, Deadline
 
 log = logging.getLogger(__name__)
 
 #: transformers' lazy imports are not thread-safe (two threads importing LlamaConfig
-#: at once get ImportError), and concurrent inits in one process ask for the same model.
-_WRITE_LOCK = threading.Lock()
+#: at once get ImportError), and concurrent inits in one process ask for the same model:
+#: the one lock of :mod:`rlcore.tokenizer`, under which the driver imports transformers.
+_WRITE_LOCK = TRANSFORMERS_LOCK
 
 #: Bump when the recipe below changes, so old cached models are not reused.
 RECIPE_VERSION = 2
@@ -159,15 +160,12 @@ def load_tokenizer(
     *,
     cancel: CancelToken | None = None,
     deadline: Deadline | None = None,
-):  # -> transformers.PreTrainedTokenizerBase
-    """The tokenizer of the run's model (made first if it is the tiny model).
-
-    Imports transformers under the same lock as :func:`write_tiny_model` (its lazy
-    imports are not thread-safe), so the driver may call this from a background thread
-    while setup tasks ask for the model.
+):  # -> rlcore.tokenizer.FastTokenizer | transformers.PreTrainedTokenizerBase
+    """The tokenizer of the run's model (made first if it is the tiny model), through
+    :func:`rlcore.tokenizer.load`: the tiny model's (a generic fast tokenizer) is served
+    without importing transformers, so the driver may call this from a background thread
+    while setup tasks ask for the model without taking their cores for seconds.
     """
-    path = ensure_model(model, cache_dir, cancel=cancel, deadline=deadline)
-    with _WRITE_LOCK:
-        from transformers import AutoTokenizer
+    from rlcore import tokenizer
 
-        return AutoTokenizer.from_pretrained(str(path))
+    return tokenizer.load(ensure_model(model, cache_dir, cancel=cancel, deadline=deadline))

@@ -1,0 +1,188 @@
+"""The run's tokenizer, served without importing transformers where that changes nothing.
+
+The driver encodes prompts and decodes completions; loading ``AutoTokenizer`` for that
+imports transformers and, through it, torch: about 4.4 CPU-seconds on this project's
+2-core machines, spent while the setup's workers start on the same cores. A checkpoint
+whose tokenizer is the *generic* fast tokenizer (``tokenizer_class`` ``TokenizersBackend``
+or ``PreTrainedTokenizerFast``) is, in transformers, nothing but ``tokenizer.json`` run by
+the ``tokenizers`` library (~0.05 s to load) with special tokens named in
+``tokenizer_config.json``. :func:`load` serves such a checkpoint with :class:`FastTokenizer`
+when the two files leave transformers nothing to change (:func:`fast_path_refusal`):
+
+* no ``add_bos_token`` / ``add_eos_token`` in the config (transformers would rebuild the
+  post-processor from them) and a post-processor in ``tokenizer.json``;
+* every special token the config names is already a special added token of
+  ``tokenizer.json``, and every entry of ``added_tokens_decoder`` is there with its id
+  (transformers would otherwise add or re-flag tokens, changing ids or what
+  ``skip_special_tokens`` drops);
+* ``clean_up_tokenization_spaces`` off (transformers' default).
+
+Any other checkpoint gets transformers' ``AutoTokenizer``. :class:`FastTokenizer` serves
+what the run's loop and prompt-and-score envs call (``tokenizer(text).input_ids``,
+``encode``, ``decode``, ``batch_decode``, the special token ids, ``len``) and hands any
+other attribute to the transformers tokenizer of the same files, loaded on first use, so
+an env that needs more of Hugging Face's interface (``apply_chat_template``, ``pad``...)
+still gets it. ``tests/test_tokenizer.py`` holds the two to the same ids and texts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: transformers' class names of the generic fast tokenizer (v5 and v4 spellings).
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+#: Config keys that name one special token each.
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+#: transformers' lazy imports are not thread-safe (two threads importing at once get
+#: ImportError): every import of it by the driver's threads is made under this lock
+#: (:mod:`rlcore.tinymodel` writes the tiny model under it too).
+TRANSFORMERS_LOCK = threading.Lock()
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as the config writes it: a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _configured_specials(config: dict[str, Any]) -> list[str]:
+    names = [_token_text(config.get(key)) for key in SPECIAL_KEYS]
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        extra = config.get(key) or []
+        names += [_token_text(v) for v in (extra.values() if isinstance(extra, dict) else extra)]
+    return [n for n in names if n is not None]
+
+
+def fast_path_refusal(path: Path) -> str | None:
+    """Why ``path``'s tokenizer needs transformers (see the module doc), or ``None``."""
+    tokenizer_file, config_file = path / "tokenizer.json", path / "tokenizer_config.json"
+    if not tokenizer_file.is_file() or not config_file.is_file():
+        return "no tokenizer.json and tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    if config.get("tokenizer_class") not in GENERIC_CLASSES:
+        return f"tokenizer_class {config.get('tokenizer_class')!r} is not the generic fast tokenizer"
+    for key in ("add_bos_token", "add_eos_token", "clean_up_tokenization_spaces"):
+        if config.get(key):
+            return f"tokenizer_config.json sets {key}"
+    spec = json.loads(tokenizer_file.read_text())
+    if spec.get("post_processor") is None:
+        return "tokenizer.json has no post_processor"
+    added = {t["content"]: t for t in spec.get("added_tokens", [])}
+    for name in _configured_specials(config):
+        if not added.get(name, {}).get("special"):
+            return f"special token {name!r} is not a special added token of tokenizer.json"
+    for token_id, entry in (config.get("added_tokens_decoder") or {}).items():
+        found = added.get(entry.get("content"))
+        if found is None or found["id"] != int(token_id) or bool(found.get("special")) != bool(entry.get("special")):
+            return f"added token {entry.get('content')!r} differs from tokenizer.json"
+    return None
+
+
+class Encoded(dict):  # type: ignore[type-arg]
+    """What ``tokenizer(text)`` returns: ``input_ids`` and ``attention_mask``, as keys and
+    as attributes (the part of transformers' ``BatchEncoding`` the run uses)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class FastTokenizer:
+    """A generic Hugging Face fast tokenizer served by ``tokenizers`` alone (module doc)."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self.name_or_path = str(path)
+        self._config = json.loads((path / "tokenizer_config.json").read_text())
+        self._tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        # transformers encodes one text untruncated and unpadded unless asked.
+        self._tokenizer.no_truncation()
+        self._tokenizer.no_padding()
+        self._full: Any = None
+        self._full_lock = threading.Lock()
+        for key in SPECIAL_KEYS:
+            token = _token_text(self._config.get(key))
+            setattr(self, key, token)
+            setattr(self, f"{key}_id", None if token is None else self._tokenizer.token_to_id(token))
+
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True, **kwargs: Any) -> Encoded:
+        """``input_ids`` (and ``attention_mask``) of one text, or one list per text."""
+        if kwargs:  # padding, truncation, tensors...: transformers' own
+            return self.full(text, add_special_tokens=add_special_tokens, **kwargs)
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens=add_special_tokens)
+            return Encoded(input_ids=ids, attention_mask=[1] * len(ids))
+        batch = [self.encode(t, add_special_tokens=add_special_tokens) for t in text]
+        return Encoded(input_ids=batch, attention_mask=[[1] * len(ids) for ids in batch])
+
+    def encode(self, text: str, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
+        if kwargs:
+            return list(self.full.encode(text, add_special_tokens=add_special_tokens, **kwargs))
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: int | Sequence[int], skip_special_tokens: bool = False, **kwargs: Any) -> str:
+        if kwargs:
+            return str(self.full.decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs))
+        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        return str(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False, **kwargs: Any) -> list[str]:
+        return [self.decode(s, skip_special_tokens=skip_special_tokens, **kwargs) for s in sequences]
+
+    def __len__(self) -> int:
+        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def full(self) -> Any:
+        """transformers' tokenizer of the same files, loaded on first use."""
+        with self._full_lock:
+            if self._full is None:
+                log.info("loading transformers' tokenizer of %s for an attribute rlcore does not serve", self.name_or_path)
+                with TRANSFORMERS_LOCK:
+                    from transformers import AutoTokenizer
+
+                    self._full = AutoTokenizer.from_pretrained(self.name_or_path)
+            return self._full
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes this class lacks; dunders (pickle, copy) stay Python's.
+        if name.startswith("__") or "_full_lock" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.full, name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_full"], state["_full_lock"] = None, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._full_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"FastTokenizer({self.name_or_path!r}, vocab={len(self)})"
+
+
+def load(path: Path) -> Any:
+    """The tokenizer of the checkpoint at ``path``: a :class:`FastTokenizer` when it serves
+    the files exactly, else transformers' ``AutoTokenizer`` (module doc)."""
+    refusal = fast_path_refusal(path)
+    if refusal is None:
+        return FastTokenizer(path)
+    log.debug("tokenizer of %s through transformers: %s", path, refusal)
+    with TRANSFORMERS_LOCK:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
