@@ -21,6 +21,10 @@ Conventions:
   describes exactly this order without gathering anything.
 * **Eval mode.** The model stays in ``eval()`` mode (dropout off) for logprobs and
   for training, so the ratio of a training step compares like with like.
+
+Module import is light (the driver imports this module to name the actor class, and
+on a small host an import of torch there takes seconds from the cores the ranks start
+on): torch and transformers are imported inside the methods, in the ranks' processes.
 """
 
 from __future__ import annotations
@@ -34,16 +38,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
-
 from rlcore.refit.specs import TensorSpec, plan_buckets
 from rlcore.refit.worker import RefitSenderWorker
 from rlcore.runtime.losses import PolicyGradientWorker, right_padded
 from rlcore.runtime.workers import DistributedWorker
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from rlcore_fsdp.options import FSDPOptions
 
 log = logging.getLogger(__name__)
@@ -89,6 +92,8 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
     averages_gradients = True
 
     def __init__(self, rank: int, world_size: int) -> None:
+        import torch
+
         super().__init__(rank, world_size)
         self.model: Any = None  # the FSDP root module
         self.optimizer: torch.optim.Optimizer | None = None
@@ -111,6 +116,7 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
         reads the checkpoint. A failure on any rank fails every rank promptly.
         Returns timings (seconds) and sizes.
         """
+        import torch
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -174,6 +180,10 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
 
     def _sync_from_rank0(self, model: Any, error: BaseException | None) -> None:
         """Agree that every rank built the same model, then broadcast rank 0's tensors."""
+        import torch
+        import torch.distributed as dist
+        from torch import nn
+
         tensors: list[tuple[str, torch.Tensor]] = []
         if model is not None:
             tensors = list(model.named_parameters()) + list(model.named_buffers())
@@ -382,6 +392,8 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
         shortest prompt's last position on (``logits_to_keep``): prompt positions that
         predict no completion token cost no vocabulary-sized memory.
         """
+        import torch
+
         padded = right_padded(rows, self.pad_id)
         first, width = padded.first, padded.ids.shape[1]
         attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -433,6 +445,8 @@ def decoder_layer_classes(model: nn.Module) -> set[type[nn.Module]]:
     From ``model._no_split_modules`` (class names transformers keeps whole), else
     the class of ``model.model.layers[0]``; empty if neither exists.
     """
+    from torch import nn
+
     names = set(getattr(model, "_no_split_modules", None) or ())
     classes = {type(m) for m in model.modules() if type(m).__name__ in names}
     if not classes:

@@ -372,3 +372,13 @@ def test_entry_point_is_light() -> None:
 
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["heavy"] == [] and "fsdp" in result["backends"]
+
+
+def test_driver_names_the_worker_class_without_torch() -> None:
+    """The init hook imports the worker and handle modules in the driver (to name the actor
+    class): torch and transformers load only in the ranks' processes, not in the driver,
+    where the import would take seconds of the cores the ranks start on."""
+    heavy = fixtures.heavy_imports(
+        "rlcore_fsdp.plugin", "rlcore_fsdp.worker", "rlcore_fsdp.handle", heavy=("torch", "transformers")
+    )
+    assert heavy == []

@@ -32,6 +32,9 @@ every rank with the same arguments. Ranks are laid out as megatron-core does
 data-parallel replica ``r // tp``. Batches are split over the data-parallel
 replicas (contiguous shards); every rank of a replica returns its shard's
 result, so the driver keeps tensor-parallel rank 0's of each replica.
+
+Module import is light (the driver imports this module to name the actor classes):
+torch and megatron-core are imported inside the methods, in the workers' processes.
 """
 
 from __future__ import annotations
@@ -44,9 +47,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-
 from rlcore.errors import NotServingError
 from rlcore.refit.worker import RefitChannels, RefitSenderWorker
 from rlcore.runtime.batches import Row, shard_range
@@ -54,6 +54,8 @@ from rlcore.runtime.losses import LogprobWorker, PolicyGradientWorker, right_pad
 from rlcore.runtime.workers import DistributedWorker
 
 if TYPE_CHECKING:
+    import torch
+
     from rlcore.refit.channels import ChannelSpec
     from rlcore.refit.specs import TensorSpec
     from rlcore_megatron.options import MegatronOptions
@@ -72,6 +74,8 @@ def sample_seed(seed: int, replica: int) -> int:
 
 def resolve_device(device: str) -> torch.device:
     """``cpu``, ``cuda`` (the current CUDA device) or ``cuda:N``."""
+    import torch
+
     if device.startswith("cuda"):
         if device != "cuda":
             torch.cuda.set_device(torch.device(device))
@@ -113,6 +117,8 @@ class MegatronWorker(LogprobWorker, RefitChannels, DistributedWorker):
     native_refit = True
 
     def __init__(self, rank: int, world_size: int) -> None:
+        import torch
+
         super().__init__(rank, world_size)
         #: (name, parameter) in native order: dtype by dtype, each dtype's in model order
         self._native: list[tuple[str, torch.nn.Parameter]] = []
@@ -140,6 +146,8 @@ class MegatronWorker(LogprobWorker, RefitChannels, DistributedWorker):
         init_weights: bool = False,
     ) -> None:
         """Parallel state (CPU patches first), then the model, unloaded unless ``init_weights``."""
+        import torch
+        import torch.distributed as dist
         from megatron.core import parallel_state
 
         from rlcore_megatron import convert, parallel
@@ -197,6 +205,8 @@ class MegatronWorker(LogprobWorker, RefitChannels, DistributedWorker):
         megatron-core built on the GPU go to host memory first: the device never holds
         two copies of the model (a colocated policy starts beside a generation's KV cache).
         """
+        import torch
+
         from rlcore.refit.specs import TensorSpec
 
         groups: dict[torch.dtype, list[tuple[str, torch.nn.Parameter]]] = {}
@@ -307,6 +317,8 @@ class MegatronWorker(LogprobWorker, RefitChannels, DistributedWorker):
         columns that are completion tokens) and each row's completion span. Columns
         start at the shortest prompt's last position.
         """
+        import torch
+
         from rlcore_megatron.cpu_compat import causal_mask
         from rlcore_megatron.parallel import vocab_parallel_logprobs
 
@@ -356,6 +368,7 @@ class MegatronPolicyWorker(PolicyGradientWorker, RefitSenderWorker, MegatronWork
     """
 
     def __init__(self, rank: int, world_size: int) -> None:
+
         super().__init__(rank, world_size)
         self.optimizer: torch.optim.Optimizer | None = None
         #: True while the optimizer state is in host memory (:meth:`sleep`).
@@ -378,6 +391,8 @@ class MegatronPolicyWorker(PolicyGradientWorker, RefitSenderWorker, MegatronWork
         checkpoint: megatron-core initialises the weights from ``options.seed``.
         Returns timings (seconds) and sizes.
         """
+        import torch
+
         from rlcore_megatron import convert
 
         t0 = time.monotonic()
@@ -424,6 +439,8 @@ class MegatronPolicyWorker(PolicyGradientWorker, RefitSenderWorker, MegatronWork
         of the weights; replicated weights (norms) get identical gradients. The norm is
         global: shards summed over the tensor-parallel group, replicated weights once.
         """
+        import torch
+        import torch.distributed as dist
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
@@ -460,6 +477,8 @@ class MegatronPolicyWorker(PolicyGradientWorker, RefitSenderWorker, MegatronWork
         the same GPU. The weights stay (refit and logprobs read them). Host buffers are
         kept for the next sleep. Idempotent; a no-op off CUDA. Returns ``bytes`` moved and
         ``seconds``. :meth:`train_step` wakes a sleeping policy itself."""
+        import torch
+
         t0 = time.monotonic()
         moved = 0
         if self.optimizer is not None and self.device.type == "cuda" and not self.asleep:
@@ -482,6 +501,8 @@ class MegatronPolicyWorker(PolicyGradientWorker, RefitSenderWorker, MegatronWork
 
     def wake(self) -> dict[str, float]:
         """Bring the optimizer state back to the GPU (the inverse of :meth:`sleep`). Idempotent."""
+        import torch
+
         t0 = time.monotonic()
         moved = 0
         if self.optimizer is not None and self.asleep:
@@ -541,6 +562,8 @@ class MegatronPolicyWorker(PolicyGradientWorker, RefitSenderWorker, MegatronWork
         the live parameters (consume them before the next optimizer step), in the
         run's dtype as the specs say (megatron-core's float32 norm weights are cast).
         """
+        import torch
+
         from rlcore_megatron import convert
 
         self._require_model()
@@ -765,6 +788,8 @@ class MegatronGenerationWorker(MegatronWorker):
         the policy that trains on the same GPU. The weights stay (refit writes into them,
         logprobs read them). Every request is dropped first. Idempotent; the static engine
         (CPU) has nothing to release. Returns ``bytes`` released and ``seconds``."""
+        import torch
+
         t0 = time.monotonic()
         released = 0
         if self.engine_kind == "dynamic" and self.engine is not None and not self.asleep:
@@ -780,6 +805,8 @@ class MegatronGenerationWorker(MegatronWorker):
     def wake(self) -> dict[str, float]:
         """Allocate the inference memory again (megatron-core's ``resume``; fresh KV cache,
         no request). Idempotent. Returns ``bytes`` allocated and ``seconds``."""
+        import torch
+
         t0 = time.monotonic()
         allocated = 0
         if self.asleep:
@@ -822,6 +849,8 @@ class MegatronGenerationWorker(MegatronWorker):
         sender that fails mid-way sends nothing), nothing was written and the engine
         keeps serving its previous weights.
         """
+        import torch
+
         from rlcore.refit import channels
         from rlcore_megatron import convert
 
@@ -872,6 +901,8 @@ class MegatronGenerationWorker(MegatronWorker):
         parameters once all arrived (copies adjacent on both sides merged: one per dtype
         buffer). Nothing is written before every view is checked, so a refit that fails
         on either side before that leaves the old weights serving."""
+        import torch
+
         from rlcore.refit import cuda_ipc
 
         stream = cuda_ipc.receive_weights(spec, self._native_plan, layout)

@@ -48,9 +48,10 @@ def test_options_are_checked_against_the_dataclass() -> None:
 
 
 def test_plugin_and_checkpoint_key_import_no_heavy_module() -> None:
+    """Nor the worker module, which the driver imports to name the actor classes."""
     code = (
         "import sys, rlcore_megatron.plugin, rlcore_megatron.checkpoint, rlcore_megatron.convert, "
-        "rlcore_megatron.handle; "
+        "rlcore_megatron.handle, rlcore_megatron.worker; "
         "print(sorted(m for m in ('torch', 'megatron', 'ray', 'transformers', 'safetensors') if m in sys.modules))"
     )
     out = subprocess.run(
