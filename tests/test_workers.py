@@ -10,7 +10,9 @@ import pytest
 
 from rlcore.config import ClusterConfig
 from rlcore.errors import Cancelled, DeadlineExceeded
-from rlcore.runtime.workers import DistributedWorker, WorkerError, WorkerGroup
+from rlcore.runtime import workers
+from rlcore.runtime.workers import DistributedWorker, WorkerError, WorkerGroup, actor_runtime_env
+from rlcore.testing.waits import wait_for
 from rlcore.waiting import CancelToken, Deadline
 
 ray = pytest.importorskip("ray")
@@ -38,6 +40,14 @@ class EchoWorker(DistributedWorker):
 
     def niceness(self) -> int:
         return os.nice(0)
+
+    def environment(self, *names: str) -> dict[str, str | None]:
+        return {name: os.environ.get(name) for name in names}
+
+    def own_runtime_env(self) -> dict:
+        import ray
+
+        return dict(ray.get_runtime_context().runtime_env or {})
 
     def listening(self) -> list[str]:
         """Addresses this worker process listens on (TCP)."""
@@ -79,6 +89,64 @@ def cluster():
     c = Cluster(ClusterConfig(num_cpus=2)).start()
     yield c
     c.shutdown()
+
+
+def _idle_workers() -> set[int]:
+    """Pids of the embedded cluster's workers that no actor or task holds yet."""
+    from rlcore.runtime.cluster import _ray_processes
+
+    idle = set()
+    for p in _ray_processes():
+        try:
+            if "ray::IDLE" in " ".join(p.cmdline()):
+                idle.add(p.pid)
+        except Exception:  # noqa: BLE001 - gone meanwhile
+            continue
+    return idle
+
+
+def test_actors_run_in_the_workers_ray_started_ahead(cluster) -> None:
+    """The first test of the module: the cluster's workers started ahead of time are still idle.
+
+    The run's variables reach the workers through the raylet, not as a runtime_env, so an
+    actor that asks for no other variable runs in one of them (no fresh process, none
+    ended); a variable the workers lack still reaches the actor, as its own runtime_env."""
+    assert wait_for(lambda: len(_idle_workers()) >= 2, timeout_s=120), "Ray started no workers ahead"
+    ahead = _idle_workers()
+    run_env = dict(workers.WORKER_ENV)
+    assert run_env["TOKENIZERS_PARALLELISM"] == "false" and run_env["OMP_NUM_THREADS"]
+    group = WorkerGroup(EchoWorker, 2, name="echo-ahead", num_cpus=0.5, env=run_env, dist_backend=None)
+    try:
+        assert set(group.pids()) <= ahead
+        assert group.call("environment", *run_env) == [run_env] * 2
+        assert group.call("own_runtime_env") == [{}, {}]
+    finally:
+        group.shutdown()
+    extra = {**run_env, "RLCORE_TEST_VARIABLE": "on"}
+    assert actor_runtime_env(extra) == {"env_vars": {"RLCORE_TEST_VARIABLE": "on"}}
+    assert actor_runtime_env(run_env) is None and actor_runtime_env(None) is None
+    group = WorkerGroup(EchoWorker, 1, name="echo-extra", num_cpus=0.5, env=extra, dist_backend=None)
+    try:
+        assert group.call("environment", *extra) == [extra]
+    finally:
+        group.shutdown()
+
+
+def test_cluster_start_leaves_the_drivers_environment_as_it_was(monkeypatch) -> None:
+    """The workers' variables are in the driver's environment only while Ray starts."""
+    from rlcore.runtime.cluster import _worker_environment
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.delenv("RLCORE_TEST_VARIABLE", raising=False)
+    saved = dict(workers.WORKER_ENV)
+    try:
+        with _worker_environment({"OMP_NUM_THREADS": "1", "RLCORE_TEST_VARIABLE": "on"}):
+            assert os.environ["OMP_NUM_THREADS"] == "1" and os.environ["RLCORE_TEST_VARIABLE"] == "on"
+        assert os.environ["OMP_NUM_THREADS"] == "7" and "RLCORE_TEST_VARIABLE" not in os.environ
+        assert workers.WORKER_ENV == {"OMP_NUM_THREADS": "1", "RLCORE_TEST_VARIABLE": "on"}
+    finally:
+        workers.WORKER_ENV.clear()
+        workers.WORKER_ENV.update(saved)
 
 
 def test_group_forms_a_process_group_and_tears_down(cluster) -> None:

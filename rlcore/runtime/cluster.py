@@ -83,6 +83,34 @@ def _single_host() -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
+@contextlib.contextmanager
+def _worker_environment(env_vars: dict[str, str]) -> Iterator[None]:
+    """Start the embedded cluster with ``env_vars`` in its processes' environment.
+
+    Ray's processes inherit the driver's environment when ``ray.init`` starts them, and
+    the raylet hands its own to every worker it starts. Given this way rather than as the
+    job's ``runtime_env``, the variables leave the job's runtime environment empty, so
+    the workers the raylet starts ahead of time (one per CPU, while ``ray.init`` returns)
+    match the run's actors (:func:`rlcore.runtime.workers.actor_runtime_env`) instead of
+    being ended for fresh processes. The driver's environment is put back afterwards;
+    :data:`rlcore.runtime.workers.WORKER_ENV` records what the workers have.
+    """
+    from rlcore.runtime import workers
+
+    saved = {name: os.environ.get(name) for name in env_vars}
+    os.environ.update(env_vars)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    workers.WORKER_ENV.clear()
+    workers.WORKER_ENV.update(env_vars)
+
+
 def no_auto_init() -> None:
     """Switch Ray's auto-init off in this process: a Ray call without a connection raises
     instead of starting a new local cluster (``RAY_ENABLE_AUTO_CONNECT=0``, which Ray
@@ -155,14 +183,10 @@ class Cluster:
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                 "TOKENIZERS_PARALLELISM": "false",
             }
-            kwargs: dict[str, Any] = {
-                "include_dashboard": False,
-                "log_to_driver": True,
-                "runtime_env": {"env_vars": env_vars},
-            }
+            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
             if self.config.address:
                 with _keep_signal_handlers():
-                    ray.init(address=self.config.address, **kwargs)
+                    ray.init(address=self.config.address, runtime_env={"env_vars": env_vars}, **kwargs)
                 self.joined = True
                 log.info("joined Ray cluster at %s", self.config.address)
             else:
@@ -174,7 +198,7 @@ class Cluster:
                 # Owned from here on: an interrupt inside ray.init still shuts down what
                 # it had started.
                 self.owned = True
-                with _single_host(), _keep_signal_handlers():
+                with _single_host(), _keep_signal_handlers(), _worker_environment(env_vars):
                     # address="local": a new cluster even where another one is reachable
                     # (RAY_ADDRESS, or /tmp/ray/ray_current_cluster of a `ray start`).
                     ray.init(
@@ -228,6 +252,7 @@ class Cluster:
         exit before it is SIGKILLed (Ray's agents otherwise linger for a minute after their
         raylet is gone).
         """
+        from rlcore.runtime import workers
         from rlcore.runtime.workers import RAY_GATE, wait_exited
 
         with _lock:
@@ -246,6 +271,7 @@ class Cluster:
             import ray
 
             RAY_GATE.close(reason)
+            workers.WORKER_ENV.clear()  # what the next cluster's workers inherit is its own
             procs = _ray_processes()
             with contextlib.suppress(Exception):  # a half-started cluster may not stop cleanly
                 ray.shutdown()

@@ -354,6 +354,29 @@ def _raise_first_failure(
     raise WorkerError(f"{what}: {names[i]} failed: {type(err).__name__}: {err}{also}") from err
 
 
+#: The environment every worker of the embedded cluster inherits from its raylet
+#: (:func:`rlcore.runtime.cluster._worker_environment`); empty for any other cluster.
+WORKER_ENV: dict[str, str] = {}
+
+
+def actor_runtime_env(env: dict[str, str] | None) -> dict[str, Any] | None:
+    """The per-actor ``runtime_env`` that gives an actor ``env``: only the variables its
+    worker would not have anyway (from the embedded cluster's :data:`WORKER_ENV` or the
+    job's runtime environment, which a joined cluster's workers get); ``None`` when none.
+
+    An actor without a runtime environment of its own runs in one of the workers Ray
+    starts ahead of time (one per CPU, while ``ray.init`` returns); any other makes Ray
+    start a fresh worker process for it (Python, ``import ray``, the core worker: a
+    second or more of a core on a small host) and end an idle one.
+    """
+    import ray
+
+    job = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
+    have = {**WORKER_ENV, **job}
+    extra = {k: v for k, v in (env or {}).items() if have.get(k) != v}
+    return {"env_vars": extra} if extra else None
+
+
 def _check_fits(name: str, world_size: int, num_cpus: float, num_gpus: float, placement: RolePlacement | None = None) -> None:
     """Fail at once when the cluster can never hold the group (Ray would wait forever)."""
     import ray
@@ -433,7 +456,7 @@ class WorkerGroup:
                 cancel.raise_if_cancelled(f"starting {name} workers")
             _check_fits(name, world_size, num_cpus, num_gpus, placement)
             remote_cls = ray.remote(cls)
-        runtime_env = {"env_vars": dict(env or {})}
+        runtime_env = actor_runtime_env(env)
         try:
             for rank in range(world_size):
                 with RAY_GATE.call(f"starting {name} rank {rank}"):
@@ -443,7 +466,7 @@ class WorkerGroup:
                         remote_cls.options(
                             num_cpus=num_cpus,
                             num_gpus=num_gpus,
-                            runtime_env=runtime_env,
+                            **({"runtime_env": runtime_env} if runtime_env else {}),
                             name=None,
                             max_restarts=0,
                             **(placement.ray_options() if placement is not None else {}),

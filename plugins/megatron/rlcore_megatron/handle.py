@@ -73,14 +73,8 @@ def _group_kwargs(
     )
     return {
         **resources,
-        "env": {
-            "OMP_NUM_THREADS": str(threads),
-            "TOKENIZERS_PARALLELISM": "false",
-            # megatron-core's static engine draws a tqdm bar per batch; its import
-            # warns about missing Transformer Engine / Apex in every process.
-            "TQDM_DISABLE": "1",
-            "PYTHONWARNINGS": "ignore",
-        },
+        # megatron-core's noise is silenced by the workers themselves (worker.quiet_process).
+        "env": {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"},
         "timeout_s": options.timeout_s,
         "cancel": ctx.cancel,
         "deadline": ctx.deadline,

@@ -72,6 +72,18 @@ def sample_seed(seed: int, replica: int) -> int:
     return int.from_bytes(digest, "big")
 
 
+def quiet_process() -> None:
+    """Silence megatron-core in this worker's process, before it is imported: its static
+    engine draws a tqdm bar per batch, and its import warns about missing Transformer
+    Engine / Apex. Set here rather than as the actor's environment, so the actor can run
+    in a worker Ray started ahead of time (:func:`rlcore.runtime.workers.actor_runtime_env`)."""
+    import os
+    import warnings
+
+    os.environ["TQDM_DISABLE"] = "1"
+    warnings.simplefilter("ignore")
+
+
 def resolve_device(device: str) -> torch.device:
     """``cpu``, ``cuda`` (the current CUDA device) or ``cuda:N``."""
     import torch
@@ -146,6 +158,7 @@ class MegatronWorker(LogprobWorker, RefitChannels, DistributedWorker):
         init_weights: bool = False,
     ) -> None:
         """Parallel state (CPU patches first), then the model, unloaded unless ``init_weights``."""
+        quiet_process()
         import torch
         import torch.distributed as dist
         from megatron.core import parallel_state

@@ -55,12 +55,8 @@ def start_generation(ctx: InitContext) -> VLLMGeneration:
             key="generation.devices_per_worker",
         )
     threads = max(1, int(section.devices_per_worker))
-    env = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine: no engine-core subprocess
-        "OMP_NUM_THREADS": str(threads),
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
+    # vLLM's own variables are set by the worker in its process (VLLMWorker._set_vllm_env).
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     group, info, specs, endpoints = start_engines(
         ctx,
         VLLMWorker,
@@ -71,7 +67,10 @@ def start_generation(ctx: InitContext) -> VLLMGeneration:
         env=env,
         what="starting vLLM servers" if options.serve_openai else "building vLLM engines",
         endpoints=options.serve_openai,
-        kwargs={"log_dir": str(ctx.run_dir / "vllm")},
+        kwargs={
+            "log_dir": str(ctx.run_dir / "vllm"),
+            "log_level": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        },
     )
     ctx.log.info(
         "vllm: %d engine(s) up (%s, %s) in %s",

@@ -53,6 +53,19 @@ class VLLMWorker(EngineWorker):
     #: The in-process engine (``vllm.LLM``); None in server mode.
     llm: Any = None
 
+    def __init__(self, *args: Any, log_level: str = "WARNING", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log_level = log_level
+
+    def _set_vllm_env(self) -> None:
+        """vLLM's settings of this process, made before vLLM is imported (it reads them
+        then; a server started from here inherits them): the in-process engine without an
+        engine-core subprocess, and vLLM's log level. Set here rather than as the actor's
+        environment, so the actor can run in a worker Ray started ahead of time
+        (:func:`rlcore.runtime.workers.actor_runtime_env`)."""
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["VLLM_LOGGING_LEVEL"] = self.log_level
+
     # ------------------------------------------------------------------ start
 
     def _engine_args(self) -> dict[str, Any]:
@@ -91,6 +104,7 @@ class VLLMWorker(EngineWorker):
     def start(self, timeout_s: float) -> dict[str, Any]:
         """Build the engine (or start the server and wait for it); returns timings in seconds."""
         t0 = time.monotonic()
+        self._set_vllm_env()
         if self.options.serve_openai:
             return {
                 "server_start_s": self._start_server(timeout_s),

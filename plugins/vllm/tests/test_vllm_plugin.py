@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from rlcore.config import resolve_options
@@ -55,3 +57,18 @@ def test_cpu_engine_gets_the_kv_cache_size_as_an_engine_argument() -> None:
     assert worker._uncompiled()
     opts.enforce_eager = False
     assert not VLLMWorker(0, 1, "/m", dtype="float32", refit_fed=False, options=opts)._uncompiled()
+
+
+def test_worker_sets_vllms_variables_in_its_own_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-process engine (no engine-core subprocess) and the driver's vLLM log level are
+    set by the worker before vLLM is imported, not as the actor's runtime_env (which would
+    keep the actor out of the workers Ray starts ahead of time)."""
+    from rlcore_vllm.worker import VLLMWorker
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    opts = resolve_options({}, VLLMOptions, section="generation", backend="vllm")
+    worker = VLLMWorker(0, 1, "/m", dtype="float32", refit_fed=True, options=opts, log_level="ERROR")
+    worker._set_vllm_env()
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR"
