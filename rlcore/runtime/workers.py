@@ -456,7 +456,7 @@ class WorkerGroup:
                 cancel.raise_if_cancelled(f"starting {name} workers")
             _check_fits(name, world_size, num_cpus, num_gpus, placement)
             remote_cls = ray.remote(cls)
-        runtime_env = actor_runtime_env(env)
+            runtime_env = actor_runtime_env(env)
         try:
             for rank in range(world_size):
                 with RAY_GATE.call(f"starting {name} rank {rank}"):
