@@ -53,9 +53,21 @@ class VLLMWorker(EngineWorker):
     #: The in-process engine (``vllm.LLM``); None in server mode.
     llm: Any = None
 
-    def __init__(self, *args: Any, log_level: str = "WARNING", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, log_level: str = "WARNING", cuda: bool | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.log_level = log_level
+        self.cuda = cuda
+
+    def _on_cuda(self) -> bool:
+        """Whether this engine runs on a GPU: as the handle decided from the cluster (Ray
+        then gives the actor one), without importing torch here; a worker built directly
+        (a test) asks torch. In server mode the actor itself never needs torch: its import
+        would take seconds of the cores the server starts on."""
+        if self.cuda is not None:
+            return self.cuda
+        import torch
+
+        return bool(torch.cuda.is_available())
 
     def _set_vllm_env(self) -> None:
         """vLLM's settings of this process, made before vLLM is imported (it reads them
@@ -69,8 +81,6 @@ class VLLMWorker(EngineWorker):
     # ------------------------------------------------------------------ start
 
     def _engine_args(self) -> dict[str, Any]:
-        import torch
-
         o = self.options
         args: dict[str, Any] = {
             "model": self.model_dir,
@@ -81,7 +91,7 @@ class VLLMWorker(EngineWorker):
         }
         if self.refit_fed:
             args["load_format"] = "dummy"
-        if torch.cuda.is_available():
+        if self._on_cuda():
             args["gpu_memory_utilization"] = o.gpu_memory_utilization
         else:
             args["kv_cache_memory_bytes"] = kv_cache_bytes(o.kv_cache_gib)
@@ -97,9 +107,7 @@ class VLLMWorker(EngineWorker):
         computes the same counts. On CUDA, or with compilation asked for, vLLM's choice
         stands.
         """
-        import torch
-
-        return bool(self.options.enforce_eager) and not torch.cuda.is_available()
+        return bool(self.options.enforce_eager) and not self._on_cuda()
 
     def start(self, timeout_s: float) -> dict[str, Any]:
         """Build the engine (or start the server and wait for it); returns timings in seconds."""
@@ -158,6 +166,11 @@ class VLLMWorker(EngineWorker):
             env=env,
             **self._bind(),
         )
+        # The handle asks for the weight specs next: worked out while the server starts
+        # (torch, transformers and a meta model take seconds), not after it is ready.
+        pool = ThreadPoolExecutor(1, thread_name_prefix="weight-specs")
+        self._specs_ahead = pool.submit(self._meta_specs)
+        pool.shutdown(wait=False)
         try:
             return self.server.wait_ready(timeout_s)
         except BaseException:
@@ -279,8 +292,15 @@ class VLLMWorker(EngineWorker):
 
         The names and shapes of the checkpoint's Hugging Face ``state_dict`` (tied
         weights under every name), in the run's dtype. Built on the meta device from
-        ``config.json``: no weight is read, so it works refit-fed.
+        ``config.json``: no weight is read, so it works refit-fed. Server mode has them
+        worked out while its server starts.
         """
+        ahead = getattr(self, "_specs_ahead", None)
+        if ahead is not None:
+            return list(ahead.result())
+        return self._meta_specs()
+
+    def _meta_specs(self) -> list[Any]:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -72,3 +74,22 @@ def test_worker_sets_vllms_variables_in_its_own_process(monkeypatch: pytest.Monk
     worker._set_vllm_env()
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR"
+
+
+def test_server_mode_worker_launches_without_importing_torch() -> None:
+    """Everything the actor does before its server starts (vLLM's variables, the engine's
+    arguments, whether helpers run eagerly) takes the device from the handle: torch is not
+    imported in the actor, where it would take seconds of the cores the server starts on."""
+    code = (
+        "import sys\n"
+        "from rlcore.config import resolve_options\n"
+        "from rlcore_vllm.options import VLLMOptions\n"
+        "from rlcore_vllm.worker import VLLMWorker\n"
+        "opts = resolve_options({'serve_openai': True}, VLLMOptions, section='generation', backend='vllm')\n"
+        "w = VLLMWorker(0, 1, '/m', dtype='float32', refit_fed=True, options=opts, cuda=False)\n"
+        "w._set_vllm_env(); args = w._engine_args(); eager = w._uncompiled()\n"
+        "import rlcore_vllm.server, rlcore_vllm.transfer\n"
+        "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules), 'kv_cache_memory_bytes' in args, eager)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[] True True"
