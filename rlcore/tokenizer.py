@@ -62,18 +62,22 @@ def _configured_specials(config: dict[str, Any]) -> list[str]:
     return [n for n in names if n is not None]
 
 
-def fast_path_refusal(path: Path) -> str | None:
-    """Why ``path``'s tokenizer needs transformers (see the module doc), or ``None``."""
+def _read(path: Path) -> tuple[dict[str, Any], str] | None:
+    """``tokenizer_config.json`` (parsed) and ``tokenizer.json`` (text) of ``path``, read
+    once for both the check and the tokenizer; None when either is missing."""
     tokenizer_file, config_file = path / "tokenizer.json", path / "tokenizer_config.json"
     if not tokenizer_file.is_file() or not config_file.is_file():
-        return "no tokenizer.json and tokenizer_config.json"
-    config = json.loads(config_file.read_text())
+        return None
+    return json.loads(config_file.read_text()), tokenizer_file.read_text()
+
+
+def _refusal(config: dict[str, Any], spec_text: str) -> str | None:
     if config.get("tokenizer_class") not in GENERIC_CLASSES:
         return f"tokenizer_class {config.get('tokenizer_class')!r} is not the generic fast tokenizer"
     for key in ("add_bos_token", "add_eos_token", "clean_up_tokenization_spaces"):
         if config.get(key):
             return f"tokenizer_config.json sets {key}"
-    spec = json.loads(tokenizer_file.read_text())
+    spec = json.loads(spec_text)
     if spec.get("post_processor") is None:
         return "tokenizer.json has no post_processor"
     added = {t["content"]: t for t in spec.get("added_tokens", [])}
@@ -85,6 +89,25 @@ def fast_path_refusal(path: Path) -> str | None:
         if found is None or found["id"] != int(token_id) or bool(found.get("special")) != bool(entry.get("special")):
             return f"added token {entry.get('content')!r} differs from tokenizer.json"
     return None
+
+
+def _checked(path: Path) -> tuple[tuple[dict[str, Any], str] | None, str | None]:
+    """``path``'s files (:func:`_read`) and why they need transformers (or None)."""
+    files = _read(path)
+    return files, "no tokenizer.json and tokenizer_config.json" if files is None else _refusal(*files)
+
+
+def fast_path_refusal(path: Path) -> str | None:
+    """Why ``path``'s tokenizer needs transformers (see the module doc), or ``None``."""
+    return _checked(path)[1]
+
+
+def _auto_tokenizer(path: str) -> Any:
+    """transformers' ``AutoTokenizer`` of ``path``, imported under :data:`TRANSFORMERS_LOCK`."""
+    with TRANSFORMERS_LOCK:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
 
 
 class Encoded(dict):  # type: ignore[type-arg]
@@ -101,12 +124,17 @@ class Encoded(dict):  # type: ignore[type-arg]
 class FastTokenizer:
     """A generic Hugging Face fast tokenizer served by ``tokenizers`` alone (module doc)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, files: tuple[dict[str, Any], str] | None = None) -> None:
+        """``files``: the config and ``tokenizer.json`` text already read (:func:`load`)."""
         from tokenizers import Tokenizer
 
         self.name_or_path = str(path)
-        self._config = json.loads((path / "tokenizer_config.json").read_text())
-        self._tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        files = files or _read(path)
+        if files is None:
+            raise FileNotFoundError(f"{path} has no tokenizer.json and tokenizer_config.json")
+        config, spec_text = files
+        self._config = config
+        self._tokenizer = Tokenizer.from_str(spec_text)
         # transformers encodes one text untruncated and unpadded unless asked.
         self._tokenizer.no_truncation()
         self._tokenizer.no_padding()
@@ -150,10 +178,7 @@ class FastTokenizer:
         with self._full_lock:
             if self._full is None:
                 log.info("loading transformers' tokenizer of %s for an attribute rlcore does not serve", self.name_or_path)
-                with TRANSFORMERS_LOCK:
-                    from transformers import AutoTokenizer
-
-                    self._full = AutoTokenizer.from_pretrained(self.name_or_path)
+                self._full = _auto_tokenizer(self.name_or_path)
             return self._full
 
     def __getattr__(self, name: str) -> Any:
@@ -178,11 +203,8 @@ class FastTokenizer:
 def load(path: Path) -> Any:
     """The tokenizer of the checkpoint at ``path``: a :class:`FastTokenizer` when it serves
     the files exactly, else transformers' ``AutoTokenizer`` (module doc)."""
-    refusal = fast_path_refusal(path)
+    files, refusal = _checked(path)
     if refusal is None:
-        return FastTokenizer(path)
+        return FastTokenizer(path, files)
     log.debug("tokenizer of %s through transformers: %s", path, refusal)
-    with TRANSFORMERS_LOCK:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(path))
+    return _auto_tokenizer(str(path))

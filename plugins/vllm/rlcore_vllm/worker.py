@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,8 @@ class VLLMWorker(EngineWorker):
         super().__init__(*args, **kwargs)
         self.log_level = log_level
         self.cuda = cuda
+        #: Server mode's weight specs, worked out while its server starts.
+        self._specs_ahead: Future[list[Any]] | None = None
 
     def _on_cuda(self) -> bool:
         """Whether this engine runs on a GPU: as the handle decided from the cluster (Ray
@@ -295,9 +297,8 @@ class VLLMWorker(EngineWorker):
         ``config.json``: no weight is read, so it works refit-fed. Server mode has them
         worked out while its server starts.
         """
-        ahead = getattr(self, "_specs_ahead", None)
-        if ahead is not None:
-            return list(ahead.result())
+        if self._specs_ahead is not None:
+            return list(self._specs_ahead.result())
         return self._meta_specs()
 
     def _meta_specs(self) -> list[Any]:
