@@ -119,3 +119,7 @@ def test_an_engines_server_binds_its_port_and_the_runs_address() -> None:
     w.options.port, w.network = 8100, Network.spread()
     # Outside Ray this node's address is loopback; the token is the run's.
     assert w._bind() == {"port": 8101, "host": "127.0.0.1", "token": w.network.token}
+
+
+def test_an_engine_takes_its_device_from_the_handle() -> None:
+    assert _worker(cuda=True)._on_cuda() is True and _worker(cuda=False)._on_cuda() is False

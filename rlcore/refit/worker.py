@@ -1,4 +1,4 @@
-"""Worker-side refit methods that policy workers share.
+"""Worker-side refit methods that policy and generation workers share.
 
 :class:`RefitChannels` keeps the refit channels a rank joined and closes them at
 teardown; :class:`RefitSenderWorker` adds the sender's side of
@@ -7,11 +7,14 @@ rank runs the export (it may be collective: FSDP unit gathers, tensor-parallel
 all-gathers), rank 0 joins the channel and streams the buckets. A worker class
 provides ``export_stream()`` (Hugging Face names and the plan's shapes and dtypes,
 in plan order, on rank 0; the core checks every tensor against the plan).
+:class:`HFWeightSpecs` gives a receiving engine that takes Hugging Face names its
+``weight_specs()``, worked out while its server starts and cached between runs.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from rlcore.runtime.workers import free_port, node_ip
@@ -91,3 +94,40 @@ class RefitSenderWorker(RefitChannels):
         finally:
             for _ in stream:
                 pass
+
+
+class HFWeightSpecs:
+    """``weight_specs()`` of an engine that receives weights under Hugging Face names (a
+    mixin for :class:`rlcore.runtime.generation_group.EngineWorker`, whose ``model_dir``,
+    ``dtype`` and ``specs_cache`` it reads).
+
+    The specs are :func:`rlcore.refit.hf_specs.hf_weight_specs` of the checkpoint: built
+    from ``config.json`` on the meta device (no weight read, so it works refit-fed) and
+    kept in the run's cache for the next run.
+    """
+
+    model_dir: str
+    dtype: str
+    specs_cache: str | None
+    #: The specs being worked out since the server's launch (:meth:`_work_out_specs_ahead`).
+    _specs_ahead: Future[list[TensorSpec]] | None = None
+
+    def weight_specs(self) -> list[TensorSpec]:
+        """``TensorSpec`` of every weight the engine expects (tied weights under every name)."""
+        if self._specs_ahead is not None:
+            return list(self._specs_ahead.result())
+        return self._hf_specs()
+
+    def _work_out_specs_ahead(self) -> None:
+        """Start working out :meth:`weight_specs` in a thread. A worker whose engine is a
+        server calls it right after the launch: the handle asks for the specs once the
+        server is ready, and a first run's torch, transformers and meta model take seconds
+        that the wait hides."""
+        pool = ThreadPoolExecutor(1, thread_name_prefix="weight-specs")
+        self._specs_ahead = pool.submit(self._hf_specs)
+        pool.shutdown(wait=False)
+
+    def _hf_specs(self) -> list[TensorSpec]:
+        from rlcore.refit.hf_specs import hf_weight_specs
+
+        return hf_weight_specs(self.model_dir, self.dtype, self.specs_cache)

@@ -165,12 +165,14 @@ def start_engines(
     """Start the ``generation.workers`` engines of the init hook of ``ctx``.
 
     Worker ``i`` is ``worker_class(i, workers, str(model_dir), dtype=..., refit_fed=...,
-    options=options, network=ctx.network, **kwargs)`` on one GPU (``cuda``) or on
+    options=options, network=ctx.network, cuda=cuda, specs_cache=str(ctx.cache_dir), **kwargs)``
+    on one GPU (``cuda``) or on
     ``generation.devices_per_worker`` CPUs, with ``env``; then every worker's
     ``start(timeout_s)`` runs, bounded by ``options.server_start_timeout_s`` and the
     deadline (``what`` names it in errors), and each call by ``options.call_timeout_s``.
 
-    Returns the group, each worker's start record, engine 0's ``weight_specs()`` and,
+    Returns the group, each worker's start record, engine 0's ``weight_specs()``
+    (:class:`rlcore.refit.worker.HFWeightSpecs` gives a worker one) and,
     with ``endpoints``, each engine's :class:`rlcore.handles.Endpoint` (its
     ``endpoint_info()``). Shuts the group down if any of that fails.
     """
@@ -185,6 +187,8 @@ def start_engines(
             "refit_fed": bool(section.refit_fed),
             "options": options,
             "network": ctx.network,
+            "cuda": cuda,
+            "specs_cache": str(ctx.cache_dir),
             **(kwargs or {}),
         },
         num_cpus=1.0 if cuda else float(section.devices_per_worker),
@@ -233,6 +237,11 @@ class EngineWorker(DistributedWorker):
         log_dir: where the engine's server writes its log.
         seed: the engine's seed.
         network: the run's :class:`rlcore.placement.Network`: where a server binds, its token.
+        cuda: whether the engine runs on a GPU, as the handle decided from the cluster (Ray
+            then gives the actor one); None (a worker built directly, a test) asks torch.
+        specs_cache: the run's cache directory, where
+            :class:`rlcore.refit.worker.HFWeightSpecs` keeps the weight specs between runs;
+            None: worked out every time.
     """
 
     engine = "engine"
@@ -249,6 +258,8 @@ class EngineWorker(DistributedWorker):
         log_dir: str | None = None,
         seed: int = 0,
         network: Any = None,
+        cuda: bool | None = None,
+        specs_cache: str | None = None,
     ) -> None:
         super().__init__(rank, world_size)
         self.model_dir = model_dir
@@ -258,9 +269,23 @@ class EngineWorker(DistributedWorker):
         self.log_dir = log_dir
         self.seed = seed
         self.network = network
+        self.cuda = cuda
+        self.specs_cache = specs_cache
         self.server: Any = None
         #: Why the engine's weights cannot be trusted (a refit failed half-way), or None.
         self.stale: str | None = None
+
+    def _on_cuda(self) -> bool:
+        """Whether this engine runs on a GPU: :attr:`cuda` as the handle decided, else torch's
+        answer. An actor whose engine is a server never needs torch itself: importing it
+        before the launch would take seconds of the cores the server starts on."""
+        if self.cuda is not None:
+            return self.cuda
+        import torch
+
+        return bool(torch.cuda.is_available())
+
+    # ------------------------------------------------------------- inference
 
     def generate(
         self,

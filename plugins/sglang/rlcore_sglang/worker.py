@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.errors import RefitError
+from rlcore.refit.worker import HFWeightSpecs
 from rlcore.runtime.generation_group import EngineWorker
 from rlcore_sglang.server import ServerError, ServerProcess, find_sglang_python
 
@@ -86,7 +87,7 @@ def launch_args(
     return args + [str(a) for a in o.extra_args]
 
 
-class SGLangWorker(EngineWorker):
+class SGLangWorker(HFWeightSpecs, EngineWorker):
     """One SGLang server of the generation worker group.
 
     Arguments as :class:`rlcore.runtime.generation_group.EngineWorker`'s: ``model_dir``
@@ -97,6 +98,8 @@ class SGLangWorker(EngineWorker):
 
     Args:
         threads: CPU threads of the server (``OMP_NUM_THREADS``).
+
+    The actor imports neither torch nor transformers before its server is launched.
     """
 
     engine = "SGLang"
@@ -113,12 +116,11 @@ class SGLangWorker(EngineWorker):
     # ------------------------------------------------------------------ start
 
     def start(self, timeout_s: float) -> dict[str, Any]:
-        """Start the server and wait until it serves; returns timings in seconds."""
-        import torch
-
+        """Start the server and wait until it serves; returns timings in seconds. The weight
+        specs are worked out while it starts."""
         t0 = time.monotonic()
         python = find_sglang_python(self.options.python)
-        cuda = torch.cuda.is_available()
+        cuda = self._on_cuda()
         args = launch_args(
             self.model_dir, dtype=self.dtype, refit_fed=self.refit_fed, options=self.options,
             seed=self.seed + self.rank, cuda=cuda,
@@ -126,6 +128,7 @@ class SGLangWorker(EngineWorker):
         env = server_env(self.threads, cuda=cuda)
         log_path = Path(self.log_dir) / f"sglang-server-{self.rank}-{os.getpid()}.log"
         self.server = ServerProcess(python, args, log_path=log_path, env=env, **self._bind())
+        self._work_out_specs_ahead()
         try:
             ready = self.server.wait_ready(timeout_s)
             paths = self.server.request("/openapi.json", timeout_s=30).get("paths", {})
@@ -198,23 +201,6 @@ class SGLangWorker(EngineWorker):
         return rows
 
     # ----------------------------------------------------------------- refit
-
-    def weight_specs(self) -> list[Any]:
-        """``TensorSpec`` of every weight the server expects, under Hugging Face names.
-
-        The names and shapes of the checkpoint's Hugging Face ``state_dict`` in the
-        run's dtype, built on the meta device from ``config.json`` (no weight is
-        read, so it works refit-fed). SGLang's ``load_weights`` takes these names.
-        """
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from rlcore.refit.specs import spec_of
-
-        config = AutoConfig.from_pretrained(self.model_dir)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, self.dtype))
-        return [spec_of(name, t) for name, t in model.state_dict().items()]
 
     def open_refit_channel(self, spec: Any, rank: int) -> None:
         """Join channel ``spec`` as ``rank``: collective through ``/init_weights_update_group``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 
@@ -80,3 +81,30 @@ def test_unknown_endpoint_kind_fails_before_anything_starts(tmp_path: object) ->
     ctx = init_context(make_config(tmp / "no-model", tmp / "cache", endpoint="vllm"), tmp / "run")
     with pytest.raises(ConfigError, match="generation.options.endpoint"):
         start_generation(ctx)
+
+
+def test_the_worker_launches_its_server_without_importing_torch() -> None:
+    """Everything the actor does before its server is launched (the device, the arguments,
+    the environment) takes the device from the handle: neither torch nor transformers is
+    imported there, where it would take seconds of the cores the server starts on; the
+    weight specs are worked out after the launch."""
+    code = (
+        "import sys\n"
+        "import rlcore_sglang.worker as w\n"
+        "class Launched(Exception): pass\n"
+        "class Server:\n"
+        "    def __init__(self, python, args, **kw):\n"
+        "        print(sorted(m for m in ('torch', 'transformers', 'sglang') if m in sys.modules), '--device' in args)\n"
+        "        raise Launched\n"
+        "w.ServerProcess = Server\n"
+        "from rlcore_sglang.options import SGLangOptions\n"
+        "worker = w.SGLangWorker(0, 1, '/m', dtype='float32', refit_fed=True, options=SGLangOptions(),\n"
+        "                        log_dir='/tmp', cuda=False)\n"
+        "try:\n"
+        "    worker.start(5.0)\n"
+        "except Launched:\n"
+        "    print(worker._specs_ahead is None)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["[]", "True", "True"]

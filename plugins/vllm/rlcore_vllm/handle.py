@@ -70,7 +70,6 @@ def start_generation(ctx: InitContext) -> VLLMGeneration:
         kwargs={
             "log_dir": str(ctx.run_dir / "vllm"),
             "log_level": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-            "cuda": cuda,
         },
     )
     ctx.log.info(

@@ -22,10 +22,11 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from rlcore.refit.worker import HFWeightSpecs
 from rlcore.runtime.generation_group import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ def kv_cache_bytes(gib: float) -> int:
     return int(gib * (1 << 30))
 
 
-class VLLMWorker(EngineWorker):
+class VLLMWorker(HFWeightSpecs, EngineWorker):
     """One vLLM engine of the generation worker group.
 
     Arguments as :class:`rlcore.runtime.generation_group.EngineWorker`'s: ``model_dir``
@@ -46,30 +47,17 @@ class VLLMWorker(EngineWorker):
     engine is built with dummy weights); ``options`` are the backend's
     :class:`rlcore_vllm.options.VLLMOptions`; ``log_dir`` is where server mode writes the
     server's log; ``seed`` is the engine's global seed; server mode binds where
-    ``network`` says (loopback, or this node's address with the run's token).
+    ``network`` says (loopback, or this node's address with the run's token); ``cuda``
+    is the device the handle decided (in server mode the actor itself never imports torch).
     """
 
     engine = "vLLM"
     #: The in-process engine (``vllm.LLM``); None in server mode.
     llm: Any = None
 
-    def __init__(self, *args: Any, log_level: str = "WARNING", cuda: bool | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, log_level: str = "WARNING", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.log_level = log_level
-        self.cuda = cuda
-        #: Server mode's weight specs, worked out while its server starts.
-        self._specs_ahead: Future[list[Any]] | None = None
-
-    def _on_cuda(self) -> bool:
-        """Whether this engine runs on a GPU: as the handle decided from the cluster (Ray
-        then gives the actor one), without importing torch here; a worker built directly
-        (a test) asks torch. In server mode the actor itself never needs torch: its import
-        would take seconds of the cores the server starts on."""
-        if self.cuda is not None:
-            return self.cuda
-        import torch
-
-        return bool(torch.cuda.is_available())
 
     def _set_vllm_env(self) -> None:
         """vLLM's settings of this process, made before vLLM is imported (it reads them
@@ -168,11 +156,7 @@ class VLLMWorker(EngineWorker):
             env=env,
             **self._bind(),
         )
-        # The handle asks for the weight specs next: worked out while the server starts
-        # (torch, transformers and a meta model take seconds), not after it is ready.
-        pool = ThreadPoolExecutor(1, thread_name_prefix="weight-specs")
-        self._specs_ahead = pool.submit(self._meta_specs)
-        pool.shutdown(wait=False)
+        self._work_out_specs_ahead()
         try:
             return self.server.wait_ready(timeout_s)
         except BaseException:
@@ -288,29 +272,6 @@ class VLLMWorker(EngineWorker):
         return [float(lps[k][str(ids[k])]["logprob"]) for k in range(len(prompt), len(ids))]
 
     # ----------------------------------------------------------------- refit
-
-    def weight_specs(self) -> list[Any]:
-        """``TensorSpec`` of every weight the engine expects, under Hugging Face names.
-
-        The names and shapes of the checkpoint's Hugging Face ``state_dict`` (tied
-        weights under every name), in the run's dtype. Built on the meta device from
-        ``config.json``: no weight is read, so it works refit-fed. Server mode has them
-        worked out while its server starts.
-        """
-        if self._specs_ahead is not None:
-            return list(self._specs_ahead.result())
-        return self._meta_specs()
-
-    def _meta_specs(self) -> list[Any]:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from rlcore.refit.specs import spec_of
-
-        config = AutoConfig.from_pretrained(self.model_dir)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, self.dtype))
-        return [spec_of(name, t) for name, t in model.state_dict().items()]
 
     def open_refit_channel(self, spec: Any, rank: int) -> None:
         """Join refit channel ``spec`` as ``rank`` (vLLM's ``init_weight_transfer_engine``)."""
