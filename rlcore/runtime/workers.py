@@ -198,8 +198,6 @@ def require_ray(backend: str, role: str) -> None:
 def resolve_worker_device(requested: str, *, backend: str, section: str) -> str:
     """``<section>.options.device`` of ``backend``: ``cpu``, ``cuda``, or ``auto`` (CUDA when
     the Ray cluster has a GPU); ConfigError for anything else."""
-    import ray
-
     if requested not in ("auto", "cpu", "cuda"):
         raise ConfigError(
             f"{section}.options.device of backend '{backend}' is {requested!r}; use auto, cpu or cuda",
@@ -207,7 +205,15 @@ def resolve_worker_device(requested: str, *, backend: str, section: str) -> str:
         )
     if requested != "auto":
         return requested
-    return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+    return "cuda" if cluster_has_gpu() else "cpu"
+
+
+def cluster_has_gpu() -> bool:
+    """Whether the Ray cluster this process is connected to has a GPU: engines and ranks
+    then run on CUDA (each actor gets one from Ray)."""
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) >= 1
 
 
 def device_resources(

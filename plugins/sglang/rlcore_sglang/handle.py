@@ -16,7 +16,7 @@ from rlcore.context import InitContext
 from rlcore.errors import ConfigError
 from rlcore.handles import Endpoint
 from rlcore.runtime.generation_group import GroupGeneration, start_engines
-from rlcore.runtime.workers import server_host
+from rlcore.runtime.workers import cluster_has_gpu, server_host
 from rlcore_sglang.options import SGLangOptions
 from rlcore_sglang.worker import SGLangWorker
 
@@ -55,8 +55,6 @@ class SGLangGeneration(GroupGeneration):
 
 def start_generation(ctx: InitContext) -> SGLangGeneration:
     """Start ``generation.workers`` SGLang servers as configured by ``ctx``; see the module doc."""
-    import ray
-
     from rlcore.tinymodel import ensure_model
     from rlcore_sglang.server import find_sglang_python
 
@@ -72,7 +70,7 @@ def start_generation(ctx: InitContext) -> SGLangGeneration:
     ctx.deadline.raise_if_expired()
     find_sglang_python(options.python)  # fail before anything starts if the venv is missing
     model_dir = ensure_model(ctx.config.model, ctx.cache_dir, cancel=ctx.cancel, deadline=ctx.deadline)
-    cuda = ray.cluster_resources().get("GPU", 0) >= 1
+    cuda = cluster_has_gpu()
     group, info, specs, endpoints = start_engines(
         ctx,
         SGLangWorker,

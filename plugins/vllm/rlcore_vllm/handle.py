@@ -15,6 +15,7 @@ from typing import Any
 
 from rlcore.context import InitContext
 from rlcore.runtime.generation_group import GroupGeneration, start_engines
+from rlcore.runtime.workers import cluster_has_gpu
 from rlcore_vllm.options import VLLMOptions
 from rlcore_vllm.worker import VLLMWorker
 
@@ -37,8 +38,6 @@ def _options(raw: Any) -> VLLMOptions:
 
 def start_generation(ctx: InitContext) -> VLLMGeneration:
     """Start ``generation.workers`` vLLM engines as configured by ``ctx``; see the module doc."""
-    import ray
-
     from rlcore.errors import ConfigError
     from rlcore.tinymodel import ensure_model
 
@@ -47,7 +46,7 @@ def start_generation(ctx: InitContext) -> VLLMGeneration:
     model_dir = ensure_model(
         ctx.config.model, ctx.cache_dir, cancel=ctx.cancel, deadline=ctx.deadline
     )
-    cuda = ray.cluster_resources().get("GPU", 0) >= 1
+    cuda = cluster_has_gpu()
     if cuda and section.devices_per_worker != 1:
         raise ConfigError(
             "generation.devices_per_worker must be 1 for the vllm backend on GPUs (one GPU per "
