@@ -197,6 +197,38 @@ def test_tcp_store_binds_loopback_for_a_loopback_host() -> None:
     del store
 
 
+def test_a_rendezvous_port_listens_before_its_store_exists() -> None:
+    """A rank told the address may connect before rank 0 builds the store: the port must
+    already accept (a refused connect makes torch's client back off for ~0.5 s), and the
+    store must then serve on that very socket."""
+    import socket
+    import threading
+
+    import psutil
+
+    from rlcore.runtime.workers import listen_ahead, tcp_store
+
+    port = listen_ahead("127.0.0.1")
+    assert listen_ahead("127.0.0.1") != port  # each address gets its own held port
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass  # accepted by the backlog: no store exists yet
+    client: dict[str, object] = {}
+
+    def join() -> None:  # a client store that comes first waits for the master
+        client["store"] = tcp_store("127.0.0.1", port, 2, False, 30.0)
+
+    early = threading.Thread(target=join)
+    early.start()
+    master = tcp_store("127.0.0.1", port, 2, True, 30.0)
+    early.join(30.0)
+    assert not early.is_alive()
+    master.set("k", "v")
+    assert client["store"].get("k") == b"v"  # type: ignore[attr-defined]
+    listening = {c.laddr.ip for c in psutil.Process().net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    assert listening == {"127.0.0.1"}  # the held socket, bound to the host asked for
+
+
 def test_shutdown_returns_after_stragglers_are_killed(cluster) -> None:
     group = WorkerGroup(StubbornWorker, 2, name="stubborn", num_cpus=0.5, dist_backend=None)
     pids = group.pids()

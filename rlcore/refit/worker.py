@@ -17,7 +17,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from rlcore.runtime.workers import free_port, node_ip
+from rlcore.runtime.workers import listen_ahead, node_ip
 
 if TYPE_CHECKING:
     from rlcore.refit.channels import ChannelSpec
@@ -32,8 +32,10 @@ class RefitChannels:
     rank: int
 
     def refit_address(self) -> tuple[str, int]:
-        """Host and free port on this rank's node for a collective refit channel."""
-        return node_ip(), free_port()
+        """This rank's node address and a port listening for the channel's store
+        (:func:`rlcore.runtime.workers.listen_ahead`: the receivers may connect first)."""
+        host = node_ip()
+        return host, listen_ahead(host)
 
     def _joined_channels(self) -> list[ChannelSpec]:
         joined: list[ChannelSpec] | None = self.__dict__.get("_refit_channels")
