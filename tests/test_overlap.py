@@ -25,6 +25,18 @@ def test_background_returns_the_value_and_reraises_the_error() -> None:
         job.result()
 
 
+def test_a_deferred_job_runs_only_once_started() -> None:
+    ran = threading.Event()
+    job = overlap.Background("later", ran.set, defer=True)
+    assert job.join(0.1)  # nothing to wait for yet
+    assert not ran.wait(0.3), "a deferred job ran before start()"
+    job.start()
+    job.start()  # idempotent: a second start would raise RuntimeError from threading
+    assert ran.wait(10)
+    # result() starts one that nobody started (a run that ended before its first step).
+    assert overlap.Background("never started", lambda: 7, defer=True).result(timeout=10) == 7
+
+
 def test_concurrently_runs_both_at_once() -> None:
     # Each side waits for the other to have started: run one after the other, the first
     # would wait out its deadline and return False.

@@ -162,6 +162,20 @@ def test_group_forms_a_process_group_and_tears_down(cluster) -> None:
     assert not [p for p in pids if _running(p)], "worker processes survived shutdown"
 
 
+def test_the_embedded_cluster_retries_local_connects_quickly(cluster) -> None:
+    """Ray's default retry of a local socket connect is once a second: a raylet whose
+    object store was not listening at the first try made ``ray.init`` a second longer."""
+    import ray
+
+    from rlcore.runtime.cluster import LOCAL_CONNECT_RETRY
+
+    config = ray._private.state.state.get_system_config()  # what the cluster's processes run with
+    assert {k: config.get(k) for k in LOCAL_CONNECT_RETRY} == {
+        "raylet_client_connect_timeout_milliseconds": 50,
+        "raylet_client_num_connect_attempts": 200,
+    }
+
+
 def test_workers_of_the_embedded_cluster_run_at_the_drivers_priority(cluster) -> None:
     """Ray's default niceness for workers (15) starves them beside ordinary busy processes."""
     group = WorkerGroup(EchoWorker, 2, name="echo-nice", num_cpus=0.5)

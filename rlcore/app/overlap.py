@@ -11,7 +11,9 @@ as its inputs exist, checks passed, and the run joins it where it needs the resu
 * :func:`prefetch_tokenizer` after the checks that need no cluster, so the model and
   the tokenizer are ready while ``ray.init`` runs (the inits then find the model
   published, and torch already imported);
-* :class:`Background` for the setup plot, joined before the run returns;
+* :class:`Background` for the setup plot, started once the first step is done (matplotlib's
+  import and the drawing took 0.7 CPU-s from the first step's processes on a 2-core
+  host) and joined before the run returns;
 * :func:`concurrently` for two independent remote calls (the first refit's check asks
   the policy and the generation for the same logprobs).
 """
@@ -35,12 +37,15 @@ U = TypeVar("U")
 
 
 class Background:
-    """``fn(*args, **kwargs)`` in a daemon thread; :meth:`result` joins it and returns its
-    value or raises its error in the caller."""
+    """``fn(*args, **kwargs)`` in a daemon thread, started at once (with ``defer``, at the
+    first :meth:`start` or :meth:`result`); :meth:`result` joins it and returns its value
+    or raises its error in the caller."""
 
-    def __init__(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    def __init__(self, name: str, fn: Callable[..., Any], *args: Any, defer: bool = False, **kwargs: Any) -> None:
         self.name = name
         self._future: Future[Any] = Future()
+        self._started = False
+        self._start_lock = threading.Lock()
 
         def run() -> None:
             try:
@@ -49,14 +54,26 @@ class Background:
                 self._future.set_exception(err)
 
         self._thread = threading.Thread(target=run, name=f"rlcore-{name}", daemon=True)
-        self._thread.start()
+        if not defer:
+            self.start()
+
+    def start(self) -> None:
+        """Start the thread (once; later calls do nothing)."""
+        with self._start_lock:
+            if not self._started:
+                self._started = True
+                self._thread.start()
 
     def result(self, timeout: float | None = None) -> Any:
         """The value (after waiting up to ``timeout`` seconds); re-raises the thread's error."""
+        self.start()
         return self._future.result(timeout)
 
     def join(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds, never raising; True if it has finished."""
+        """Wait up to ``timeout`` seconds, never raising; True if it has finished (or never
+        started)."""
+        if not self._started:
+            return True
         self._thread.join(timeout)
         return not self._thread.is_alive()
 

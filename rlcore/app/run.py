@@ -142,11 +142,12 @@ def run_job(
             )
         trace.add_execution(setup.execution, setup.plan)
         _record_setup(setup, cluster, metrics_writer, console)
-        plot = overlap.Background("setup plot", _plot_setup, setup, run_dir, config)
+        # Drawn once the first step is done: it needs no cluster, and the first step does.
+        plot = overlap.Background("setup plot", _plot_setup, setup, run_dir, config, defer=True)
         _write_placement(run_dir, setup, cluster.network(config), groups_before)
         if not setup_only:
             phase.now = "the first refit's check"
-            _train(config, setup, cancel, trace, metrics_writer, run_dir, console, phase)
+            _train(config, setup, cancel, trace, metrics_writer, run_dir, console, phase, plot.start)
         plot.result()
         phase.now = "teardown"
         return run_dir
@@ -157,7 +158,8 @@ def run_job(
             err, phase.now, cancel, setup, cluster, trace, metrics_writer, run_dir, plan
         ) from None
     finally:
-        if plot is not None:
+        if plot is not None:  # the timeline of a setup that finished, whatever came after
+            plot.start()
             plot.join(30.0)
         if setup is not None:
             for line in setup.shutdown():
@@ -324,6 +326,7 @@ def _train(
     run_dir: Path,
     console: Console,
     phase: RunPhase,
+    after_first_step: Callable[[], None] = lambda: None,
 ) -> None:
     tokenizer = overlap.tokenizer(config.model, cache_dir(config))
     # Every call goes through the contract's checks, naming the backend that broke it.
@@ -370,6 +373,7 @@ def _train(
             f"refit {m['refit/weight_sync_time_s'] * 1e3:.0f} ms  "
             f"mult_prob_err {m['refit/token_mult_prob_error']:.4f}  ({m['timing/step_time_s']:.1f}s)"
         )
+        after_first_step()
 
     phase.now = "step 1"
     history = run_grpo(
