@@ -102,7 +102,7 @@ def fast_path_refusal(path: Path) -> str | None:
     return _checked(path)[1]
 
 
-def _auto_tokenizer(path: str) -> Any:
+def transformers_tokenizer(path: str) -> Any:
     """transformers' ``AutoTokenizer`` of ``path``, imported under :data:`TRANSFORMERS_LOCK`."""
     with TRANSFORMERS_LOCK:
         from transformers import AutoTokenizer
@@ -178,7 +178,7 @@ class FastTokenizer:
         with self._full_lock:
             if self._full is None:
                 log.info("loading transformers' tokenizer of %s for an attribute rlcore does not serve", self.name_or_path)
-                self._full = _auto_tokenizer(self.name_or_path)
+                self._full = transformers_tokenizer(self.name_or_path)
             return self._full
 
     def __getattr__(self, name: str) -> Any:
@@ -207,4 +207,4 @@ def load(path: Path) -> Any:
     if refusal is None:
         return FastTokenizer(path, files)
     log.debug("tokenizer of %s through transformers: %s", path, refusal)
-    return _auto_tokenizer(str(path))
+    return transformers_tokenizer(str(path))

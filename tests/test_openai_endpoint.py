@@ -284,3 +284,34 @@ def test_models_and_stop_releases_the_port(serve, tokenizer) -> None:
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/models", timeout=2, trust_env=False)
     server.stop()  # idempotent
+
+
+def test_an_endpoint_serves_with_the_tokenizer_prepared_ahead(tokenizer, tmp_path) -> None:
+    """prepare() loads transformers' tokenizer of a path in a thread while the engine starts;
+    the endpoint given its future serves chat with that tokenizer's template; a path
+    without a tokenizer fails start() with the loader's error."""
+    from concurrent.futures import Future
+
+    from rlcore.serve.openai_endpoint import prepare
+
+    tokenizer.save_pretrained(tmp_path)
+    ahead = prepare(str(tmp_path))
+    assert isinstance(ahead, Future)
+    engine = ScriptedEngine(tokenizer)
+    server = OpenAIEndpoint(engine, ahead, model_name="policy", max_sequence_length=64, eos_token_ids=[EOS])
+    endpoint = server.start(timeout_s=120)
+    try:
+        with httpx.Client(base_url=endpoint.base_url.removesuffix("/v1"), timeout=20, trust_env=False) as client:
+            r = client.post("/v1/chat/completions", json=GYM_BODY)
+            assert r.status_code == 200, r.text
+        prompt = tokenizer.encode(
+            tokenizer.apply_chat_template(GYM_BODY["messages"], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        assert engine.calls[0]["prompts"] == [prompt]
+        assert server.tokenizer is ahead.result()  # the prepared one, not a second load
+    finally:
+        server.stop()
+    missing = prepare(str(tmp_path / "no-such-model"))
+    with pytest.raises(Exception, match="no-such-model"):
+        OpenAIEndpoint(engine, missing, model_name="policy", max_sequence_length=64).start(timeout_s=120)

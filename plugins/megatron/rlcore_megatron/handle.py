@@ -515,6 +515,11 @@ def start_generation(ctx: InitContext) -> MegatronGeneration:
     options, section, dtype = start.options, start.section, start.dtype
     model_dir, spec, device, t0 = start.model_dir, start.spec, start.device, start.t0
     refit_fed = bool(section.refit_fed)
+    endpoint_tokenizer = None
+    if options.serve_openai:  # its tokenizer and imports load while the engine starts
+        from rlcore.serve.openai_endpoint import prepare
+
+        endpoint_tokenizer = prepare(str(model_dir))
     key, padded = None, None
     if not refit_fed:
         if ctx.config.policy.backend != BACKEND:
@@ -585,7 +590,7 @@ def start_generation(ctx: InitContext) -> MegatronGeneration:
     )
     if options.serve_openai:
         try:
-            handle.server = _start_endpoint(handle, model_dir, options, ctx)
+            handle.server = _start_endpoint(handle, model_dir, options, ctx, endpoint_tokenizer)
         except BaseException:
             handle.shutdown()
             raise
@@ -607,9 +612,11 @@ def start_generation(ctx: InitContext) -> MegatronGeneration:
 
 
 def _start_endpoint(
-    handle: MegatronGeneration, model_dir: Path, options: MegatronOptions, ctx: InitContext
+    handle: MegatronGeneration, model_dir: Path, options: MegatronOptions, ctx: InitContext,
+    tokenizer: Any = None,
 ) -> Any:
-    """The OpenAI-compatible endpoint over ``handle.generate`` (``serve_openai``)."""
+    """The OpenAI-compatible endpoint over ``handle.generate`` (``serve_openai``);
+    ``tokenizer``: what :func:`rlcore.serve.openai_endpoint.prepare` started loading."""
     from rlcore.placement import Network
     from rlcore.runtime.workers import is_loopback, server_host
     from rlcore.serve.openai_endpoint import OpenAIEndpoint
@@ -622,7 +629,7 @@ def _start_endpoint(
     token = ctx.network.token or (None if is_loopback(host) else Network.spread().token)
     server = OpenAIEndpoint(
         handle,
-        str(model_dir),
+        str(model_dir) if tokenizer is None else tokenizer,
         model_name=options.served_model_name,
         max_sequence_length=options.max_sequence_length,
         eos_token_ids=eos_token_ids(str(model_dir)),

@@ -71,6 +71,12 @@ def start_generation(ctx: InitContext) -> SGLangGeneration:
     find_sglang_python(options.python)  # fail before anything starts if the venv is missing
     model_dir = ensure_model(ctx.config.model, ctx.cache_dir, cancel=ctx.cancel, deadline=ctx.deadline)
     cuda = cluster_has_gpu()
+    # rlcore's endpoint: its tokenizer and imports load while the servers start.
+    front_tokenizer = None
+    if options.endpoint == "rlcore":
+        from rlcore.serve.openai_endpoint import prepare
+
+        front_tokenizer = prepare(str(model_dir))
     group, info, specs, endpoints = start_engines(
         ctx,
         SGLangWorker,
@@ -93,15 +99,18 @@ def start_generation(ctx: InitContext) -> SGLangGeneration:
     )
     if options.endpoint == "rlcore":
         try:
-            handle.front = _front_endpoint(handle, model_dir, options, ctx)
+            handle.front = _front_endpoint(handle, model_dir, options, ctx, front_tokenizer)
         except BaseException:
             handle.shutdown()
             raise
     return handle
 
 
-def _front_endpoint(handle: SGLangGeneration, model_dir: Any, options: SGLangOptions, ctx: InitContext) -> Any:
-    """rlcore's OpenAI-compatible endpoint over ``handle.generate`` (option ``endpoint: rlcore``)."""
+def _front_endpoint(
+    handle: SGLangGeneration, model_dir: Any, options: SGLangOptions, ctx: InitContext, tokenizer: Any = None
+) -> Any:
+    """rlcore's OpenAI-compatible endpoint over ``handle.generate`` (option ``endpoint: rlcore``);
+    ``tokenizer``: what :func:`rlcore.serve.openai_endpoint.prepare` started loading."""
     import json
 
     from rlcore.serve.openai_endpoint import OpenAIEndpoint
@@ -114,7 +123,7 @@ def _front_endpoint(handle: SGLangGeneration, model_dir: Any, options: SGLangOpt
     config = json.loads((model_dir / "config.json").read_text())
     server = OpenAIEndpoint(
         handle,
-        str(model_dir),
+        str(model_dir) if tokenizer is None else tokenizer,
         model_name=options.served_model_name,
         max_sequence_length=options.context_length or int(config.get("max_position_embeddings", 2048)),
         eos_token_ids=sorted(eos),
