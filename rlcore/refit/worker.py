@@ -17,7 +17,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from rlcore.runtime.workers import listen_ahead, node_ip
+from rlcore.runtime.workers import listening_address
 
 if TYPE_CHECKING:
     from rlcore.refit.channels import ChannelSpec
@@ -32,10 +32,9 @@ class RefitChannels:
     rank: int
 
     def refit_address(self) -> tuple[str, int]:
-        """This rank's node address and a port listening for the channel's store
-        (:func:`rlcore.runtime.workers.listen_ahead`: the receivers may connect first)."""
-        host = node_ip()
-        return host, listen_ahead(host)
+        """Where the channel's store meets (:func:`rlcore.runtime.workers.listening_address`:
+        the receivers may connect before this rank's store exists)."""
+        return listening_address()
 
     def _joined_channels(self) -> list[ChannelSpec]:
         joined: list[ChannelSpec] | None = self.__dict__.get("_refit_channels")

@@ -54,8 +54,8 @@ WORKER_NICENESS = 0
 #: worker to its raylet): every 50 ms, 200 times, instead of every second, 10 times (the
 #: same 10 s in all). The raylet connects to the object store it has just started in
 #: another thread; when the store was not listening yet at the first try, ``ray.init``
-#: took a whole second longer: 3.35 s instead of 2.35 s in 5 of 10 starts on a 2-core
-#: host, 0 of 10 with these values (bench note in ``docs/decisions.md``).
+#: took a whole second longer: 3 of 10 plain starts on a 2-core host, 0 of 10 with these
+#: values (``bench/ray_start.py``, ``bench/results/ray_start_cpu.txt``).
 LOCAL_CONNECT_RETRY = {
     "raylet_client_connect_timeout_milliseconds": 50,
     "raylet_client_num_connect_attempts": 200,

@@ -170,6 +170,13 @@ def listen_ahead(host: str) -> int:
     return port
 
 
+def listening_address() -> tuple[str, int]:
+    """This process's node address and a port already listening there (:func:`listen_ahead`):
+    what rank 0 answers when asked where a store it will serve meets."""
+    host = node_ip()
+    return host, listen_ahead(host)
+
+
 def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> Any:
     """A ``torch.distributed.TCPStore`` for rendezvous at ``host:port``.
 
@@ -276,9 +283,8 @@ class DistributedWorker:
         self.world_size = world_size
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """This node's address and a port listening for the group's store (:func:`listen_ahead`)."""
-        host = node_ip()
-        return host, listen_ahead(host)
+        """Where the group's store meets (:func:`listening_address`)."""
+        return listening_address()
 
     def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> None:
         """Join the group's default process group; rank 0 serves the rendezvous store

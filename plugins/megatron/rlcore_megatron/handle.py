@@ -613,7 +613,7 @@ def start_generation(ctx: InitContext) -> MegatronGeneration:
 
 def _start_endpoint(
     handle: MegatronGeneration, model_dir: Path, options: MegatronOptions, ctx: InitContext,
-    tokenizer: Any = None,
+    tokenizer: Any,
 ) -> Any:
     """The OpenAI-compatible endpoint over ``handle.generate`` (``serve_openai``);
     ``tokenizer``: what :func:`rlcore.serve.openai_endpoint.prepare` started loading."""
@@ -629,7 +629,7 @@ def _start_endpoint(
     token = ctx.network.token or (None if is_loopback(host) else Network.spread().token)
     server = OpenAIEndpoint(
         handle,
-        str(model_dir) if tokenizer is None else tokenizer,
+        tokenizer,
         model_name=options.served_model_name,
         max_sequence_length=options.max_sequence_length,
         eos_token_ids=eos_token_ids(str(model_dir)),

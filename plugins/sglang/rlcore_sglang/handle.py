@@ -107,7 +107,7 @@ def start_generation(ctx: InitContext) -> SGLangGeneration:
 
 
 def _front_endpoint(
-    handle: SGLangGeneration, model_dir: Any, options: SGLangOptions, ctx: InitContext, tokenizer: Any = None
+    handle: SGLangGeneration, model_dir: Any, options: SGLangOptions, ctx: InitContext, tokenizer: Any
 ) -> Any:
     """rlcore's OpenAI-compatible endpoint over ``handle.generate`` (option ``endpoint: rlcore``);
     ``tokenizer``: what :func:`rlcore.serve.openai_endpoint.prepare` started loading."""
@@ -123,7 +123,7 @@ def _front_endpoint(
     config = json.loads((model_dir / "config.json").read_text())
     server = OpenAIEndpoint(
         handle,
-        str(model_dir) if tokenizer is None else tokenizer,
+        tokenizer,
         model_name=options.served_model_name,
         max_sequence_length=options.context_length or int(config.get("max_position_embeddings", 2048)),
         eos_token_ids=sorted(eos),
