@@ -15,14 +15,18 @@ when the two files leave transformers nothing to change (:func:`fast_path_refusa
   ``tokenizer.json``, and every entry of ``added_tokens_decoder`` is there with its id
   (transformers would otherwise add or re-flag tokens, changing ids or what
   ``skip_special_tokens`` drops);
-* ``clean_up_tokenization_spaces`` off (transformers' default).
+* ``clean_up_tokenization_spaces`` off (transformers' default);
+* no legacy ``special_tokens_map.json`` beside a config without ``added_tokens_decoder``
+  (transformers would take the special tokens from it).
 
 Any other checkpoint gets transformers' ``AutoTokenizer``. :class:`FastTokenizer` serves
-what the run's loop and prompt-and-score envs call (``tokenizer(text).input_ids``,
-``encode``, ``decode``, ``batch_decode``, the special token ids, ``len``) and hands any
-other attribute to the transformers tokenizer of the same files, loaded on first use, so
-an env that needs more of Hugging Face's interface (``apply_chat_template``, ``pad``...)
-still gets it. ``tests/test_tokenizer.py`` holds the two to the same ids and texts.
+what the run's loop, prompt-and-score envs and OpenAI-compatible endpoints call
+(``tokenizer(text).input_ids``, ``encode``, ``decode``, ``batch_decode``, the special
+token ids, ``len``, ``apply_chat_template`` through :mod:`rlcore.chat_template`) and hands
+any other attribute to the transformers tokenizer of the same files, loaded on first use,
+so an env that needs more of Hugging Face's interface (``pad``, tensors...) still gets it.
+``tests/test_tokenizer.py`` and ``tests/test_chat_template.py`` hold the two to the same
+ids and texts.
 """
 
 from __future__ import annotations
@@ -34,12 +38,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rlcore.chat_template import ChatTemplate, read_templates
+
 log = logging.getLogger(__name__)
 
 #: transformers' class names of the generic fast tokenizer (v5 and v4 spellings).
 GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 #: Config keys that name one special token each.
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+#: ``apply_chat_template`` keywords that only transformers serves.
+_TRANSFORMERS_CHAT_KEYS = (
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+)
 
 #: transformers' lazy imports are not thread-safe (two threads importing at once get
 #: ImportError): every import of it by the driver's threads is made under this lock
@@ -94,7 +110,11 @@ def _refusal(config: dict[str, Any], spec_text: str) -> str | None:
 def _checked(path: Path) -> tuple[tuple[dict[str, Any], str] | None, str | None]:
     """``path``'s files (:func:`_read`) and why they need transformers (or None)."""
     files = _read(path)
-    return files, "no tokenizer.json and tokenizer_config.json" if files is None else _refusal(*files)
+    if files is None:
+        return None, "no tokenizer.json and tokenizer_config.json"
+    if "added_tokens_decoder" not in files[0] and (path / "special_tokens_map.json").is_file():
+        return files, "special tokens in a legacy special_tokens_map.json"
+    return files, _refusal(*files)
 
 
 def fast_path_refusal(path: Path) -> str | None:
@@ -140,10 +160,16 @@ class FastTokenizer:
         self._tokenizer.no_padding()
         self._full: Any = None
         self._full_lock = threading.Lock()
+        specials = {}
         for key in SPECIAL_KEYS:
             token = _token_text(self._config.get(key))
             setattr(self, key, token)
             setattr(self, f"{key}_id", None if token is None else self._tokenizer.token_to_id(token))
+            if token is not None:
+                specials[key] = token
+        #: The checkpoint's template(s), as transformers' attribute of the same name.
+        self.chat_template = read_templates(path, config)
+        self._chat = ChatTemplate(self.chat_template, specials)
 
     def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True, **kwargs: Any) -> Encoded:
         """``input_ids`` (and ``attention_mask``) of one text, or one list per text."""
@@ -171,6 +197,48 @@ class FastTokenizer:
 
     def __len__(self) -> int:
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def apply_chat_template(
+        self,
+        conversation: Sequence[Any],
+        tools: Sequence[Any] | None = None,
+        documents: Sequence[Any] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool | str = False,
+        tokenize: bool = True,
+        return_dict: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        """transformers' ``apply_chat_template`` (v5 defaults), rendered by
+        :class:`rlcore.chat_template.ChatTemplate`: the text (``tokenize=False``), else
+        its ids, as ``input_ids`` and ``attention_mask`` with ``return_dict``. One
+        conversation or a list of them. Padding, truncation, tensors, assistant masks and
+        tools given as functions are transformers' own: such calls go to it."""
+        template_options = dict(
+            tools=tools,
+            documents=documents,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **kwargs,
+        )
+        if any(k in kwargs for k in _TRANSFORMERS_CHAT_KEYS) or any(
+            not isinstance(t, dict) for t in tools or ()
+        ):
+            return self.full.apply_chat_template(
+                conversation, tokenize=tokenize, return_dict=return_dict, **template_options
+            )
+        batched = bool(conversation) and isinstance(conversation[0], list | tuple)
+        chats = conversation if batched else [conversation]
+        texts = [self._chat.render(chat, **template_options) for chat in chats]
+        if not tokenize:
+            return texts if batched else texts[0]
+        ids = [self.encode(t, add_special_tokens=False) for t in texts]
+        if not return_dict:
+            return ids if batched else ids[0]
+        masks = [[1] * len(i) for i in ids]
+        return Encoded(input_ids=ids if batched else ids[0], attention_mask=masks if batched else masks[0])
 
     @property
     def full(self) -> Any:

@@ -24,10 +24,13 @@ off the event loop. Unsupported parameters (stop strings, ``top_p`` < 1,
 ``top_logprobs`` > 0, ``echo``) are answered with a 400 naming the parameter
 rather than ignored.
 
-Heavy imports (fastapi, uvicorn, transformers) happen in :meth:`OpenAIEndpoint.start`,
-or ahead of it in a thread (:func:`prepare`): a backend that starts the endpoint once its
-engine is ready calls :func:`prepare` when the engine starts and passes the future as the
-endpoint's tokenizer, so the seconds of transformers' import overlap the engine's start.
+The tokenizer of a path is :func:`rlcore.tokenizer.load`'s: for the generic fast
+tokenizer that is ``tokenizers`` with the chat template rendered by jinja2
+(:mod:`rlcore.chat_template`), no transformers (whose import, torch's included, took
+~3.8 CPU-s beside the workers' start). The server's imports (fastapi, uvicorn) happen in
+:meth:`OpenAIEndpoint.start`, or ahead of it in a thread (:func:`prepare`): a backend that
+starts the endpoint once its engine is ready calls :func:`prepare` when the engine starts
+and passes the future as the endpoint's tokenizer.
 """
 
 from __future__ import annotations
@@ -259,7 +262,8 @@ class OpenAIEndpoint:
 
     Args:
         generator: the engine (a generation handle's ``generate``).
-        tokenizer: a Hugging Face tokenizer, the path of one (loaded at start) or the
+        tokenizer: a Hugging Face tokenizer (or :class:`rlcore.tokenizer.FastTokenizer`),
+            the path of one (loaded at start by :func:`rlcore.tokenizer.load`) or the
             future :func:`prepare` returns.
         model_name: the name requests must use (``model``) and ``/v1/models`` lists.
         max_sequence_length: longest prompt + completion the engine takes; longer
@@ -628,9 +632,7 @@ class OpenAIEndpoint:
         if isinstance(self.tokenizer, Future):
             self.tokenizer = self.tokenizer.result(timeout=max(1.0, timeout_s))
         if isinstance(self.tokenizer, str):
-            from rlcore.tokenizer import transformers_tokenizer
-
-            self.tokenizer = transformers_tokenizer(self.tokenizer)
+            self.tokenizer = _load_tokenizer(self.tokenizer)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
@@ -687,13 +689,20 @@ class OpenAIEndpoint:
             )
 
 
+def _load_tokenizer(path: str) -> Any:
+    from pathlib import Path
+
+    from rlcore.tokenizer import load
+
+    return load(Path(path))
+
+
 def prepare(tokenizer_path: str) -> Future[Any]:
-    """Load what :meth:`OpenAIEndpoint.start` needs ahead of it, in a daemon thread:
-    transformers' tokenizer of ``tokenizer_path`` (chat templates are transformers') and
-    the server's imports (fastapi, uvicorn). Returns the tokenizer's future; pass it as
-    the endpoint's ``tokenizer``. Started with the engine, transformers' import (seconds
-    of CPU) overlaps the engine's start instead of following it: megatron's endpoint
-    started 3.7 s after its engine was ready, on the path every reader waited on.
+    """Load what :meth:`OpenAIEndpoint.start` needs ahead of it, in a daemon thread: the
+    tokenizer of ``tokenizer_path`` (:func:`rlcore.tokenizer.load`, chat template included)
+    and the server's imports (fastapi, uvicorn). Returns the tokenizer's future; pass it as
+    the endpoint's ``tokenizer``. Started with the engine, this overlaps the engine's start
+    instead of following it (the endpoint is on the path every reader waits on).
     """
     done: Future[Any] = Future()
 
@@ -702,9 +711,7 @@ def prepare(tokenizer_path: str) -> Future[Any]:
             import fastapi  # noqa: F401  (what start() imports, ready when it does)
             import uvicorn  # noqa: F401
 
-            from rlcore.tokenizer import transformers_tokenizer
-
-            done.set_result(transformers_tokenizer(tokenizer_path))
+            done.set_result(_load_tokenizer(tokenizer_path))
         except BaseException as err:  # start() re-raises it
             done.set_exception(err)
 
