@@ -27,7 +27,7 @@ rather than ignored.
 The tokenizer of a path is :func:`rlcore.tokenizer.load`'s: for the generic fast
 tokenizer that is ``tokenizers`` with the chat template rendered by jinja2
 (:mod:`rlcore.chat_template`), no transformers (whose import, torch's included, took
-~3.8 CPU-s beside the workers' start). The server's imports (fastapi, uvicorn) happen in
+~3.8 CPU-s beside the workers' start). The server's imports (starlette, uvicorn) happen in
 :meth:`OpenAIEndpoint.start`, or ahead of it in a thread (:func:`prepare`): a backend that
 starts the endpoint once its engine is ready calls :func:`prepare` when the engine starts
 and passes the future as the endpoint's tokenizer.
@@ -545,11 +545,15 @@ class OpenAIEndpoint:
     # ------------------------------------------------------------ HTTP
 
     def app(self) -> Any:
-        """The FastAPI application (routes above, errors in OpenAI's shape)."""
-        from fastapi import FastAPI, Request
-        from fastapi.responses import JSONResponse
-
-        app = FastAPI(title=f"rlcore OpenAI-compatible endpoint ({self.model_name})")
+        """The Starlette application (routes above, errors in OpenAI's shape). Plain
+        Starlette, not FastAPI: the handlers parse the JSON body themselves (FastAPI's
+        injection would answer malformed bodies with its own 422 shape), and FastAPI's
+        import (pydantic's models) would cost the driver ~0.15 CPU-s more."""
+        from starlette.applications import Starlette
+        from starlette.middleware import Middleware
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
 
         def error(status: int, message: str, param: str | None = None) -> JSONResponse:
             kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
@@ -586,8 +590,6 @@ class OpenAIEndpoint:
                 log.exception("%s: request failed", self.model_name)
                 return error(500, f"{type(err).__name__}: {err}")
 
-        # Plain Starlette routes: the handlers parse the JSON body themselves (FastAPI's
-        # injection would answer malformed bodies with its own 422 shape).
         async def health(request: Request) -> JSONResponse:
             return JSONResponse({})
 
@@ -601,17 +603,20 @@ class OpenAIEndpoint:
 
             return endpoint
 
-        app.add_route("/health", health, methods=["GET"])
-        app.add_route("/v1/models", models, methods=["GET"])
-        app.add_route("/v1/chat/completions", post(self.chat_completion), methods=["POST"])
-        app.add_route("/v1/completions", post(self.completion), methods=["POST"])
-        app.add_route("/tokenize", post(self.tokenize), methods=["POST"])
-        app.add_route("/detokenize", post(self.detokenize), methods=["POST"])
+        routes = [
+            Route("/health", health, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/chat/completions", post(self.chat_completion), methods=["POST"]),
+            Route("/v1/completions", post(self.completion), methods=["POST"]),
+            Route("/tokenize", post(self.tokenize), methods=["POST"]),
+            Route("/detokenize", post(self.detokenize), methods=["POST"]),
+        ]
+        middleware = []
         if self.token:
             from rlcore.serve.auth import BearerGuard
 
-            app.add_middleware(BearerGuard, token=self.token)
-        return app
+            middleware.append(Middleware(BearerGuard, token=self.token))
+        return Starlette(routes=routes, middleware=middleware)
 
     @property
     def endpoint(self) -> Endpoint | None:
@@ -700,7 +705,7 @@ def _load_tokenizer(path: str) -> Any:
 def prepare(tokenizer_path: str) -> Future[Any]:
     """Load what :meth:`OpenAIEndpoint.start` needs ahead of it, in a daemon thread: the
     tokenizer of ``tokenizer_path`` (:func:`rlcore.tokenizer.load`, chat template included)
-    and the server's imports (fastapi, uvicorn). Returns the tokenizer's future; pass it as
+    and the server's imports (starlette, uvicorn). Returns the tokenizer's future; pass it as
     the endpoint's ``tokenizer``. Started with the engine, this overlaps the engine's start
     instead of following it (the endpoint is on the path every reader waits on).
     """
@@ -708,7 +713,7 @@ def prepare(tokenizer_path: str) -> Future[Any]:
 
     def load() -> None:
         try:
-            import fastapi  # noqa: F401  (what start() imports, ready when it does)
+            import starlette.applications  # noqa: F401  (what start() imports, ready when it does)
             import uvicorn  # noqa: F401
 
             done.set_result(_load_tokenizer(tokenizer_path))
