@@ -57,7 +57,7 @@ def read_templates(path: Path, config: Mapping[str, Any] | None = None) -> Templ
         return named["default"] if list(named) == ["default"] else named
     if config is None:
         config_file = path / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
     found = config.get("chat_template")
     if isinstance(found, list):
         return {t["name"]: t["template"] for t in found}
@@ -179,13 +179,12 @@ class ChatTemplate:
         inside the final message. ``variables`` reach the template (``enable_thinking``...)
         and override the special tokens. Raises ValueError for what transformers refuses
         and jinja2's ``TemplateError`` for what the template refuses."""
-        if not messages:
-            raise ValueError("cannot apply a chat template to an empty conversation")
         if continue_final_message and add_generation_prompt:
             raise ValueError(
                 "continue_final_message and add_generation_prompt exclude each other: the "
                 "first continues the last message, the second opens a new assistant turn"
             )
+        tools = None if tools is None else list(tools)  # a generator is read once
         source = self.source(chat_template, tools)
         for tool in tools or ():
             if not isinstance(tool, Mapping):
@@ -199,7 +198,7 @@ class ChatTemplate:
             messages, final = _marked(messages, field, source)
         text = _compiled(source).render(
             messages=messages,
-            tools=None if tools is None else list(tools),
+            tools=tools,
             documents=documents,
             add_generation_prompt=add_generation_prompt,
             **{**self.special_tokens, **variables},
@@ -215,14 +214,16 @@ def _marked(
     """A copy of ``messages`` whose final ``field`` text ends in the mark, and that text."""
     import copy
 
-    if field not in source:
-        raise ValueError(
-            f"continue_final_message names field '{field}', which the chat template never uses"
-        )
+    if not messages:
+        raise ValueError("continue_final_message: the conversation has no message to continue")
     marked = copy.deepcopy([dict(m) for m in messages])
     final = marked[-1].get(field)
     if final is None:
         raise ValueError(f"continue_final_message: the final message has no '{field}' to continue")
+    if field not in source:
+        raise ValueError(
+            f"continue_final_message names field '{field}', which the chat template never uses"
+        )
     if isinstance(final, list | tuple):
         for block in reversed(final):
             if "text" in block:

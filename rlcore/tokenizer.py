@@ -31,6 +31,7 @@ ids and texts.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -56,6 +57,19 @@ _TRANSFORMERS_CHAT_KEYS = (
     "return_assistant_tokens_mask",
     "tokenizer_kwargs",
 )
+
+@functools.cache
+def _transformers_v5() -> bool:
+    """Whether the installed transformers is v5 or later, whose ``apply_chat_template``
+    :class:`FastTokenizer` renders (v4 returns ids, not a dict, by default and passes more
+    tokens to templates): read from its metadata, without importing it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return int(version("transformers").split(".")[0]) >= 5
+    except (PackageNotFoundError, ValueError):
+        return True  # nothing to defer to: rlcore's own rendering
+
 
 #: transformers' lazy imports are not thread-safe (two threads importing at once get
 #: ImportError): every import of it by the driver's threads is made under this lock
@@ -160,16 +174,13 @@ class FastTokenizer:
         self._tokenizer.no_padding()
         self._full: Any = None
         self._full_lock = threading.Lock()
-        specials = {}
         for key in SPECIAL_KEYS:
             token = _token_text(self._config.get(key))
             setattr(self, key, token)
             setattr(self, f"{key}_id", None if token is None else self._tokenizer.token_to_id(token))
-            if token is not None:
-                specials[key] = token
-        #: The checkpoint's template(s), as transformers' attribute of the same name.
+        #: The checkpoint's template(s), as transformers' attribute of the same name (a
+        #: template set here afterwards is the one later calls render, as there).
         self.chat_template = read_templates(path, config)
-        self._chat = ChatTemplate(self.chat_template, specials)
 
     def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True, **kwargs: Any) -> Encoded:
         """``input_ids`` (and ``attention_mask``) of one text, or one list per text."""
@@ -211,27 +222,43 @@ class FastTokenizer:
         **kwargs: Any,
     ) -> Any:
         """transformers' ``apply_chat_template`` (v5 defaults), rendered by
-        :class:`rlcore.chat_template.ChatTemplate`: the text (``tokenize=False``), else
-        its ids, as ``input_ids`` and ``attention_mask`` with ``return_dict``. One
-        conversation or a list of them. Padding, truncation, tensors, assistant masks and
-        tools given as functions are transformers' own: such calls go to it."""
+        :class:`rlcore.chat_template.ChatTemplate` over this tokenizer's current
+        ``chat_template`` and special tokens: the text (``tokenize=False``), else its ids,
+        as ``input_ids`` and ``attention_mask`` with ``return_dict``. One conversation or
+        a list of them. Padding, truncation, tensors and assistant masks asked for (not at
+        their defaults), tools given as functions, and a transformers older than v5 are
+        transformers' own: such calls go to it. What it would refuse (an empty
+        conversation, a tool that is neither a schema nor a function) is refused here."""
+        tools = None if tools is None else list(tools)  # a generator is read once
         template_options = dict(
             tools=tools,
             documents=documents,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            **kwargs,
         )
-        if any(k in kwargs for k in _TRANSFORMERS_CHAT_KEYS) or any(
-            not isinstance(t, dict) for t in tools or ()
+        # Keywords at transformers' defaults change nothing; others are its work.
+        own = {k: kwargs.pop(k) for k in _TRANSFORMERS_CHAT_KEYS if k in kwargs}
+        if (
+            any(own[k] not in (None, False, {}) for k in own)
+            or any(callable(t) for t in tools or ())
+            or not _transformers_v5()
         ):
             return self.full.apply_chat_template(
-                conversation, tokenize=tokenize, return_dict=return_dict, **template_options
+                conversation,
+                tokenize=tokenize,
+                return_dict=return_dict,
+                **template_options,
+                **own,
+                **kwargs,
             )
-        batched = bool(conversation) and isinstance(conversation[0], list | tuple)
-        chats = conversation if batched else [conversation]
-        texts = [self._chat.render(chat, **template_options) for chat in chats]
+        if isinstance(conversation, list | tuple) and not conversation:
+            raise ValueError("cannot apply a chat template to an empty conversation")
+        first = conversation[0] if isinstance(conversation, list | tuple) else None
+        batched = isinstance(first, list | tuple) or hasattr(first, "messages")
+        chats = [getattr(c, "messages", c) for c in conversation] if batched else [conversation]
+        template = ChatTemplate(self.chat_template, self._special_tokens())
+        texts = [template.render(chat, **template_options, **kwargs) for chat in chats]
         if not tokenize:
             return texts if batched else texts[0]
         ids = [self.encode(t, add_special_tokens=False) for t in texts]
@@ -239,6 +266,10 @@ class FastTokenizer:
             return ids if batched else ids[0]
         masks = [[1] * len(i) for i in ids]
         return Encoded(input_ids=ids if batched else ids[0], attention_mask=masks if batched else masks[0])
+
+    def _special_tokens(self) -> dict[str, str]:
+        """The named special tokens a chat template sees (transformers' ``special_tokens_map``)."""
+        return {k: str(getattr(self, k)) for k in SPECIAL_KEYS if getattr(self, k, None) is not None}
 
     @property
     def full(self) -> Any:

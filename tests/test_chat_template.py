@@ -47,20 +47,23 @@ LLAMA = (
     "  {% if loop.index > 6 %}{% break %}{% endif %}\n"
     "{% endfor %}\n"
     "{% if enable_thinking is defined and enable_thinking %}<think>{% endif %}"
+    "{% if documents %}(today: {{ strftime_now('%Y') }}){% endif %}"
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
 TOOL_USE = "{{ 'tools: ' }}{{ tools | tojson(separators=(',', ':')) }}\n" + CHATML
 
 ROLE = st.sampled_from(["system", "user", "assistant"])
 TEXT = st.text(alphabet=st.sampled_from(list("ab 1+2=<&>\"'\nüé")), max_size=12)
-MESSAGE = st.builds(lambda r, c: {"role": r, "content": c}, ROLE, TEXT)
-TOOLS = st.none() | st.lists(
-    st.fixed_dictionaries(
-        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": TEXT, "description": TEXT})}
-    ),
-    max_size=2,
+# Content as text, mostly, or as a list of text blocks (templates that add strings to it refuse).
+CONTENT = TEXT | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), min_size=1, max_size=2)
+MESSAGE = st.builds(lambda r, c: {"role": r, "content": c}, ROLE, CONTENT)
+TOOL = st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": TEXT, "description": TEXT})}
 )
-DOCS = st.none() | st.lists(st.fixed_dictionaries({"title": TEXT, "text": TEXT}), max_size=2)
+TOOLS = st.none() | st.lists(TOOL | st.just("not a schema"), max_size=2)
+DOCS = st.none() | st.lists(st.fixed_dictionaries({"title": TEXT, "text": TEXT}) | st.just("not a dict"), max_size=2)
+# The template to use: the checkpoint's, one named by the call, or one given as text.
+PICK = st.sampled_from([None, None, "tool_use", "{{ messages | length }}{{ bos_token }}"])
 
 
 @pytest.fixture(scope="module")
@@ -129,15 +132,17 @@ def _outcome(call: Any, *args: Any, **kwargs: Any) -> tuple[str, Any]:
     continue_final=st.sampled_from([False, True, "content"]),
     tools=TOOLS,
     documents=DOCS,
-    variables=st.sampled_from([{}, {"enable_thinking": True}, {"bos_token": "[B]"}]),
+    variables=st.sampled_from([{}, {"enable_thinking": True}, {"bos_token": "[B]"}, {"padding": False}]),
+    pick=PICK,
 )
-def test_text_matches_transformers(pair, messages, generation_prompt, continue_final, tools, documents, variables) -> None:
+def test_text_matches_transformers(pair, messages, generation_prompt, continue_final, tools, documents, variables, pick) -> None:
     fast, ref = pair
     kwargs = dict(
         add_generation_prompt=generation_prompt,
         continue_final_message=continue_final,
         tools=tools,
         documents=documents,
+        chat_template=pick,
         tokenize=False,
         **variables,
     )
@@ -156,6 +161,7 @@ def test_ids_match_transformers(pair, conversations, generation_prompt) -> None:
             got = _outcome(fast.apply_chat_template, conversation, **options)
             want = _outcome(ref.apply_chat_template, conversation, **options)
             if as_dict and got[0] == want[0] == "value":
+                assert sorted(got[1]) == sorted(want[1])  # the same keys
                 got = ("value", (got[1]["input_ids"], got[1]["attention_mask"]))
                 want = ("value", (list(want[1]["input_ids"]), list(want[1]["attention_mask"])))
             assert got == want
@@ -231,3 +237,25 @@ def test_what_only_transformers_serves_goes_to_it(model_dir: Path, tmp_path: Pat
     want = ref.apply_chat_template(chat, return_assistant_tokens_mask=True)
     assert got["assistant_masks"] == want["assistant_masks"] and 1 in got["assistant_masks"]
     assert fast._full is not None  # it was transformers' tokenizer that answered
+
+
+def test_a_template_set_after_loading_is_the_one_rendered(model_dir: Path) -> None:
+    """As in transformers, ``chat_template`` and the special tokens are attributes a caller
+    may set; later calls render with them."""
+    fast = tokenizer.load(model_dir)
+    chat = [{"role": "user", "content": "x"}]
+    fast.chat_template = "{{ eos_token }}{{ messages[0]['content'] }}"
+    assert fast.apply_chat_template(chat, tokenize=False) == "</s>x"
+    fast.eos_token = "<pad>"
+    assert fast.apply_chat_template(chat, tokenize=False) == "<pad>x"
+
+
+def test_what_transformers_refuses_does_not_load_it(model_dir: Path) -> None:
+    """A tool that is not a schema nor a function, or an empty conversation, is refused by
+    rlcore itself: a bad request to an endpoint must not import transformers."""
+    fast = tokenizer.load(model_dir)
+    with pytest.raises(ValueError, match="JSON schemas"):
+        fast.apply_chat_template([{"role": "user", "content": "x"}], tools=["x"], tokenize=False)
+    with pytest.raises(ValueError, match="empty conversation"):
+        fast.apply_chat_template([], tokenize=False)
+    assert fast._full is None

@@ -249,6 +249,7 @@ def test_requests_with_different_sampling_run_in_separate_calls() -> None:
         ({"messages": []}, 400, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text only"),
         ({"stream": True}, 400, "stream"),
+        ({"chat_template_kwargs": {"padding": True}}, 400, "may not set padding"),
     ],
 )
 def test_bad_requests_name_the_parameter(serve, tokenizer, change, status, needle) -> None:
@@ -258,6 +259,13 @@ def test_bad_requests_name_the_parameter(serve, tokenizer, change, status, needl
     assert r.status_code == status
     assert needle in r.json()["message"]
     assert engine.calls == []
+
+
+def test_unknown_routes_and_methods_answer_in_openais_error_shape(serve, tokenizer) -> None:
+    _, client = serve(ScriptedEngine(tokenizer))
+    for r, status in ((client.post("/v1/embeddings", json={}), 404), (client.get("/v1/chat/completions"), 405)):
+        assert r.status_code == status
+        assert r.json()["object"] == "error" and r.json()["error"]["code"] == status, r.text
 
 
 def test_engine_errors_reach_the_client(serve, tokenizer) -> None:

@@ -57,6 +57,26 @@ log = logging.getLogger(__name__)
 Sample = dict[str, list]
 
 
+#: ``apply_chat_template``'s own keywords: never template variables of a request.
+_NOT_TEMPLATE_VARIABLES = frozenset(
+    {
+        "tokenize",
+        "return_dict",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+    }
+)
+
+
 class TokenGenerator(Protocol):
     """What the endpoint drives: a generation handle's ``generate`` (see :mod:`rlcore.app.grpo`)."""
 
@@ -377,6 +397,14 @@ class OpenAIEndpoint:
         continue_final = bool(body.get("continue_final_message", False))
         add_generation_prompt = bool(body.get("add_generation_prompt", not continue_final))
         kwargs = dict(body.get("chat_template_kwargs") or {})
+        reserved = sorted(set(kwargs) & _NOT_TEMPLATE_VARIABLES)
+        if reserved:
+            # apply_chat_template's own options (the endpoint renders text): a variable of
+            # that name would collide with them or send the call to transformers.
+            raise EndpointRequestError(
+                f"chat_template_kwargs may not set {', '.join(reserved)} (not template variables)",
+                param="chat_template_kwargs",
+            )
         if body.get("tools"):
             kwargs["tools"] = body["tools"]
         try:
@@ -550,13 +578,19 @@ class OpenAIEndpoint:
         injection would answer malformed bodies with its own 422 shape), and FastAPI's
         import (pydantic's models) would cost the driver ~0.15 CPU-s more."""
         from starlette.applications import Starlette
+        from starlette.exceptions import HTTPException
         from starlette.middleware import Middleware
         from starlette.requests import Request
         from starlette.responses import JSONResponse
         from starlette.routing import Route
 
         def error(status: int, message: str, param: str | None = None) -> JSONResponse:
-            kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+            kind = {
+                400: "BadRequestError",
+                404: "NotFoundError",
+                405: "MethodNotAllowedError",
+                503: "ServiceUnavailableError",
+            }
             return JSONResponse(
                 {
                     "object": "error",
@@ -616,7 +650,14 @@ class OpenAIEndpoint:
             from rlcore.serve.auth import BearerGuard
 
             middleware.append(Middleware(BearerGuard, token=self.token))
-        return Starlette(routes=routes, middleware=middleware)
+        async def http_error(request: Request, exc: Exception) -> JSONResponse:
+            # Unknown routes and methods: OpenAI's error shape, as every other answer.
+            assert isinstance(exc, HTTPException)
+            return error(exc.status_code, str(exc.detail))
+
+        return Starlette(
+            routes=routes, middleware=middleware, exception_handlers={HTTPException: http_error}
+        )
 
     @property
     def endpoint(self) -> Endpoint | None:
