@@ -42,6 +42,22 @@ _CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "
 
 Templates = str | dict[str, str]
 
+#: ``apply_chat_template`` options only transformers serves (tokenizing with padding,
+#: truncation, tensors, assistant masks).
+TRANSFORMERS_ONLY_OPTIONS = frozenset(
+    {"padding", "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)
+#: Every ``apply_chat_template`` option: none of them is a template variable.
+APPLY_OPTIONS = TRANSFORMERS_ONLY_OPTIONS | {
+    "tokenize",
+    "return_dict",
+    "tools",
+    "documents",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+}
+
 
 def read_templates(path: Path, config: Mapping[str, Any] | None = None) -> Templates | None:
     """The chat template(s) of the checkpoint at ``path``: one template, a dict of named
@@ -248,4 +264,11 @@ def _cut_at_mark(text: str, final: str) -> str:
     return text[:at].rstrip()  # the template trimmed the message's trailing space
 
 
-__all__ = ["NAMED_TEMPLATES_DIR", "TEMPLATE_FILE", "ChatTemplate", "read_templates"]
+__all__ = [
+    "APPLY_OPTIONS",
+    "NAMED_TEMPLATES_DIR",
+    "TEMPLATE_FILE",
+    "TRANSFORMERS_ONLY_OPTIONS",
+    "ChatTemplate",
+    "read_templates",
+]

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlcore.chat_template import ChatTemplate, read_templates
+from rlcore.chat_template import TRANSFORMERS_ONLY_OPTIONS, ChatTemplate, read_templates
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +48,6 @@ GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 #: Config keys that name one special token each.
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
-#: ``apply_chat_template`` keywords that only transformers serves.
-_TRANSFORMERS_CHAT_KEYS = (
-    "padding",
-    "truncation",
-    "max_length",
-    "return_tensors",
-    "return_assistant_tokens_mask",
-    "tokenizer_kwargs",
-)
 
 @functools.cache
 def _transformers_v5() -> bool:
@@ -238,7 +229,7 @@ class FastTokenizer:
             continue_final_message=continue_final_message,
         )
         # Keywords at transformers' defaults change nothing; others are its work.
-        own = {k: kwargs.pop(k) for k in _TRANSFORMERS_CHAT_KEYS if k in kwargs}
+        own = {k: kwargs.pop(k) for k in TRANSFORMERS_ONLY_OPTIONS if k in kwargs}
         if (
             any(own[k] not in (None, False, {}) for k in own)
             or any(callable(t) for t in tools or ())

@@ -48,6 +48,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from rlcore.chat_template import APPLY_OPTIONS
 from rlcore.errors import DeadlineExceeded, NotServingError, RlcoreError
 from rlcore.handles import Endpoint
 
@@ -55,26 +56,6 @@ log = logging.getLogger(__name__)
 
 #: A sample as generation handles return it: ``{"token_ids": [...], "logprobs": [...]}``.
 Sample = dict[str, list]
-
-
-#: ``apply_chat_template``'s own keywords: never template variables of a request.
-_NOT_TEMPLATE_VARIABLES = frozenset(
-    {
-        "tokenize",
-        "return_dict",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-    }
-)
 
 
 class TokenGenerator(Protocol):
@@ -397,7 +378,7 @@ class OpenAIEndpoint:
         continue_final = bool(body.get("continue_final_message", False))
         add_generation_prompt = bool(body.get("add_generation_prompt", not continue_final))
         kwargs = dict(body.get("chat_template_kwargs") or {})
-        reserved = sorted(set(kwargs) & _NOT_TEMPLATE_VARIABLES)
+        reserved = sorted(set(kwargs) & APPLY_OPTIONS)
         if reserved:
             # apply_chat_template's own options (the endpoint renders text): a variable of
             # that name would collide with them or send the call to transformers.
