@@ -56,6 +56,11 @@ Measures on this machine, one after another (never two at once: they share the c
   classes and argument builders to write their command lines;
 * **Ray's start**: a plain ``python -c 'import ray; ray.init(...)'`` with the embedded
   cluster's settings, from launch to ``ray.init`` returning;
+* **the floor as plain Ray actors** (``--floor-on-ray``, configs whose floor is worker
+  processes only, e.g. Megatron's): the same recipes, each in a Ray actor of the embedded
+  cluster rlcore starts (same settings, the CPUs rlcore gives each worker), no rlcore;
+  from the actors' request to the last one ready. What Ray's start of its worker processes
+  adds to the floor on this machine, and rlcore's critical path against it;
 * **rlcore**: ``rlcore run CONFIG grpo.steps=1``: its setup critical path
   (``timing/setup/critical_path_s`` of ``metrics.jsonl``), its own Ray start
   (``timing/setup/cluster_start_time_s``), and the wall time from the command to the
@@ -622,6 +627,81 @@ def measure_floor(config: Any, model_dir: str, workdir: Path) -> dict[str, float
     return {s.bare.label: ready[s.bare.label] for s in started}
 
 
+class _Ended(Exception):
+    """A bare recipe ending its process (``os._exit``) inside a Ray actor."""
+
+
+def _run_as_actor(kind: str, payload: dict[str, Any]) -> float:
+    """Run one bare worker recipe in this (Ray worker) process; when it is ready, return
+    the moment (``time.monotonic``: one clock for every process of the machine)."""
+    real_exit = os._exit
+
+    def ended(code: int) -> None:
+        raise _Ended(code)
+
+    os._exit = ended  # the recipes end their process when ready; an actor returns instead
+    try:
+        _worker_main([kind, json.dumps(payload)])
+    except _Ended:
+        pass
+    finally:
+        os._exit = real_exit
+    return time.monotonic()
+
+
+class _BareActor:
+    """A Ray actor that runs one bare recipe (rlcore's workers are actors too)."""
+
+    def run(self, kind: str, payload: dict[str, Any]) -> float:
+        return _run_as_actor(kind, payload)
+
+
+def measure_floor_on_ray(config: Any, model_dir: str, workdir: Path) -> dict[str, float]:
+    """The floor's worker processes as plain Ray actors, without rlcore: the embedded
+    cluster rlcore starts (same settings), one actor per bare worker with the CPUs rlcore
+    gives it, the bare processes' environment, each running the bare recipe. Seconds from
+    the actors' request (Ray already up, as rlcore's setup begins) to each one's ready.
+    Only for floors made of worker processes alone (no servers): Megatron's example."""
+    import ray
+
+    from rlcore.config import ClusterConfig
+    from rlcore.runtime.cluster import Cluster
+
+    specs = _floor_processes(config, model_dir, workdir)
+    if any(b.health is not None or "--worker" not in b.argv for b in specs):
+        raise SystemExit("--floor-on-ray: this config's floor has servers; use a config of workers only")
+    # The bare processes' environment, given to Ray's processes as rlcore gives its own
+    # (the driver's environment when the cluster starts, not a runtime_env, so the workers
+    # Ray starts ahead of time serve the actors).
+    env: dict[str, str] = {}
+    for bare in specs:
+        for k, v in bare.env.items():
+            if os.environ.get(k) != v:
+                if env.setdefault(k, v) != v:
+                    raise SystemExit(f"--floor-on-ray: the bare processes differ in {k}")
+    cpus = int(config.cluster.num_cpus or os.cpu_count() or 1)
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        cluster = Cluster(ClusterConfig(num_cpus=cpus)).start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    try:
+        actor_class = ray.remote(_BareActor)
+        t0 = time.monotonic()
+        refs = {}
+        for bare in specs:
+            at = bare.argv.index("--worker")
+            kind, payload = bare.argv[at + 1], json.loads(bare.argv[at + 2])
+            section = getattr(config, payload.get("role", "policy"))
+            actor = actor_class.options(num_cpus=float(section.devices_per_worker)).remote()
+            refs[bare.label] = actor.run.remote(kind, payload)
+        return {label: ray.get(ref, timeout=600) - t0 for label, ref in refs.items()}
+    finally:
+        cluster.shutdown()
+
+
 RAY_START = """
 import time, ray
 ray.init(address="local", num_cpus={cpus}, include_dashboard=False, _node_ip_address="127.0.0.1")
@@ -709,6 +789,12 @@ def main(argv: list[str]) -> None:
     )
     parser.add_argument("--write", default=None, help="append the report to this file")
     parser.add_argument(
+        "--floor-on-ray",
+        action="store_true",
+        help="also measure the floor's workers as plain Ray actors (no rlcore): what Ray's start of "
+        "its worker processes costs on this machine (configs whose floor has no servers)",
+    )
+    parser.add_argument(
         "--baseline",
         default=None,
         metavar="DIR",
@@ -757,6 +843,14 @@ def main(argv: list[str]) -> None:
             f"round {k + 1}: floor {floor:.2f}s ({', '.join(f'{n} {t:.1f}' for n, t in floor_each.items())}), Ray start {ray_s:.2f}s"
         )
         row = {"floor_s": floor, "ray_s": ray_s}
+        if args.floor_on_ray:
+            on_ray = measure_floor_on_ray(floor_config, model_dir, scratch / f"floor-ray-{k}")
+            row["floor_on_ray_s"] = max(on_ray.values())
+            say(
+                f"round {k + 1}: floor as plain Ray actors {row['floor_on_ray_s']:.2f}s "
+                f"({', '.join(f'{n} {t:.1f}' for n, t in on_ray.items())}) = "
+                f"{row['floor_on_ray_s'] / floor:.3f}x the floor"
+            )
         # Alternate which tree runs first: the machine's load drifts within a round.
         for tag in list(trees) if k % 2 == 0 else list(trees)[::-1]:
             run = measure_rlcore(
@@ -764,10 +858,13 @@ def main(argv: list[str]) -> None:
             )
             row[f"{tag} cp/floor"] = run["critical_path_s"] / floor
             row[f"{tag} first_step/(ray+floor)"] = run["first_step_s"] / (ray_s + floor)
+            if args.floor_on_ray:
+                row[f"{tag} cp/floor_on_ray"] = run["critical_path_s"] / row["floor_on_ray_s"]
             say(f"round {k + 1}: {tag}{' (warm, 2nd run)' if args.twice else ''}: {_fmt(run)}")
             say(
                 f"round {k + 1}: {tag}: critical path / floor = {row[f'{tag} cp/floor']:.3f} (goal <= 1.10); "
                 f"command-to-first-step / (Ray start + floor) = {row[f'{tag} first_step/(ray+floor)']:.3f} (goal <= 1.25)"
+                + (f"; critical path / floor as Ray actors = {row[f'{tag} cp/floor_on_ray']:.3f}" if args.floor_on_ray else "")
             )
         rows.append(row)
     if len(rows) > 1:

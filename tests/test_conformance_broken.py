@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import sys
 import textwrap
-import time
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -80,6 +79,7 @@ class FaultyGenerationWorker(ReferenceGenerationWorker):
             self.base = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.model.load_state_dict(self.base)
         self.fault, self.ready, self.lagged = fault, not empty, None
+        self.seen: dict[int, int] = {}  # calls per seed ("unseeded")
 
     def token_logprobs(self, logits: Any, temperature: float) -> Any:
         if self.fault == "temperature_scaled" and temperature > 0:
@@ -107,7 +107,10 @@ class FaultyGenerationWorker(ReferenceGenerationWorker):
         if self.fault == "seed_ignored":
             seed = 0
         elif self.fault == "unseeded":
-            seed = time.monotonic_ns()
+            # Each repeat of a seed samples anew. Not the clock: a random seed could leave the
+            # EOS probe of another rule without an EOS and fail a test this case does not own.
+            self.seen[seed] = self.seen.get(seed, -1) + 1
+            seed += 7919 * self.seen[seed]
         return super().generate(prompts, first, n, max_tokens, temperature, seed)
 
     def logprobs(self, rows: list) -> list[list[float]]:
