@@ -631,6 +631,7 @@ class OpenAIEndpoint:
             from rlcore.serve.auth import BearerGuard
 
             middleware.append(Middleware(BearerGuard, token=self.token))
+
         async def http_error(request: Request, exc: Exception) -> JSONResponse:
             # Unknown routes and methods: OpenAI's error shape, as every other answer.
             assert isinstance(exc, HTTPException)
