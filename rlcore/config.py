@@ -100,7 +100,30 @@ class ModelConfig:
     path: str | None = None
     #: Compute dtype of policy and generation: float32, bfloat16 or float16.
     dtype: str = "float32"
+    #: A named shape for the model rlcore creates (``model.path`` null): one of
+    #: :data:`MODEL_PRESETS` (``llama-1b``: Llama 3.2 1B's layers, ~1 B parameters). It sets
+    #: every ``model.tiny`` field but ``seed``. ``null``: ``model.tiny`` as given.
+    preset: str | None = None
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+#: ``model.preset`` values: shapes of real model families for the locally made model
+#: (random weights, the character-level tokenizer of :mod:`rlcore.tinymodel`).
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {},  # the default shape of model.tiny
+    # Llama 3.2 1B's decoder (16 layers, hidden 2048, 32 heads of 64, 8 KV heads, MLP 8192):
+    # 0.97 B parameters with the small vocabulary, 1.9 GiB in bf16.
+    "llama-1b": dict(
+        hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+        intermediate_size=8192, max_position_embeddings=2048,
+    ),
+    # Qwen2-0.5B's decoder shape (24 layers, hidden 896, 14 heads of 64, 2 KV heads, MLP
+    # 4864) as a Llama (no attention bias): 0.36 B parameters with the small vocabulary.
+    "qwen2-0.5b": dict(
+        hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+        intermediate_size=4864, max_position_embeddings=2048,
+    ),
+}
 
 
 @dataclass
@@ -120,6 +143,8 @@ class RoleConfig:
 
 #: Values of ``generation.on_worker_loss``.
 WORKER_LOSS_ACTIONS = ("abort", "replace")
+#: Values of ``refit.check``.
+REFIT_CHECKS = ("sampled", "probe")
 
 
 @dataclass
@@ -213,6 +238,11 @@ class RefitConfig:
     #: (the generation computes with other weights than the policy trains); the
     #: step's metrics are written first. ``null`` disables the check.
     max_mult_prob_error: float | None = bounded(1.05, ge=1)
+    #: How each refit is checked (``refit/token_mult_prob_error``): ``sampled`` compares
+    #: the logprobs the next step already has (the generation's of its samples against
+    #: the policy's of the same tokens; the last step's refit with the probe after the
+    #: loop); ``probe`` runs the probe batch through both after every refit (costlier).
+    check: str = "sampled"
 
 
 @dataclass
@@ -394,6 +424,21 @@ def check_bounds(obj: Any, prefix: str = "") -> None:
                 )
 
 
+def apply_model_preset(cfg: RunConfig) -> None:
+    """``model.preset``'s shape into ``model.tiny`` (its seed kept); unknown names refused."""
+    name = cfg.model.preset
+    if name is None:
+        return
+    if name not in MODEL_PRESETS:
+        hint = _closest(name, sorted(MODEL_PRESETS))
+        raise ConfigError(
+            f"config key 'model.preset' is {name!r}; expected one of {sorted(MODEL_PRESETS)}"
+            + (f" (did you mean {hint!r}?)" if hint else "") + ", or null",
+            key="model.preset",
+        )
+    cfg.model.tiny = dataclasses.replace(TinyModelConfig(seed=cfg.model.tiny.seed), **MODEL_PRESETS[name])
+
+
 def validate_run_config(cfg: RunConfig) -> None:
     """Checks that a single key's type cannot express: ranges (:func:`bounded`), choices,
     required keys and relations between keys. Needs nothing but the config."""
@@ -404,6 +449,7 @@ def validate_run_config(cfg: RunConfig) -> None:
                 key=f"{section}.backend",
             )
     check_bounds(cfg)
+    apply_model_preset(cfg)
     if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(
             f"config key 'model.dtype' is {cfg.model.dtype!r}; expected float32, bfloat16 or float16",
@@ -443,6 +489,13 @@ def validate_run_config(cfg: RunConfig) -> None:
             f"config key 'generation.on_worker_loss' is {cfg.generation.on_worker_loss!r}; expected "
             f"one of {list(WORKER_LOSS_ACTIONS)} (abort: stop the run; replace: start a new engine)",
             key="generation.on_worker_loss",
+        )
+    if cfg.refit.check not in REFIT_CHECKS:
+        raise ConfigError(
+            f"config key 'refit.check' is {cfg.refit.check!r}; expected one of "
+            f"{list(REFIT_CHECKS)} (sampled: the next step's sampling logprobs; probe: the probe "
+            "batch after every refit)",
+            key="refit.check",
         )
     for key in ("name", "output_dir"):
         if not str(getattr(cfg, key)).strip():

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlcore.declarations import Role
 from rlcore.events import EventBoard
-from rlcore.placement import Network, RolePlacement, role_placement
+from rlcore.placement import DeviceGroup, Network, RolePlacement, role_placement
 from rlcore.waiting import CancelToken, Deadline
 
 if TYPE_CHECKING:
@@ -50,6 +50,9 @@ class InitContext:
             (:func:`rlcore.runtime.workers.server_host`) and checks ``network.token``
             (:class:`rlcore.serve.auth.BearerGuard`); otherwise loopback, no token.
             Set by the core from the placement; the default is a single node.
+        devices: the run's GPU bundles (:class:`rlcore.placement.DeviceGroup`), reserved
+            by the core on a cluster with GPUs; ``None`` elsewhere. Read through
+            :attr:`placement`, which puts each rank in its bundle.
     """
 
     role: Role
@@ -64,6 +67,7 @@ class InitContext:
     publish_hook: Callable[..., Path] | None = None
     needed_artifacts: frozenset[str] | None = None
     network: Network = field(default_factory=Network)
+    devices: DeviceGroup | None = None
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("rlcore.backend"))
 
     @property
@@ -72,9 +76,10 @@ class InitContext:
 
     @property
     def placement(self) -> RolePlacement:
-        """The nodes this role's actors may run on (``placement.nodes.<role>``): pass it
-        to :class:`rlcore.runtime.workers.WorkerGroup` (``placement=ctx.placement``)."""
-        return role_placement(self.config, self.role.value)
+        """The nodes this role's actors may run on (``placement.nodes.<role>``) and, on a
+        cluster with GPUs, the GPU bundle of each rank: pass it to
+        :class:`rlcore.runtime.workers.WorkerGroup` (``placement=ctx.placement``)."""
+        return role_placement(self.config, self.role.value, self.devices)
 
     def artifact_needed(self, name: str) -> bool:
         """Whether another backend of this run needs artifact ``name`` from this init.

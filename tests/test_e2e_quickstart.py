@@ -103,7 +103,7 @@ def test_run_directory_files_exist_and_parse(quickstart_run: Path) -> None:
         assert (quickstart_run / name).is_file(), name
     trace = json.loads((quickstart_run / "trace.json").read_text())
     spans = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
-    assert {"init:policy", "init:generation", "init:env", "refit:initial", "rollout", "train", "refit"} <= spans
+    assert {"init:policy", "init:generation", "init:env", "refit:initial", "generate", "train", "refit"} <= spans
     for png in ("setup_timeline.png", "reward.png"):
         assert (quickstart_run / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

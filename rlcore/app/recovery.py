@@ -24,6 +24,15 @@ What replacing does (:class:`GenerationRecovery`), in order:
    same request and seed (:func:`rlcore.app.grpo.run_grpo`): no sample of the step is
    dropped or scored zero, none of the failed call's partial results is used.
 
+The replacement is checked with the probe batch whatever ``refit.check`` says (a
+replacement is rare, and it must serve the policy's weights before the loop goes on). With
+``refit.check: sampled`` the loop then checks it once more as it checks every refit: the
+retried rollout is the replacement's, so the step's comparison of its sampling logprobs
+with the policy's (``refit/token_mult_prob_error`` of the step line) is the
+replacement's; a loss during the probe after the last step (the only probe of such a run)
+is replaced and the probe run again like any phase. The time a replacement takes counts in
+the phase it interrupted (``timing/generate_time_s`` for a rollout).
+
 The whole generation restarts, not only the lost engine: that is what a backend's init
 hook can do, and a tensor-parallel engine cannot rejoin its group anyway. Each loss is
 one record in ``metrics.jsonl`` (``generation/lost_*``, ``generation/replace_*``) with the

@@ -2,7 +2,7 @@
 
 Reads top to bottom: load config and plugins, start the cluster, run the setup
 plan with progress shown, run the loop (rollout, reward, train step, refit,
-probe), write ``metrics.jsonl``, ``trace.json`` and the plots, tear everything
+refit check), write ``metrics.jsonl``, ``trace.json`` and the plots, tear everything
 down (also on failure or Ctrl-C).
 """
 
@@ -132,6 +132,7 @@ def run_job(
         with console.status("starting Ray cluster"):
             t0 = time.monotonic()
             cluster.start()
+            devices = cluster.reserve_devices(config)
             trace.add_span("cluster start", t0, time.monotonic(), cat="setup", lane="cluster")
         progress = SetupProgress([t.name for t in plan.tasks])
         with _setup_display(progress, console):
@@ -139,6 +140,7 @@ def run_job(
                 config, registry, run_dir=run_dir, plan=plan, cancel=cancel,
                 progress=phase.watch(progress, None if console.is_terminal else console.print),
                 network=cluster.network(config),
+                devices=devices,
             )
         trace.add_execution(setup.execution, setup.plan)
         _record_setup(setup, cluster, metrics_writer, console)
@@ -146,7 +148,6 @@ def run_job(
         plot = overlap.Background("setup plot", _plot_setup, setup, run_dir, config, defer=True)
         _write_placement(run_dir, setup, cluster.network(config), groups_before)
         if not setup_only:
-            phase.now = "the first refit's check"
             _train(config, setup, cancel, trace, metrics_writer, run_dir, console, phase, plot.start)
         plot.result()
         phase.now = "teardown"
@@ -328,6 +329,8 @@ def _train(
     phase: RunPhase,
     after_first_step: Callable[[], None] = lambda: None,
 ) -> None:
+    how = config.refit.check
+    phase.now = "the first refit's check" if how == "probe" else "step 1"
     tokenizer = overlap.tokenizer(config.model, cache_dir(config))
     # Every call goes through the contract's checks, naming the backend that broke it.
     policy = GuardedPolicy(setup.handles["policy"], config.policy.backend)
@@ -338,14 +341,21 @@ def _train(
     probe = probe_batch(tokenizer, config.refit.probe_prompts)
     limit = config.refit.max_mult_prob_error
 
-    # The first refit (refit:initial) already ran during setup: check it too.
-    err0 = token_mult_prob_error(
-        *overlap.concurrently(lambda: generation.logprobs(probe), lambda: policy.logprobs(probe))
-    )
-    writer.write({"refit/token_mult_prob_error": err0, "refit/transport": setup.transport}, step=0)
-    check_divergence(
-        err0, limit, step=0, policy=config.policy.backend, generation=config.generation.backend
-    )
+    # The first refit (refit:initial) already ran during setup. With refit.check=sampled
+    # step 1's samples check it (its line carries refit/checked_step 0); with probe, now.
+    if how == "probe":
+        err0 = token_mult_prob_error(
+            *overlap.concurrently(lambda: generation.logprobs(probe), lambda: policy.logprobs(probe))
+        )
+        writer.write({
+            "refit/token_mult_prob_error": err0, "refit/check": how, "refit/checked_step": 0,
+            "refit/transport": setup.transport,
+        }, step=0)
+        check_divergence(
+            err0, limit, step=0, policy=config.policy.backend, generation=config.generation.backend
+        )
+    else:
+        writer.write({"refit/check": how, "refit/transport": setup.transport}, step=0)
 
     def refit(step: int) -> Any:
         return setup.refit(step, cancel)
@@ -366,14 +376,28 @@ def _train(
         )
 
     def on_step(m: dict[str, Any]) -> None:
-        phase.now = f"step {m['step'] + 1}"
+        last = m["step"] >= config.grpo.steps
+        phase.now = "the last refit's check" if last and how == "sampled" else f"step {m['step'] + 1}"
         writer.write(m, step=m["step"])
         console.print(
             f"step {m['step']:>3}  reward {m['reward/mean']:.3f}  exact {m['reward/exact']:.2f}  "
             f"refit {m['refit/weight_sync_time_s'] * 1e3:.0f} ms  "
-            f"mult_prob_err {m['refit/token_mult_prob_error']:.4f}  ({m['timing/step_time_s']:.1f}s)"
+            f"mult_prob_err {m['refit/token_mult_prob_error']:.4f} (refit {m['refit/checked_step']})  "
+            f"({m['timing/step_time_s']:.1f}s: generate {m['timing/generate_time_s']:.1f}, "
+            f"train {m['timing/train_time_s']:.1f}, refit {m['timing/refit_time_s']:.2f}, "
+            f"handoff {m['timing/handoff_time_s']:.2f}, check {m['timing/refit_check_share']:.1%})"
         )
         after_first_step()
+
+    def on_check(m: dict[str, Any]) -> None:
+        """A refit check no step line carries (refit.check=sampled): the last refit's probe,
+        or a failed check (written before the DivergenceError)."""
+        writer.write(m, step=m["step"])
+        console.print(
+            f"refit of step {m['refit/checked_step']} checked ({m['refit/check']}): "
+            f"mult_prob_err {m['refit/token_mult_prob_error']:.4f}"
+            f"  ({m['timing/refit_check_time_s']:.2f}s)"
+        )
 
     phase.now = "step 1"
     history = run_grpo(
@@ -390,6 +414,8 @@ def _train(
         trace=lambda name, t0, t1, step: trace.add_span(name, t0, t1, cat="step", lane="grpo", args={"step": step}),
         cancelled=lambda: cancel.cancelled,
         on_generation_loss=recovery,
+        refit_check=how,
+        on_check=on_check,
     )
     if history:
         plot_reward(history, run_dir / "reward.png", title=f"{config.name}: reward per step")

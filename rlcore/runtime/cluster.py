@@ -38,7 +38,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from rlcore.config import ROLE_SECTIONS, ClusterConfig, RunConfig
-from rlcore.placement import Network, NodeInfo, role_placement, spans_nodes
+from rlcore.placement import (
+    DeviceGroup,
+    Network,
+    NodeInfo,
+    device_layout,
+    role_placement,
+    spans_nodes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +188,7 @@ class Cluster:
         self.joined = False
         self.start_time_s: float | None = None
         self._network: Network | None = None
+        self._devices: DeviceGroup | None = None
 
     def start(self) -> Cluster:
         from rlcore.runtime.workers import RAY_GATE
@@ -253,6 +261,61 @@ class Cluster:
             log.info("run network: %s", "node addresses, token required" if self._network.readers_elsewhere else "loopback")
         return self._network
 
+    def reserve_devices(self, config: RunConfig, timeout_s: float = 120.0) -> DeviceGroup | None:
+        """Reserve the GPU bundles of the policy and generation ranks as one Ray placement
+        group (:func:`rlcore.placement.device_layout`, the layout the preflight counted and
+        ``rlcore plan`` shows); ``None`` on a cluster without GPUs. Waits ``timeout_s`` for
+        Ray to place it; a cluster that cannot hold it is refused naming both counts.
+        Removed again by :meth:`shutdown`."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        from rlcore.errors import ConfigError
+        from rlcore.runtime.workers import RAY_GATE, ray_get
+        from rlcore.waiting import Deadline
+
+        with RAY_GATE.call("reserving the run's GPUs"):
+            have = ray.cluster_resources().get("GPU", 0.0)
+            if have < 1:
+                return None
+            layout = device_layout(config)
+            if layout.gpus > have + 1e-9:
+                where = f"the Ray cluster at {self.config.address}" if self.joined else "the embedded Ray cluster"
+                raise ConfigError(
+                    f"config key 'policy.workers': the GPU bundles of the workers need {layout.gpus} "
+                    f"GPU ({'; '.join(layout.lines())}), but {where} has {have:g}; lower the workers "
+                    "or share GPUs (placement.colocated=true, devices_per_worker 0.5)",
+                    key="policy.workers",
+                )
+            labels = [b.labels(config) for b in layout.bundles]
+            group = placement_group(
+                [b.ray_bundle(config) for b in layout.bundles],
+                strategy="PACK",
+                **({"bundle_label_selector": labels} if any(labels) else {}),
+            )
+        try:
+            ray_get(
+                group.ready(),
+                what=f"placing the run's {len(layout.bundles)} GPU bundle(s) ({layout.gpus} GPU)",
+                deadline=Deadline(timeout_s, "reserving the run's GPUs"),
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                remove_placement_group(group)
+            raise
+        self._devices = DeviceGroup(layout, group)
+        log.info("reserved the run's GPUs: %s", "; ".join(layout.lines()))
+        return self._devices
+
+    def _release_devices(self) -> None:
+        """Remove the run's placement group (a joined cluster keeps running without it)."""
+        devices, self._devices = self._devices, None
+        if devices is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(devices.group)
+
     def resources(self) -> dict[str, float]:
         import ray
 
@@ -276,6 +339,7 @@ class Cluster:
                 # (Ray then ends the actors of this job that are still there).
                 import ray
 
+                self._release_devices()
                 RAY_GATE.close(reason)
                 with contextlib.suppress(Exception):
                     ray.shutdown()
@@ -286,6 +350,7 @@ class Cluster:
             import ray
 
             RAY_GATE.close(reason)
+            self._devices = None  # the placement group ends with the cluster
             workers.WORKER_ENV.clear()  # what the next cluster's workers inherit is its own
             procs = _ray_processes()
             with contextlib.suppress(Exception):  # a half-started cluster may not stop cleanly

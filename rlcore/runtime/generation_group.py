@@ -192,7 +192,7 @@ def start_engines(
             **(kwargs or {}),
         },
         num_cpus=1.0 if cuda else float(section.devices_per_worker),
-        num_gpus=1.0 if cuda else 0.0,
+        num_gpus=float(section.devices_per_worker) if cuda else 0.0,
         env=env,
         dist_backend=None,
         timeout_s=options.call_timeout_s,

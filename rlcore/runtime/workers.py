@@ -261,12 +261,13 @@ def device_resources(
     """:class:`WorkerGroup`'s ``num_cpus``, ``num_gpus`` and ``dist_backend`` for ranks on
     ``device``, and each rank's torch threads (``threads_per_worker``, 0: the default).
 
-    On ``cuda`` a rank holds one GPU and one CPU (NCCL, one thread by default); on ``cpu``
-    ``devices_per_worker`` CPUs (gloo, as many threads): the convention of
-    ``<role>.devices_per_worker`` that the preflight checks.
+    On ``cuda`` a rank holds ``devices_per_worker`` GPUs (a fraction of one GPU when
+    colocated ranks share it, as :func:`rlcore.placement.device_layout` bundles them) and one
+    CPU (NCCL, one thread by default); on ``cpu`` ``devices_per_worker`` CPUs (gloo, as many
+    threads): the convention of ``<role>.devices_per_worker`` that the preflight checks.
     """
     if device == "cuda":
-        resources = {"num_cpus": 1.0, "num_gpus": 1.0, "dist_backend": "nccl"}
+        resources = {"num_cpus": 1.0, "num_gpus": float(devices_per_worker), "dist_backend": "nccl"}
         return resources, threads_per_worker or 1
     resources = {"num_cpus": float(devices_per_worker), "num_gpus": 0.0, "dist_backend": "gloo"}
     return resources, threads_per_worker or max(1, int(devices_per_worker))
@@ -515,7 +516,7 @@ class WorkerGroup:
                             **({"runtime_env": runtime_env} if runtime_env else {}),
                             name=None,
                             max_restarts=0,
-                            **(placement.ray_options() if placement is not None else {}),
+                            **(placement.ray_options(rank) if placement is not None else {}),
                         ).remote(rank, world_size, *args, **(kwargs or {}))
                     )
             self._processes = ray_get(

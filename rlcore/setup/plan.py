@@ -15,6 +15,7 @@ from rlcore.setup.graph import topological_order
 
 if TYPE_CHECKING:
     from rlcore.declarations import Role
+    from rlcore.placement import DeviceLayout
 
 #: The setup task that makes the first weight sync (step 0).
 REFIT_TASK = "refit:initial"
@@ -69,6 +70,9 @@ class Plan:
     #: init task -> the artifacts it produces that another selected backend needs under
     #: this config (the init may skip producing the others: ``InitContext.artifact_needed``).
     consumed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: On a cluster with GPUs: which GPU bundle each policy and generation rank gets, and
+    #: which ranks share a GPU (:func:`rlcore.placement.device_layout`); None on CPUs.
+    devices: DeviceLayout | None = None
 
     # Indexes built once per plan (a plan of 1,000 groups is walked task by task).
     @cached_property
@@ -165,6 +169,7 @@ class Plan:
             "posts": {k: list(v) for k, v in self.posts.items()},
             "artifacts_needed": {k: list(v) for k, v in self.consumed.items()},
             "overlapping": [list(p) for p in self.overlapping_pairs()],
+            "devices": self.devices.to_dict() if self.devices is not None else None,
         }
 
 

@@ -31,6 +31,7 @@ from typing import Any
 from rlcore.config import RunConfig, resolve_options
 from rlcore.declarations import ENDPOINT_EVENT, BackendDeclaration, Role, Transport
 from rlcore.errors import ConfigError, PlanError
+from rlcore.placement import DeviceLayout, device_layout
 from rlcore.setup.graph import topological_order
 from rlcore.setup.plan import REFIT_TASK, Edge, Plan, Task, Wait, init_task, longest_path
 
@@ -524,4 +525,14 @@ def plan_groups(
         posts=p.posts,
         consumed={task: tuple(names) for task, names in p.consumed.items()},
         refit_transport=transport,
+        devices=_devices(config, accelerator),
     )
+
+
+def _devices(config: RunConfig, accelerator: str | None) -> DeviceLayout | None:
+    """The GPU bundles of the policy and generation ranks on a cluster with GPUs
+    (``cluster.num_gpus``, else this host's accelerator)."""
+    gpus = config.cluster.num_gpus
+    if gpus == 0 or (gpus is None and (accelerator or detect_accelerator()) != "cuda"):
+        return None
+    return device_layout(config)

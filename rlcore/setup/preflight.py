@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from rlcore.config import RunConfig, cache_dir
 from rlcore.errors import ConfigError
+from rlcore.placement import RESOURCE_ROLES, device_layout
 
 if TYPE_CHECKING:
     from rlcore.setup.plan import Plan
@@ -45,8 +46,6 @@ if TYPE_CHECKING:
 MAX_HEADER_BYTES = 100 * 2**20
 #: Files that make a directory a loadable tokenizer for transformers.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-#: Roles whose workers reserve ``workers x devices_per_worker`` in the Ray cluster.
-RESOURCE_ROLES = ("policy", "generation")
 
 
 def one_line(message: str) -> str:
@@ -321,39 +320,64 @@ def host_gpus() -> int:
 
 
 def check_resources(config: RunConfig) -> None:
-    """The policy and generation workers fit the embedded cluster (skipped for ``cluster.address``).
+    """The policy and generation workers fit the cluster, counted as Ray will count them.
 
-    Each worker reserves ``devices_per_worker`` CPUs on a CPU-only cluster, one GPU on a
-    cluster with GPUs (the convention of ``<role>.devices_per_worker``); the groups are
-    up at the same time, so their needs add up.
+    On GPUs the count is the run's placement group (:func:`rlcore.placement.device_layout`):
+    shares Ray cannot place are refused, and its GPUs are held against the embedded
+    cluster's. On a CPU-only cluster each worker reserves ``devices_per_worker`` CPUs; the groups
+    are up at the same time, so their needs add up. A joined cluster (``cluster.address``)
+    is checked once joined, when its bundles are reserved.
     """
-    if config.cluster.address:
-        return  # an existing cluster: its size is known only once joined
-    gpus = config.cluster.num_gpus if config.cluster.num_gpus is not None else host_gpus()
-    kind, have, have_key = (
-        ("GPU", gpus, "cluster.num_gpus") if gpus >= 1 else
-        ("CPU", config.cluster.num_cpus or host_cpus(), "cluster.num_cpus")
-    )
-    need: list[tuple[str, float]] = []
-    for role in RESOURCE_ROLES:
-        section = getattr(config, role)
-        per = 1.0 if kind == "GPU" else section.devices_per_worker
-        need.append((role, section.workers * per))
+    gpus = cluster_gpus(config)
+    if gpus is None:
+        return  # a joined cluster: checked once joined (rlcore.runtime.cluster.reserve_devices)
+    if gpus >= 1:
+        layout = device_layout(config)  # refuses shares Ray cannot place
+        if layout.gpus <= gpus:
+            return
+        have_key = "cluster.num_gpus"
+        where = "" if config.cluster.num_gpus is not None else ", this host"
+        roles = " + ".join(
+            f"{r}.workers={getattr(config, r).workers} x {getattr(config, r).devices_per_worker:g} GPU"
+            for r in RESOURCE_ROLES
+        )
+        fix = (
+            "lower the workers" if layout.colocated
+            else "set placement.colocated=true with policy.devices_per_worker=0.5 and "
+            "generation.devices_per_worker=0.5 to share GPUs, lower the workers"
+        )
+        raise ConfigError(
+            f"config key 'policy.workers': the {'colocated' if layout.colocated else 'separate'} "
+            f"GPU bundles of the workers need {layout.gpus} GPU ({roles}: "
+            f"{'; '.join(layout.lines())}), but the embedded Ray cluster has {gpus} "
+            f"({have_key}{where}); {fix}, or raise {have_key}",
+            key="policy.workers",
+        )
+    have, have_key = config.cluster.num_cpus or host_cpus(), "cluster.num_cpus"
+    need = [(role, getattr(config, role).workers * getattr(config, role).devices_per_worker) for role in RESOURCE_ROLES]
     total = sum(n for _, n in need)
     if total > have + 1e-9:
         parts = " + ".join(
-            f"{r}.workers={getattr(config, r).workers} x "
-            f"{1 if kind == 'GPU' else getattr(config, r).devices_per_worker:g}"
+            f"{r}.workers={getattr(config, r).workers} x {getattr(config, r).devices_per_worker:g}"
             for r, _ in need
         )
         worst = max(need, key=lambda rn: rn[1])[0]
         raise ConfigError(
-            f"config key '{worst}.workers': the workers need {total:g} {kind} ({parts}), but the "
+            f"config key '{worst}.workers': the workers need {total:g} CPU ({parts}), but the "
             f"embedded Ray cluster has {have:g} ({have_key}"
-            f"{'' if getattr(config.cluster, have_key.split('.')[1]) is not None else ', this host'}); "
+            f"{'' if config.cluster.num_cpus is not None else ', this host'}); "
             f"lower {worst}.workers or {worst}.devices_per_worker, or raise {have_key}",
             key=f"{worst}.workers",
         )
+
+
+def cluster_gpus(config: RunConfig) -> int | None:
+    """GPUs of the cluster the run will use: ``cluster.num_gpus``, else what an embedded
+    cluster detects on this host; ``None`` for a joined cluster (``cluster.address``)
+    whose size is not known before it is joined."""
+    if config.cluster.address:
+        return None
+    return config.cluster.num_gpus if config.cluster.num_gpus is not None else host_gpus()
 
 
 #: Resources a node selector may not name: a worker's share of them is

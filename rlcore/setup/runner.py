@@ -39,7 +39,7 @@ from rlcore.declarations import ENDPOINT_EVENT, Role
 from rlcore.errors import ConfigError, PlanError, PluginError, RefitError
 from rlcore.events import EventBoard
 from rlcore.hookspecs import hookimpl
-from rlcore.placement import Network
+from rlcore.placement import DeviceGroup, Network
 from rlcore.refit.sessions import RefitSessions
 from rlcore.setup.executor import ExecutionResult, TaskRun, TaskSpec, call_bounded, execute
 from rlcore.setup.metrics import PREFIX, setup_metrics
@@ -326,6 +326,7 @@ class _SetupRun:
         )
         self.cancel = cancel
         self.network = Network()  # who reaches the run's servers (run_setup's ``network``)
+        self.devices: DeviceGroup | None = None  # the run's GPU bundles (run_setup's ``devices``)
         self.board = EventBoard(cancel)
         self.handles: dict[str, Any] = {}
         self.capture = _StartedCapture()
@@ -349,6 +350,7 @@ class _SetupRun:
             log=logging.getLogger(f"rlcore.backend.{backend}"),
             needed_artifacts=frozenset(self.plan.consumed.get(init_task_name(role), ())),
             network=self.network,
+            devices=self.devices,
         )
 
     def call_init(self, role: Role, ctx: InitContext) -> Any:
@@ -474,6 +476,7 @@ def run_setup(
     progress: Callable[[str, str], None] | None = None,
     grace_s: float = 5.0,
     network: Network | None = None,
+    devices: DeviceGroup | None = None,
 ) -> SetupResult:
     """Start every backend the config selects, as the plan allows, and do the first refit.
 
@@ -489,6 +492,8 @@ def run_setup(
             are abandoned (their late results are still shut down).
         network: who reaches the run's servers, for every ``InitContext.network``
             (:meth:`rlcore.runtime.cluster.Cluster.network`); omitted: one node.
+        devices: the run's GPU bundles, for every ``InitContext.devices``
+            (:meth:`rlcore.runtime.cluster.Cluster.reserve_devices`); omitted: none.
 
     Returns:
         The :class:`SetupResult`; call its ``shutdown()`` when done.
@@ -500,6 +505,7 @@ def run_setup(
     """
     run = _SetupRun(config, registry, plan, run_dir, cancel or CancelToken())
     run.network = network or run.network
+    run.devices = devices
     run.run_dir.mkdir(parents=True, exist_ok=True)
     try:
         with _registered(registry, run.capture):

@@ -23,13 +23,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _send_transports() -> set[Transport]:
+    """cuda_ipc (colocated on one GPU: the core's transport shares the exported tensors with
+    the engine's process) where this host has NVIDIA devices, as the planner detects them."""
+    from rlcore.setup.planner import detect_accelerator
+
+    cuda = {Transport.CUDA_IPC} if detect_accelerator() == "cuda" else set()
+    return {Transport.COLLECTIVE, Transport.SHARED_MEMORY, Transport.DISK, *cuda}
+
+
 @hookimpl
 def rlcore_declare_backend() -> BackendDeclaration:
     return BackendDeclaration(
         name="fsdp",
         roles={Role.POLICY},
         overlap=OverlapSafety(non_colocated=True, colocated=True),
-        send_transports={Transport.COLLECTIVE, Transport.SHARED_MEMORY, Transport.DISK},
+        send_transports=_send_transports(),
         options=FSDPOptions,
         contract_version="1.0",
         description=(
