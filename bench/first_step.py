@@ -182,21 +182,23 @@ def bare_megatron(
 ) -> None:
     """A Megatron policy rank or generation engine. megatron-core has no one-call trainer or
     engine to start by hand, so this calls the plugin's worker class directly in a plain
-    process: torch.distributed over gloo set up here, no Ray, no setup plan, no rlcore run."""
+    process: torch.distributed set up here (gloo, NCCL on a GPU host), no Ray, no setup
+    plan, no rlcore run."""
     import torch.distributed as dist
 
     from rlcore_megatron.handle import _options
     from rlcore_megatron.worker import MegatronGenerationWorker, MegatronPolicyWorker
 
+    device = "cuda" if _cuda() else "cpu"  # on a GPU host every bare rank uses its first GPU
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        "nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     opts = _options(options, role)
     if role == "policy":
-        MegatronPolicyWorker(rank, world).load(model_dir, dtype, opts, "cpu")
+        MegatronPolicyWorker(rank, world).load(model_dir, dtype, opts, device)
     else:
         worker = MegatronGenerationWorker(rank, world)
-        worker.start(model_dir, dtype, opts, "cpu", padded_vocab_size=padded_vocab_size)
+        worker.start(model_dir, dtype, opts, device, padded_vocab_size=padded_vocab_size)
         if checkpoint:  # the published conversion, as a run that is not refit-fed loads it
             worker.load_checkpoint(checkpoint)
     dist.barrier()

@@ -187,6 +187,11 @@ class RoleNodes:
 class PlacementConfig:
     #: Policy and generation share the same devices (and take turns on them).
     colocated: bool = False
+    #: Colocated: the roles whose backends declare ``memory_handoff`` give device memory
+    #: back while the other works (the generation sleeps through the train step, the
+    #: policy through sampling). ``false`` keeps both resident: no handoff time per step,
+    #: both roles' peaks at once.
+    memory_handoff: bool = True
     #: Where each role's actors run on a cluster joined by ``cluster.address``
     #: (``placement.nodes.policy.resources: {node_a: 0.01}``); see :class:`NodeSelector`.
     nodes: RoleNodes = field(default_factory=RoleNodes)

@@ -161,11 +161,14 @@ def _step_metrics(
     gen_vs_policy: float,
     report: Any,
     check: dict[str, Any],
+    tokens: int = 0,
 ) -> dict[str, Any]:
-    """One step's metrics: rewards, train step, generation vs policy, refit, refit check."""
+    """One step's metrics: rewards, generated tokens, train step, generation vs policy,
+    refit, refit check."""
     flat_rewards = [r for g in rewards for r in g]
     return {
         "step": step,
+        "generate/tokens": tokens,
         "reward/mean": statistics.fmean(flat_rewards),
         "reward/max": max(flat_rewards),
         "reward/exact": statistics.fmean(1.0 if r >= 1.0 else 0.0 for r in flat_rewards),
@@ -322,7 +325,8 @@ def run_grpo(
                 )
             check = {"refit/check": "probe", "refit/checked_step": step, "refit/token_mult_prob_error": probe_err}
 
-        metrics = _step_metrics(step, rewards, train, gen_vs_policy, report, check)
+        tokens = sum(len(completion) for _, completion in batch)
+        metrics = _step_metrics(step, rewards, train, gen_vs_policy, report, check, tokens)
         step_time = time.monotonic() - t_step
         metrics.update(clock.metrics())
         metrics["timing/step_time_s"] = step_time

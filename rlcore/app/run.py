@@ -422,8 +422,9 @@ def _train(
 
 
 def _handoff(config: RunConfig, setup: SetupResult) -> Handoff | None:
-    """Colocated: the device handed between the roles that declare ``memory_handoff``."""
-    if not config.placement.colocated:
+    """Colocated: the device handed between the roles that declare ``memory_handoff``
+    (unless ``placement.memory_handoff`` is false)."""
+    if not (config.placement.colocated and config.placement.memory_handoff):
         return None
     sleeper = {
         role: setup.handles[role]

@@ -46,15 +46,10 @@ def rlcore_declare_backend() -> BackendDeclaration:
     return BackendDeclaration(
         name="megatron",
         roles={Role.POLICY, Role.GENERATION},
-        overlap=OverlapSafety(
-            non_colocated=True,
-            colocated=False,
-            reason=(
-                "policy and generation each allocate their full model state (weights, "
-                "optimizer, KV cache) on the shared devices while starting: colocated, "
-                "they start one after the other"
-            ),
-        ),
+        # Colocated too: neither role sizes itself from the device's free memory (the
+        # engine's KV cache is options.kv_cache_gib or max_batch_size x max_sequence_length),
+        # so starting them together reaches the same peak as one after the other.
+        overlap=OverlapSafety(non_colocated=True, colocated=True),
         produces=(
             Artifact(
                 CHECKPOINT_ARTIFACT,

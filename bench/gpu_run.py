@@ -1,0 +1,228 @@
+"""A GPU example run through ``rlcore run``, and the figures of its cost, in one go.
+
+Runs ``python -m rlcore run CONFIG`` ``--runs`` times as a user would (embedded Ray cluster,
+the example's steps; device memory sampled with ``nvidia-smi`` every 0.1 s), once more with
+``placement.memory_handoff=false``, then measures on the same GPU, one at a time:
+
+* **one copy**: one device-to-device copy of the refit's bytes in one process (CUDA
+  events, median of 20): what ``refit_over_one_copy`` divides the run's refit by;
+* **the floor**: the same backends started bare and concurrently on this GPU, without
+  rlcore and without Ray (``bench/first_step.py``'s recipes: the plugin's worker classes
+  called in plain processes); ``setup_over_floor`` is the run's setup critical path over it;
+* **the engine alone**: the generation backend's engine in a plain process, loaded with
+  the same checkpoint, generating the requests of one step (the same prompts, samples,
+  tokens and temperature) five times; ``generate_tokens_per_s_over_engine_alone`` is the
+  run's generated tokens per second of its generate phase over that (Megatron generation).
+
+Prints one ``name: value`` line per figure (medians over the runs' steps, or over runs for
+per-run figures) and, with ``--write``, appends them with the command to that file.
+
+    source .gpu/setup.sh && python3 bench/gpu_run.py --config examples/gpu/megatron_colocated.yaml --runs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def gpu_memory_gib() -> float:
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    return max(float(x) for x in out.split()) / 1024
+
+
+class MemoryPeak:
+    """The device's most used memory while it runs (``nvidia-smi`` every ``period_s``)."""
+
+    def __init__(self, period_s: float = 0.1) -> None:
+        self.period_s, self.peak, self._stop = period_s, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, gpu_memory_gib())
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> MemoryPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_once(config: str, overrides: list[str], out: Path) -> tuple[list[dict[str, Any]], float]:
+    """One ``rlcore run``: its metrics records and the device's peak memory above idle (GiB)."""
+    idle = gpu_memory_gib()
+    cmd = [sys.executable, "-m", "rlcore", "run", config, "--out", str(out), *overrides]
+    with MemoryPeak() as mem:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return records, mem.peak - idle
+
+
+def one_copy_s(nbytes: int, repeats: int = 20) -> float:
+    """One device-to-device copy of ``nbytes`` in this process (median, CUDA events)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return statistics.median(times[2:])
+
+
+def engine_alone(config_path: str, overrides: list[str], repeats: int = 5) -> float:
+    """Tokens per second of the Megatron engine alone on one step's requests (a subprocess)."""
+    code = f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r}); import gpu_run; gpu_run._engine_main()"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, config_path, str(repeats), *overrides],
+        capture_output=True, text=True, env=ENV, timeout=900,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"the engine alone failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+def _engine_main() -> None:
+    """In a plain process: the generation worker of the plugin, its weights from the
+    checkpoint, the requests of one step; prints tokens per second (median of repeats)."""
+    import torch.distributed as dist
+
+    from rlcore.config import cache_dir, load_config
+    from rlcore.tinymodel import ensure_model
+    from rlcore.tokenizer import load as load_tokenizer
+    from rlcore_arithmetic.task import make_prompts
+    from rlcore_megatron import convert
+    from rlcore_megatron.handle import _options
+    from rlcore_megatron.worker import MegatronGenerationWorker
+
+    config_path, repeats, *overrides = sys.argv[1:]
+    config = load_config(config_path, overrides)
+    if config.generation.backend != "megatron":
+        raise SystemExit("the engine alone is measured for Megatron generation")
+    model_dir = str(ensure_model(config.model, cache_dir(config)))
+    tokenizer = load_tokenizer(Path(model_dir))
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29531", rank=0, world_size=1)
+    worker = MegatronGenerationWorker(0, 1)
+    worker.start(model_dir, config.model.dtype, _options(config.generation.options, "generation"), "cuda")
+    with convert.HFCheckpoint(model_dir) as ckpt:
+        convert.load_hf_weights(worker.model, ckpt.get, worker.spec, make_vocab_size_divisible_by=worker.divisible)
+    worker.serving = True
+    g = config.grpo
+    prompts = [list(tokenizer(p.text).input_ids) for p in make_prompts(g.prompts_per_step, seed=g.seed)]
+    rates = []
+    for i in range(int(repeats) + 1):
+        t0 = time.monotonic()
+        samples = worker.generate(prompts, g.samples_per_prompt, g.max_new_tokens, g.temperature, seed=i)
+        elapsed = time.monotonic() - t0
+        if i:  # the first call warms the engine up
+            rates.append(sum(len(s["token_ids"]) for group in samples for s in group) / elapsed)
+    print(statistics.median(rates))
+    os._exit(0)
+
+
+def floor_s(config_path: str, overrides: list[str], workdir: Path) -> float:
+    """The backends started bare and concurrently on this GPU: the last one's ready time."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import first_step
+
+    from rlcore.config import cache_dir, load_config
+    from rlcore.tinymodel import ensure_model
+
+    config = load_config(config_path, overrides)
+    model_dir = str(ensure_model(config.model, cache_dir(config)))
+    return max(first_step.measure_floor(config, model_dir, workdir).values())
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--config", default=str(REPO / "examples" / "gpu" / "megatron_colocated.yaml"))
+    parser.add_argument("--runs", type=int, default=2, help="runs with the handoff (one more runs without)")
+    parser.add_argument("--write", default=None)
+    parser.add_argument("--skip", default="", help="comma list of: floor, engine, nohandoff")
+    args = parser.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    t_start = time.monotonic()
+    figures: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = [f"setup.cache_dir={tmp}/cache"]
+        runs = [run_once(args.config, [*cache, *args.overrides], Path(tmp) / f"run{i}") for i in range(args.runs)]
+        steps = [r for records, _ in runs for r in records if "reward/mean" in r]
+        setups = [next(r for r in records if "timing/setup/critical_path_s" in r) for records, _ in runs]
+        nbytes = steps[0]["refit/bytes"]
+        refit = statistics.median(r["refit/weight_sync_time_s"] for r in steps)
+        copy = one_copy_s(nbytes)
+        figures["refit_over_one_copy"] = refit / copy
+        figures["refit_ms_median"] = refit * 1e3
+        figures["one_copy_ms"] = copy * 1e3
+        figures["refit_gib"] = nbytes / 2**30
+        figures["refit_transport"] = steps[0]["refit/transport"]
+        figures["setup_critical_path_s_median"] = statistics.median(s["timing/setup/critical_path_s"] for s in setups)
+        if "floor" not in skip:
+            floor = floor_s(args.config, [*cache, *args.overrides], Path(tmp) / "floor")
+            figures["setup_floor_s"] = floor
+            figures["setup_over_floor"] = figures["setup_critical_path_s_median"] / floor
+        gen_rate = statistics.median(r["generate/tokens"] / r["timing/generate_time_s"] for r in steps)
+        figures["generate_tokens_per_s"] = gen_rate
+        if "engine" not in skip:
+            alone = engine_alone(args.config, [*cache, *args.overrides])
+            figures["engine_alone_tokens_per_s"] = alone
+            figures["generate_tokens_per_s_over_engine_alone"] = gen_rate / alone
+        figures["refit_check_share_of_step"] = statistics.median(r["timing/refit_check_share"] for r in steps)
+        figures["peak_gib_with_handoff"] = statistics.median(peak for _, peak in runs)
+        if "nohandoff" not in skip:
+            records, peak = run_once(args.config, [*cache, *args.overrides, "placement.memory_handoff=false"], Path(tmp) / "nohandoff")
+            figures["peak_gib_without_handoff"] = peak
+            rest = [r for r in records if "reward/mean" in r]
+            figures["step_s_median_without_handoff"] = statistics.median(r["timing/step_time_s"] for r in rest)
+        figures["step_s_median"] = statistics.median(r["timing/step_time_s"] for r in steps)
+        for phase in ("generate", "train", "refit", "handoff", "refit_check"):
+            figures[f"{phase}_s_median"] = statistics.median(r[f"timing/{phase}_time_s"] for r in steps)
+        firsts = [[r for r in records if "reward/mean" in r] for records, _ in runs]
+        figures["reward_first"] = statistics.median(s[0]["reward/mean"] for s in firsts)
+        figures["reward_last"] = statistics.median(s[-1]["reward/mean"] for s in firsts)
+        figures["reward_max_step_mean"] = statistics.median(max(r["reward/mean"] for r in s) for s in firsts)
+        figures["steps_per_run"] = len(firsts[0])
+        figures["refit_check_max_mult_prob_error"] = max(r["refit/token_mult_prob_error"] for r in steps)
+    lines = [f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}" for k, v in figures.items()]
+    header = (
+        f"# python3 bench/gpu_run.py {shlex.join(argv)}  ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"{args.runs} runs + 1 without handoff, {time.monotonic() - t_start:.0f} s)"
+    )
+    print("\n".join([header, *lines]))
+    if args.write:
+        with open(args.write, "a") as f:
+            f.write("\n".join([header, *lines]) + "\n\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
