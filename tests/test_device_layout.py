@@ -187,6 +187,11 @@ def test_colocated_ranks_get_the_same_gpu_from_ray() -> None:
         import ray as _ray
 
         assert _ray.available_resources().get("GPU", 0.0) == 0.0
+        # A layout larger than the cluster (a joined one: the preflight could not count it)
+        # is refused naming both counts, before any actor asks for a GPU.
+        bigger = load_config(None, [*BASE, "policy.workers=2", "cluster.num_gpus=2"])
+        with pytest.raises(ConfigError, match=r"need 3 GPU .* has 2"):
+            cluster.reserve_devices(bigger)
     finally:
         for g in groups:
             g.shutdown()
