@@ -115,6 +115,22 @@ def rlcore_declare_backend():
     )
 """
 
+_TWIN = """
+from rlcore.declarations import BackendDeclaration, Role
+from rlcore.hookspecs import hookimpl
+
+
+@hookimpl
+def rlcore_declare_backend():
+    return BackendDeclaration(name="twin", roles={Role.POLICY}, send_transports={"disk"})
+
+
+@hookimpl
+def rlcore_init_policy(ctx):
+    return "twin"
+"""
+
+# Declares the backend name of rlcore-demo's 'demo_copy': two installed plugins, one name.
 _DUP = """
 from rlcore.declarations import BackendDeclaration, Role
 from rlcore.hookspecs import hookimpl
@@ -122,7 +138,7 @@ from rlcore.hookspecs import hookimpl
 
 @hookimpl
 def rlcore_declare_backend():
-    return BackendDeclaration(name="demo", roles={Role.GENERATION}, receive_transports={"disk"})
+    return BackendDeclaration(name="twin", roles={Role.GENERATION}, receive_transports={"disk"})
 
 
 @hookimpl
@@ -135,6 +151,7 @@ DISTRIBUTIONS: dict[str, dict[str, tuple[str, str]]] = {
     "rlcore-demo": {
         "demo": ("rlcore_demo.plugin", _DEMO),
         "demo_timing": ("rlcore_demo.timing", _TIMING),
+        "demo_copy": ("rlcore_demo.copy", _TWIN),
     },
     "rlcore-broken": {
         "broken_import": ("rlcore_broken.missing", "import rlcore_no_such_engine  # noqa\n"),
@@ -258,7 +275,7 @@ def installed_registry(installed_site: Path) -> tuple[dict[str, Any], str]:
 
 # Plugins installed in the environment (the repo's own) may sit beside the test ones.
 TEST_DISTRIBUTIONS = {"rlcore-demo", "rlcore-broken", "rlcore-bad-hooks", "rlcore-contradictory", "rlcore-demo-dup"}
-TEST_PLUGINS = {"demo", "demo_timing", "broken_import", "broken_syntax", "bad_arg", "bad_name", "contradictory", "demo_dup"}
+TEST_PLUGINS = {"demo", "demo_timing", "demo_copy", "broken_import", "broken_syntax", "bad_arg", "bad_name", "contradictory", "demo_dup"}
 
 
 def _test_backends(out: dict[str, Any]) -> list[str]:
@@ -267,7 +284,7 @@ def _test_backends(out: dict[str, Any]) -> list[str]:
 
 def test_installed_plugin_is_discovered(installed_registry: tuple[dict[str, Any], str]) -> None:
     out, _ = installed_registry
-    assert _test_backends(out) == ["demo"]
+    assert _test_backends(out) == ["demo"]  # 'twin' is declared twice: neither plugin has it
     demo = out["backends"]["demo"]
     assert demo["name"] == "demo"
     assert demo["distribution"] == "rlcore-demo"
@@ -291,7 +308,7 @@ def test_installed_plugin_is_discovered(installed_registry: tuple[dict[str, Any]
         ("bad_arg", "rlcore-bad-hooks", "validate", "gpus"),
         ("bad_name", "rlcore-bad-hooks", "validate", "did you mean 'rlcore_init_policy'"),
         ("contradictory", "rlcore-contradictory", "declare", "refit_fed"),
-        ("demo_dup", "rlcore-demo-dup", "duplicate", "plugin 'demo' (distribution rlcore-demo"),
+        ("demo_dup", "rlcore-demo-dup", "duplicate", "plugin 'demo_copy' (distribution rlcore-demo 0.1.0 at "),
     ],
     ids=["broken_import", "broken_syntax", "bad_arg", "bad_name", "contradictory", "demo_dup"],
 )
@@ -324,7 +341,8 @@ def test_installed_plugins_allowlist(installed_site: Path) -> None:
     assert out["wrappers"] == []
     assert [f["name"] for f in out["failures"]] == ["bad_arg"]
     assert [d for d in out["disabled"] if d in TEST_PLUGINS] == [
-        "bad_name", "broken_import", "broken_syntax", "contradictory", "demo_dup", "demo_timing",
+        "bad_name", "broken_import", "broken_syntax", "contradictory", "demo_copy", "demo_dup",
+        "demo_timing",
     ]  # fmt: skip
     assert out["init"]["wrapper_calls"] == []
 
@@ -342,6 +360,9 @@ def test_cli_plugins_json(installed_site: Path) -> None:
     stages = {f.get("plugin", f.get("name")): f["stage"] for f in data["failures"]}
     assert stages["broken_import"] == "import"
     assert stages["demo_dup"] == "duplicate"
+    # one failure refuses backend 'twin' for both installed plugins that declare it
+    [twin] = [f for f in data["failures"] if f.get("backend") == "twin"]
+    assert sorted(twin["plugins"]) == ["demo_copy", "demo_dup"] and "twin" not in backends
 
 
 # --------------------------------------------------------------------------

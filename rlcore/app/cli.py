@@ -23,6 +23,7 @@ from rlcore.errors import BackendNotFoundError, ConfigError, PlanError, RlcoreEr
 
 if TYPE_CHECKING:
     from rlcore.declarations import BackendDeclaration
+    from rlcore.setup.registry import PluginFailure, Registry
 
 DEFAULT_EXAMPLE = "quickstart.yaml"
 
@@ -51,32 +52,16 @@ def default_config_path() -> Path | None:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
+    """``rlcore plugins [--json]``: backends, wrappers, skipped plugins, disabled ones.
+
+    Versions are those of the code Python imports: a plugin whose distribution is
+    installed twice is listed as skipped, naming every copy and the imported one.
+    """
     from rlcore.setup.registry import load_registry
 
     registry = load_registry()
     if args.json:
-        payload = {
-            "backends": [
-                {
-                    "name": name,
-                    "plugin": info.name,
-                    "distribution": info.distribution,
-                    "version": info.version,
-                    "declaration": info.declaration.to_dict() if info.declaration else None,
-                }
-                for name, info in sorted(registry.backends.items())
-            ],
-            "wrappers": [
-                {"plugin": w.name, "distribution": w.distribution, "version": w.version}
-                for w in registry.wrappers
-            ],
-            "failures": [
-                {"plugin": f.name, "distribution": f.distribution, "stage": f.stage, "message": f.message}
-                for f in registry.failures
-            ],
-            "disabled": list(registry.disabled),
-        }
-        print(json.dumps(payload, indent=2))
+        print(json.dumps(_plugins_payload(registry), indent=2))
         return 0
     con = _console()
     table = Table(title="rlcore backends (entry-point group rlcore.backends)")
@@ -102,12 +87,44 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     for w in registry.wrappers:
         con.print(f"wrapper plugin: {w.name} ({w.distribution or '?'})")
     for f in registry.failures:
-        con.print(f"[red]skipped plugin {f.name} ({f.distribution or '?'}), {f.stage}:[/red] {f.message}")
+        con.print(_failure_line(f))
     for name in registry.disabled:
         con.print(f"[yellow]not loaded (allowlist): {name}[/yellow]")
     if not registry.backends:
         con.print("no backends installed: pip install one, e.g. ./plugins/fsdp")
     return 0
+
+
+def _plugins_payload(registry: Registry) -> dict[str, Any]:
+    """``rlcore plugins --json``: each version is that of the code Python imports."""
+    return {
+        "backends": [
+            {
+                "name": name,
+                "plugin": info.name,
+                "distribution": info.distribution,
+                "version": info.version,
+                "declaration": info.declaration.to_dict() if info.declaration else None,
+            }
+            for name, info in sorted(registry.backends.items())
+        ],
+        "wrappers": [
+            {"plugin": w.name, "distribution": w.distribution, "version": w.version}
+            for w in registry.wrappers
+        ],
+        "failures": [{"plugin": f.name, **f.to_dict()} for f in registry.failures],
+        "disabled": list(registry.disabled),
+    }
+
+
+def _failure_line(f: PluginFailure) -> str:
+    """One line (rich markup) for a skipped plugin: its names, the distribution and
+    version whose code Python imports (every claimant's for a backend declared twice)."""
+    imported = [c for c in f.copies if c.imported]
+    dist = ", ".join(f"{c.distribution or '?'} {c.version or ''}".strip() for c in imported)
+    dist = dist or f"{f.distribution or '?'} {f.version or ''}".strip()
+    names = ", ".join(f.plugins)
+    return f"[red]skipped plugin {escape(names)} ({escape(dist)}), {f.stage}:[/red] {escape(f.message)}"
 
 
 def _endpoint_cell(d: BackendDeclaration) -> str:

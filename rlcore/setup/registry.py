@@ -50,6 +50,14 @@ from rlcore.declarations import (
 )
 from rlcore.errors import BackendNotFoundError, DeclarationError
 from rlcore.setup import builtin
+from rlcore.setup.installed import (
+    InstalledCopy,
+    dist_location,
+    hidden_entry_points,
+    installed_twice,
+    normalized_name,
+    refuse_copies,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +131,16 @@ class PluginFailure:
             :mod:`rlcore.hookspecs`), ``declare`` (``rlcore_declare_backend``
             raised or returned an invalid declaration), ``contract`` (it targets a
             contract version this rlcore does not implement) or ``duplicate`` (its
-            plugin name or backend name belongs to a plugin loaded before it).
-        message: names the plugin and distribution, says what went wrong and what to do.
+            plugin name belongs to a plugin loaded before it, another installed plugin
+            declares the same backend name, or its distribution is installed more than
+            once at different versions).
+        message: one line: names the plugin and distribution, says what went wrong and
+            what to do.
         backend: the backend name it declared, when it got that far.
+        version: the version of the code Python imports for it, when known (for a
+            distribution installed twice, the copy whose files are imported).
+        copies: for ``duplicate`` refusals of installed plugins, every copy or plugin
+            involved, in the order found.
     """
 
     name: str
@@ -133,15 +148,25 @@ class PluginFailure:
     stage: str
     message: str
     backend: str | None = None
+    version: str | None = None
+    copies: tuple[InstalledCopy, ...] = ()
+
+    @property
+    def plugins(self) -> tuple[str, ...]:
+        """Every plugin (entry-point) name this failure refuses, in the order found."""
+        return tuple(dict.fromkeys([*(c.plugin for c in self.copies), self.name]))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form (``rlcore plugins --json``)."""
         return {
             "name": self.name,
             "distribution": self.distribution,
+            "version": self.version,
             "stage": self.stage,
             "message": self.message,
             "backend": self.backend,
+            "plugins": list(self.plugins),
+            "copies": [c.to_dict() for c in self.copies],
         }
 
 
@@ -170,9 +195,15 @@ def _closest(name: str, candidates: Iterable[str]) -> str | None:
 class _Refused(Exception):
     """A registration stage refused a plugin (turned into a :class:`PluginFailure`)."""
 
-    def __init__(self, stage: str, message: str, backend: str | None = None) -> None:
+    def __init__(
+        self,
+        stage: str,
+        message: str,
+        backend: str | None = None,
+        copies: tuple[InstalledCopy, ...] = (),
+    ) -> None:
         super().__init__(message)
-        self.stage, self.message, self.backend = stage, message, backend
+        self.stage, self.message, self.backend, self.copies = stage, message, backend, copies
 
 
 class Registry:
@@ -188,6 +219,11 @@ class Registry:
         disabled: entry-point names not loaded because of the allowlist.
         core: the core's own plugins (:mod:`rlcore.setup.builtin`): neither backends
             nor wrappers, always called.
+
+    Two installed plugins (entry points) that declare the same backend name both
+    lose it: neither is registered and one ``duplicate`` failure names them all,
+    since which one the user meant cannot be known. A plugin registered in-process
+    (:meth:`register`) whose backend name is taken is skipped and the first one kept.
     """
 
     def __init__(self) -> None:
@@ -202,6 +238,10 @@ class Registry:
             sorted(n for n, c in vars(self.pm.hook).items() if isinstance(c, pluggy.HookCaller))
         )
         self._disabled_reason: dict[str, str] = {}
+        #: entry-point name -> where the installed plugin of that name comes from
+        self._installed: dict[str, InstalledCopy] = {}
+        #: backend names refused because several installed plugins declare them
+        self._clashed: dict[str, PluginFailure] = {}
 
     # -- registration ---------------------------------------------------------
 
@@ -237,10 +277,17 @@ class Registry:
                 self.wrappers.append(info)
                 logger.debug("registered wrapper %s", info.origin())
                 return info
-            decl = self._accepted(decl_obj, name, distribution, who)
+            decl = self._accepted(decl_obj, name, distribution, version, who)
         except _Refused as refused:
             return self._fail(
-                plugin, name, distribution, refused.stage, refused.message, backend=refused.backend
+                plugin,
+                name,
+                distribution,
+                refused.stage,
+                refused.message,
+                backend=refused.backend,
+                version=version,
+                copies=refused.copies,
             )
         info = PluginInfo(name, distribution, version, decl, plugin)
         self.backends[decl.name] = info
@@ -291,7 +338,12 @@ class Registry:
             ) from None
 
     def _accepted(
-        self, decl_obj: object, name: str, distribution: str | None, who: str
+        self,
+        decl_obj: object,
+        name: str,
+        distribution: str | None,
+        version: str | None,
+        who: str,
     ) -> BackendDeclaration:
         """Stages 'declare' (a valid declaration), 'contract' (a contract version this
         core implements) and 'duplicate' (the backend name is free)."""
@@ -318,6 +370,10 @@ class Registry:
                 decl.name,
             )
         owner = self.backends.get(decl.name)
+        if decl.name in self._clashed or (
+            owner is not None and owner.name in self._installed and name in self._installed
+        ):
+            raise self._clash(decl.name, name, distribution, version)
         if owner is not None:
             raise _Refused(
                 "duplicate",
@@ -328,6 +384,52 @@ class Registry:
                 decl.name,
             )
         return decl
+
+    def _clash(
+        self, backend: str, name: str, distribution: str | None, version: str | None
+    ) -> _Refused:
+        """Refuse ``backend`` for every plugin that declares it: the one registered
+        under it is unregistered, an earlier clash record is replaced by one that names
+        every claimant, and the refusal of plugin ``name`` is returned (to raise)."""
+        claimants: list[InstalledCopy] = []
+        owner = self.backends.pop(backend, None)
+        if owner is not None:
+            self.pm.unregister(owner.plugin, name=owner.name)
+            claimants.append(self._copy_of(owner.name, owner.distribution, owner.version))
+        earlier = self._clashed.pop(backend, None)
+        if earlier is not None:
+            self.failures.remove(earlier)
+            claimants.extend(earlier.copies)
+        claimants.append(self._copy_of(name, distribution, version))
+        dists = list(dict.fromkeys(c.distribution for c in claimants if c.distribution))
+        if len(dists) > 1:
+            fix = (
+                "uninstall the distribution you do not want ("
+                + ", or ".join(f"pip uninstall {d}" for d in dists)
+                + ")"
+            )
+        else:
+            fix = (
+                f"ask the maintainers of {dists[0] if dists else 'the plugins'} to declare it once"
+            )
+        named = " and ".join(
+            f"plugin '{c.plugin}' (distribution {c.describe()})" for c in claimants
+        )
+        return _Refused(
+            "duplicate",
+            f"backend '{backend}' is declared by {named}, so none of them is used: rlcore does "
+            f"not pick one silently. Fix: {fix}, or load only one of them "
+            f"({_ALLOW_HINT}).",
+            backend,
+            tuple(claimants),
+        )
+
+    def _copy_of(self, name: str, distribution: str | None, version: str | None) -> InstalledCopy:
+        """Where plugin ``name`` comes from (``location`` ``None``: registered in-process)."""
+        found = self._installed.get(name)
+        if found is not None and found.distribution == distribution:
+            return found
+        return InstalledCopy(name, distribution, version, None, True)
 
     def _register_core(self, plugin: object, name: str) -> PluginInfo:
         """Register one of the core's own plugins; a failure here is a bug in rlcore."""
@@ -349,13 +451,17 @@ class Registry:
         message: str,
         *,
         backend: str | None = None,
+        version: str | None = None,
+        copies: tuple[InstalledCopy, ...] = (),
     ) -> None:
         if plugin is not None and self.pm.get_name(plugin) == name:
             self.pm.unregister(plugin, name=name)
-        failure = PluginFailure(name, distribution, stage, message, backend)
+        failure = PluginFailure(name, distribution, stage, message, backend, version, copies)
         if failure not in self.failures:
             self.failures.append(failure)
             logger.warning("skipping plugin (%s): %s", stage, message)
+        if backend is not None and len({c.plugin for c in copies}) > 1:
+            self._clashed[backend] = failure
         return None
 
     def _info_of(self, plugin: object) -> PluginInfo | None:
@@ -514,7 +620,7 @@ class Registry:
                 msg += f" Did you mean '{hint}'?"
             msg += f" Backends that serve {role}: {choices}."
         for failure in self.failures:
-            if name in (failure.name, failure.backend):
+            if name == failure.backend or name in failure.plugins:
                 msg += (
                     f"\nA plugin of that name failed to load ({failure.stage}): {failure.message}"
                 )
@@ -591,7 +697,12 @@ def _iter_entry_points() -> list[_EntryPoint]:
     plugins again) resolves a name clash the same way.
     """
     eps = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
-    return sorted(eps, key=lambda ep: (ep.name, _dist_of(ep)[0] or ""))
+    return sorted(eps, key=_entry_point_order)
+
+
+def _entry_point_order(ep: _EntryPoint) -> tuple[str, str]:
+    """The sort key of entry points: name, then distribution name."""
+    return ep.name, _dist_of(ep)[0] or ""
 
 
 def _dist_of(ep: _EntryPoint) -> tuple[str | None, str | None]:
@@ -627,7 +738,10 @@ def load_registry(
     ``plugins.allow`` from the config), then the ``extra`` ``(name, plugin)``
     pairs (in-process plugins, e.g. test wrappers; the allowlist does not apply
     to them). A plugin that fails to import or validate is recorded in
-    ``failures`` and skipped; this function does not raise for a bad plugin.
+    ``failures`` and skipped; so is a plugin whose distribution is installed more
+    than once at different versions (:mod:`rlcore.setup.installed`), and a backend
+    name that several installed plugins declare. This function does not raise for a
+    bad plugin.
 
     Args:
         allow: ``plugins.allow`` from the config; ``None``: no restriction.
@@ -636,50 +750,69 @@ def load_registry(
     """
     registry = Registry()
     registry._register_core(builtin, builtin.PLUGIN_NAME)
-
     if entry_points:
-        allowed = allowlist(allow)
-        found = _iter_entry_points()
-        if allowed is not None:
-            unknown = allowed - {ep.name for ep in found}
-            for name in sorted(unknown):
-                hint = _closest(name, [ep.name for ep in found])
-                logger.warning(
-                    "the plugin allowlist (%s) names '%s', but no installed plugin has that "
-                    "entry-point name%s",
-                    _ALLOW_HINT,
-                    name,
-                    f"; did you mean '{hint}'?" if hint else "",
-                )
-        for ep in found:
-            dist, version = _dist_of(ep)
-            if allowed is not None and ep.name not in allowed:
-                registry.disabled.append(ep.name)
-                registry._disabled_reason[ep.name] = _why_disabled(ep.name, allow)
-                logger.info(
-                    "plugin '%s' (%s) %s", ep.name, dist, registry._disabled_reason[ep.name]
-                )
-                continue
-            try:
-                plugin = ep.load()
-            except (Exception, SystemExit) as err:  # noqa: BLE001 - incl. SyntaxError
-                logger.debug("import of plugin '%s' failed", ep.name, exc_info=True)
-                registry._fail(
-                    None,
-                    ep.name,
-                    dist,
-                    "import",
-                    f"{_origin(ep.name, dist, version)} failed to import "
-                    f"'{getattr(ep, 'value', ep.name)}': {type(err).__name__}: {err}. "
-                    "Fix the error or uninstall the distribution; to skip it, leave it out "
-                    f"of the plugin allowlist ({_ALLOW_HINT}).",
-                )
-                continue
-            registry.register(plugin, ep.name, dist, version)
-
+        _load_entry_points(registry, allow)
     for name, plugin in extra:
         registry.register(plugin, name)
     return registry
+
+
+def _load_entry_points(registry: Registry, allow: Sequence[str] | None) -> None:
+    """Load and register the installed entry points that the allowlist lets through."""
+    allowed = allowlist(allow)
+    twice = installed_twice(ENTRY_POINT_GROUP)
+    found = _iter_entry_points()
+    hidden = hidden_entry_points(found, twice, ENTRY_POINT_GROUP)
+    if hidden:
+        found = sorted([*found, *hidden], key=_entry_point_order)
+    if allowed is not None:
+        _warn_unknown_allowed(allowed, [ep.name for ep in found])
+    for ep in found:
+        dist, version = _dist_of(ep)
+        if allowed is not None and ep.name not in allowed:
+            registry.disabled.append(ep.name)
+            registry._disabled_reason[ep.name] = _why_disabled(ep.name, allow)
+            logger.info("plugin '%s' (%s) %s", ep.name, dist, registry._disabled_reason[ep.name])
+            continue
+        copies = twice.get(normalized_name(getattr(ep, "dist", None)) or "")
+        if copies:
+            message, imported, found_copies = refuse_copies(ep, copies)
+            registry._fail(
+                None, ep.name, dist, "duplicate", message, version=imported, copies=found_copies
+            )
+            continue
+        try:
+            plugin = ep.load()
+        except (Exception, SystemExit) as err:  # noqa: BLE001 - incl. SyntaxError
+            logger.debug("import of plugin '%s' failed", ep.name, exc_info=True)
+            registry._fail(
+                None,
+                ep.name,
+                dist,
+                "import",
+                f"{_origin(ep.name, dist, version)} failed to import "
+                f"'{getattr(ep, 'value', ep.name)}': {type(err).__name__}: {err}. "
+                "Fix the error or uninstall the distribution; to skip it, leave it out "
+                f"of the plugin allowlist ({_ALLOW_HINT}).",
+                version=version,
+            )
+            continue
+        location = dist_location(getattr(ep, "dist", None))
+        registry._installed[ep.name] = InstalledCopy(ep.name, dist, version, location, True)
+        registry.register(plugin, ep.name, dist, version)
+
+
+def _warn_unknown_allowed(allowed: set[str], names: Sequence[str]) -> None:
+    """Warn about allowlist names that no installed plugin has."""
+    for name in sorted(allowed - set(names)):
+        hint = _closest(name, names)
+        logger.warning(
+            "the plugin allowlist (%s) names '%s', but no installed plugin has that "
+            "entry-point name%s",
+            _ALLOW_HINT,
+            name,
+            f"; did you mean '{hint}'?" if hint else "",
+        )
 
 
 def selected_backends(registry: Registry, config: Any) -> dict[Role, PluginInfo]:

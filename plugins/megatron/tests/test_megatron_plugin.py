@@ -19,7 +19,9 @@ def test_declaration_is_valid_and_says_what_the_brief_says() -> None:
         rlcore_declare_backend(), plugin="megatron", distribution="rlcore-megatron"
     )
     assert decl.roles == {Role.POLICY, Role.GENERATION}
-    assert decl.overlap.non_colocated and not decl.overlap.colocated and decl.overlap.reason
+    # Neither role sizes itself from free device memory, so starting them together on shared
+    # GPUs reaches the same peak as starting them in turn (docs/decisions.md).
+    assert decl.overlap.non_colocated and decl.overlap.colocated
     assert [(a.name, a.atomic, a.role) for a in decl.produces] == [
         ("megatron.checkpoint", True, Role.POLICY)
     ]
