@@ -28,7 +28,7 @@ from rlcore.errors import DeclarationError
 #: declared); a major version may change or remove. A plugin declares the version it
 #: was written against (:attr:`BackendDeclaration.contract_version`) and loads when
 #: its major equals the core's and its minor is not newer.
-CONTRACT_VERSION = "1.0"
+CONTRACT_VERSION = "1.1"
 _VERSION_RE = re.compile(r"^(\d+)\.(\d+)$")
 
 
@@ -187,6 +187,11 @@ class BackendDeclaration:
             ``(Condition("options.serve_openai", True),)``; empty: whenever
             ``openai_endpoint`` is true. The planner refuses an env that needs the
             endpoint when the conditions do not hold, before anything starts.
+        dtypes: (policy, generation) the compute dtypes (``model.dtype``) it runs in
+            and exports its weights in, e.g. ``{"float32", "bfloat16"}``; the
+            preflight refuses any other before anything starts, and the conformance
+            suite exercises each. Empty: not declared (the suite runs ``float32``, the
+            preflight does not check). Since contract 1.1.
         memory_handoff: (policy, generation) its handles implement
             :class:`rlcore.handles.MemoryHandoff` (``sleep``/``wake``): with
             ``placement.colocated`` the loop has it give device memory back while the
@@ -212,6 +217,7 @@ class BackendDeclaration:
     openai_endpoint: bool = False
     openai_endpoint_when: tuple[Condition, ...] = ()
     memory_handoff: bool = False
+    dtypes: frozenset[str] = frozenset()
     contract_version: str = "1.0"
     options: type | None = None
     description: str = ""
@@ -224,6 +230,9 @@ class BackendDeclaration:
         )
         object.__setattr__(
             self, "receive_transports", frozenset(Transport(t) for t in self.receive_transports)
+        )
+        object.__setattr__(
+            self, "dtypes", frozenset([self.dtypes] if isinstance(self.dtypes, str) else self.dtypes)
         )
         object.__setattr__(self, "produces", tuple(self.produces))
         object.__setattr__(self, "needs", tuple(self.needs))
@@ -289,6 +298,7 @@ class BackendDeclaration:
             "openai_endpoint": self.openai_endpoint,
             "openai_endpoint_when": cond(self.openai_endpoint_when),
             "memory_handoff": self.memory_handoff,
+            "dtypes": sorted(self.dtypes),
             "contract_version": self.contract_version,
             "options": self.option_names(),
             "description": self.description,
@@ -324,6 +334,18 @@ def _generation_only(d: BackendDeclaration) -> Iterator[str]:
                 yield f"{field_name} is only meaningful for a backend that serves generation"
         if d.receive_transports:
             yield "receive_transports given but the backend does not serve generation"
+
+
+#: The compute dtypes ``model.dtype`` takes (and a declaration's ``dtypes`` may name).
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+
+def _dtypes(d: BackendDeclaration) -> Iterator[str]:
+    unknown = sorted(t for t in d.dtypes if t not in DTYPES)
+    if unknown:
+        yield f"dtypes {unknown} unknown; a dtype is one of {list(DTYPES)}"
+    if d.dtypes and not d.roles & {Role.POLICY, Role.GENERATION}:
+        yield "dtypes given but the backend serves neither policy nor generation"
 
 
 def _memory_handoff(d: BackendDeclaration) -> Iterator[str]:
@@ -431,7 +453,8 @@ def _needs(d: BackendDeclaration) -> Iterator[str]:
 
 #: One check per rule a declaration must keep; each yields what it finds wrong.
 _RULES: tuple[Callable[[BackendDeclaration], Iterator[str]], ...] = (
-    _name, _roles, _overlap, _generation_only, _refit_fed, _memory_handoff, _endpoint_conditions,
+    _name, _roles, _overlap, _generation_only, _refit_fed, _dtypes, _memory_handoff,
+    _endpoint_conditions,
     _contract_version, _transports, _options, _artifacts, _needs,
 )
 

@@ -154,8 +154,20 @@ class PolicyHandle(BackendHandle, Protocol):
 
         ``advantages`` has one float per pair (every token of a completion shares
         it); ``old_logprobs`` are the policy's logprobs of the same tokens before
-        the step (``None``: computed by the step). Returns metrics, at least
-        ``loss`` (float) and ``grad_norm`` (float) of the step.
+        the step (``None``: on-policy, ratio 1). The loss is ``-mean`` over every
+        completion token of the batch of ``min(ratio * A, clip(ratio, 1 - clip_eps,
+        1 + clip_eps) * A)`` with ``ratio = exp(logprob - old_logprob)``.
+
+        The step starts from the current weights alone: nothing of an earlier step's
+        gradients carries over (optimizer moments may). ``lr=0`` leaves the weights as
+        they are. A row with an empty prompt raises ``ValueError`` naming the row (a
+        convention the in-tree policies keep; the suite checks the rest).
+
+        Returns metrics, at least (all floats, each checked by the conformance suite):
+        ``loss`` (of the batch at the weights before the step), ``grad_norm`` (global,
+        before any clipping), ``clip_fraction`` (tokens whose ratio left
+        ``[1 - clip_eps, 1 + clip_eps]``), ``tokens`` (completion tokens of the batch)
+        and ``lr``.
         """
         ...
 

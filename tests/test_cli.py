@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlcore.app.cli import _split_overrides, main
+from rlcore.declarations import CONTRACT_VERSION
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +91,7 @@ def test_plugins_in_a_pipe_prints_whole_names() -> None:
         assert name in out
     # Each backend's contract version, and an endpoint that depends on the config says when.
     vllm_row = next(line for line in out.splitlines() if line.startswith("│ vllm "))
-    assert "when options.serve_openai == True" in vllm_row and "│ 1.0 " in vllm_row
+    assert "when options.serve_openai == True" in vllm_row and f"│ {CONTRACT_VERSION} " in vllm_row
 
 
 def test_plugins_in_a_narrow_terminal_folds_names(monkeypatch, capsys) -> None:

@@ -99,6 +99,7 @@ SUITE_ROWS = {
     "test_generate_is_seeded",
     "test_generate_logprobs_at_temperature_1",
     "test_env_collect_rollouts",
+    *(f"test_train_step_semantics[{d}]" for d in ("float32", "bfloat16", "float16")),
 }
 
 

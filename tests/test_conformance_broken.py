@@ -53,7 +53,26 @@ class FaultyPolicyWorker(ReferencePolicyWorker):
     def train_step(self, rows: list, advantages: list, old: Any, clip_eps: float, lr: float) -> dict:
         if self.fault == "train_step_noop":
             return {"loss": 0.0, "grad_norm": 0.0}
-        return super().train_step(rows, advantages, old, clip_eps, lr)
+        if self.fault == "loss_sign_flipped":  # minimises what it should maximise
+            return super().train_step(rows, [-a for a in advantages], old, clip_eps, lr)
+        if self.fault == "grads_not_reset":  # each backward adds to the last step's gradients
+            from rlcore.testing.reference import reference_grpo_step
+
+            old = old if old is not None else self.logprobs(rows)
+            out = reference_grpo_step(self.model, rows, advantages, old, lr=lr, clip_eps=clip_eps)
+            return {k: float(v) for k, v in out.items() if k != "state"}
+        out = super().train_step(rows, advantages, old, clip_eps, lr)
+        if self.fault == "tokens_are_rows":  # counts completions, not their tokens
+            out["tokens"] = float(len(rows))
+        return out
+
+    def export_stream(self) -> Any:
+        import torch
+
+        stream = super().export_stream()
+        if self.fault != "export_float64":  # a cast left in the export: not the declared dtype
+            return stream
+        return ((n, t.to(torch.float64)) for n, t in stream)
 
     def logprobs(self, rows: list) -> list[list[float]]:
         if self.fault != "policy_logprobs_scaled":
@@ -139,6 +158,15 @@ class FaultyGenerationWorker(ReferenceGenerationWorker):
 
 #: The shared worker groups, by role (set by the ``shared`` fixture).
 SHARED: dict[Role, Any] = {}
+#: Actors the ``leaks_actor`` case starts and never stops (killed by the ``shared`` fixture).
+LEFTOVERS: list[Any] = []
+
+
+class Leftover:
+    """A helper actor; Ray may run it in a worker process that existed before the test."""
+
+    def ping(self) -> bool:
+        return True
 
 
 class SharedPolicy(ReferencePolicy):
@@ -229,6 +257,10 @@ class BrokenPlugin(ReferencePlugin):
     def _start(self, ctx: Any, worker: type, handle: type, empty: bool) -> Any:
         ctx.cancel.raise_if_cancelled(ctx.task)
         ctx.deadline.raise_if_expired(ctx.task)
+        if self.fault == "leaks_actor":  # a helper actor its shutdown forgets
+            import ray
+
+            LEFTOVERS.append(ray.remote(num_cpus=0)(Leftover).remote())
         group = SHARED[ctx.role]
         args = (self.fault,) if ctx.role is Role.POLICY else (self.fault, empty)
         group.call("reset", *args, what="reset")
@@ -262,6 +294,7 @@ class Case:
 GEN = ("test_generate_samples", "test_generate_stops_at_eos", "test_generate_is_seeded",
        "test_generate_logprobs_at_temperature_1")
 TRIPS = ("test_refit_round_trip", "test_refit_fed_round_trip")
+SEM = "test_train_step_semantics[float32]"
 
 
 def case(fault: str, rule: str, fails: tuple[str, ...], words: tuple[str, ...], **kw: Any) -> Case:
@@ -321,6 +354,17 @@ CASES = [
          ("different logprobs of the same tokens", "temperature 1")),
     case("train_step_noop", "train_step() changes the policy", TRIPS,
          ("train_step must change the policy's weights",)),
+    case("loss_sign_flipped", "a step moves logprobs in the direction of the advantages",
+         (SEM,), ("loss", "sign")),
+    case("grads_not_reset", "a step's gradient is its own batch's", (SEM,),
+         ("gradients of an earlier step carried over",)),
+    case("tokens_are_rows", "train_step() reports the batch's completion tokens", (SEM,),
+         ("tokens=4", "10 completion tokens")),
+    case("export_float64", "the refit export is in the declared dtype", (SEM, *TRIPS),
+         ("model.dtype=float32", "float64")),
+    case("leaks_actor", "shutdown() releases every Ray actor it started",
+         ("test_init_and_shutdown[policy]", "test_init_and_shutdown[generation]", *TRIPS),
+         ("Ray actor Leftover", "still alive")),
     case("env_wrong_group_size", "collect_rollouts(): samples_per_prompt per group",
          ("test_env_collect_rollouts",), ("collect_rollouts()", "2 rollouts"), env=True),
     case("env_nan_reward", "collect_rollouts(): finite rewards", ("test_env_collect_rollouts",),
@@ -338,8 +382,10 @@ HONEST = Case(BrokenPlugin("broken-none"), "none", frozenset(), "", ())
 #: The suite tests run against every case (the cheap ones that exercise the handles).
 SELECTED = (
     "test_declaration_is_valid", "test_registers_cleanly", "test_init_and_shutdown",
-    "test_logprobs_shape", "test_logprobs_agree", *GEN, "test_env_collect_rollouts", *TRIPS,
+    "test_logprobs_shape", "test_logprobs_agree", *GEN, "test_env_collect_rollouts",
 )
+#: The cases the training test runs for (it is the only test these faults reach).
+TRAINING = ("none", "loss-sign-flipped", "grads-not-reset", "tokens-are-rows", "export-float64")
 
 
 @pytest.fixture(scope="module")
@@ -365,6 +411,9 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         yield
     finally:
         SHARED.clear()
+        for actor in LEFTOVERS:
+            ray.kill(actor)
+        LEFTOVERS.clear()
         for g in groups:
             g.shutdown()
         cluster.shutdown()
@@ -389,9 +438,22 @@ def outcomes(shared: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str
             globals()[name] = type(name, (BackendConformance,), {
                 "plugin": c.plugin, "use_reference_peer": False, "settle_s": 0.5,
                 "eos_probe": (4, 16, 1.5),
+                # A sender that fails mid-refit leaves the receiver waiting for its bytes
+                # until refit.timeout_s (and its shutdown behind it): keep that short.
+                "config_overrides": ("refit.timeout_s=10",),
             })
     """))
-    select = " or ".join(SELECTED)
+    def classes(names: Any) -> str:
+        return " or ".join(f"Test_broken_{name.replace('-', '_')}" for name in names)
+
+    # The refit round trips (the costliest tests) run for the honest reference and the
+    # faults that reach them (a model, refit or transport fault), the training test for
+    # the training faults; every other test for every case.
+    tripped = ["none", *(c.name.removeprefix("broken-") for c in CASES if c.fails & set(TRIPS))]
+    select = (
+        f"{' or '.join(SELECTED)} or (({' or '.join(TRIPS)}) and ({classes(tripped)}))"
+        f" or (test_train_step_semantics and ({classes(TRAINING)}))"
+    )
     reports = run_pytest(root, test_file, args=("-k", select))
     out: dict[str, dict[str, Any]] = {}
     for rep in reports:

@@ -167,6 +167,9 @@ class KillGenerationWorker:
         return (yield)
 
 
+# tests/test_worker_loss_e2e.py kills the same engine of the same run by default and checks
+# more (the role, the metrics written): this one repeats it, so it is soak.
+@pytest.mark.soak
 def test_killed_generation_worker_fails_the_run_naming_it(tmp_path: Path) -> None:
     killer = KillGenerationWorker()
     t0 = time.monotonic()

@@ -112,6 +112,8 @@ def _non_empty_dir(base: Path) -> Path:
 # A callable in argv is called with tmp_path and replaced by the path it returns.
 CASES: list[tuple[str, list, str, str]] = [
     ("steps-0", ["grpo.steps=0"], "grpo.steps", "at least 1"),
+    ("dtype-undeclared", ["model.dtype=float16"], "model.dtype",
+     "policy backend 'fsdp' runs in bfloat16, float32 only"),
     ("steps-neg", ["grpo.steps=-3"], "grpo.steps", "at least 1"),
     ("samples-0", ["grpo.samples_per_prompt=0"], "grpo.samples_per_prompt", "at least 1"),
     ("prompts-0", ["grpo.prompts_per_step=0"], "grpo.prompts_per_step", "at least 1"),

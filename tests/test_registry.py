@@ -786,3 +786,26 @@ def test_memory_handoff_on_an_env_backend_is_refused() -> None:
     registry = load_registry(entry_points=False, extra=[("sleepy_env", env)])
     [failure] = registry.failures
     assert failure.stage == "declare" and "memory_handoff is only meaningful" in failure.message
+
+
+@pytest.mark.parametrize(
+    ("dtypes", "roles", "words"),
+    [({"float64"}, {Role.POLICY}, "dtypes ['float64'] unknown"),
+     ({"bfloat16"}, {Role.ENV}, "serves neither policy nor generation")],
+)
+def test_a_bad_dtypes_declaration_is_refused(dtypes: set[str], roles: set[Role], words: str) -> None:
+    import dataclasses
+
+    backend = Backend("dtyped", next(iter(roles)))
+    backend.decl = dataclasses.replace(backend.decl, dtypes=frozenset(dtypes))
+    registry = load_registry(entry_points=False, extra=[("dtyped", backend)])
+    [failure] = registry.failures
+    assert failure.stage == "declare" and words in failure.message
+
+
+def test_in_tree_policies_declare_the_dtypes_they_train_in() -> None:
+    registry = load_registry()
+    for name in ("fsdp", "megatron"):
+        decl = registry.backends[name].declaration
+        assert decl is not None and decl.dtypes == {"float32", "bfloat16"}, name
+        assert decl.to_dict()["dtypes"] == ["bfloat16", "float32"]

@@ -26,6 +26,11 @@ if TYPE_CHECKING:
     from rlcore.setup.registry import PluginFailure, Registry
 
 DEFAULT_EXAMPLE = "quickstart.yaml"
+#: Exit codes (README, "Exit codes"): bad input refused before anything started; a
+#: failure once the run had started (setup, a step, a refit, its check, training health).
+#: Interrupts exit 128 + the signal's number (130 for SIGINT, 143 for SIGTERM).
+EXIT_BAD_INPUT = 2
+EXIT_RUN_FAILED = 3
 
 
 #: Width of output that is not a terminal (a pipe, a file): wide enough that tables are
@@ -203,7 +208,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config_path = args.config or default_config_path()
     if config_path is None:
-        raise RlcoreError(
+        raise ConfigError(
             f"no config given and examples/{DEFAULT_EXAMPLE} not found; pass a config file"
         )
     if args.resume and not args.out:
@@ -304,10 +309,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, BackendNotFoundError, PlanError) as err:
         # Found before anything started: one line that names the key and the fix.
         _console(stderr=True).print("[red]error:[/red] " + escape(" ".join(str(err).split("\n"))))
-        return 2
+        return EXIT_BAD_INPUT
     except RlcoreError as err:
         _console(stderr=True).print("[red]error:[/red] " + escape(str(err)))
-        return 2
+        return EXIT_RUN_FAILED
 
 
 def entrypoint() -> None:

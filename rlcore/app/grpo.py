@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from rlcore.app.health import check_train_health
 from rlcore.app.recovery import retry_on_generation_loss
 from rlcore.config import REFIT_CHECKS, GRPOConfig
 from rlcore.errors import DivergenceError
@@ -314,6 +315,8 @@ def run_grpo(
                 train = policy.train_step(batch, flat_adv, old_lp, **hyper)
         else:
             gen_vs_policy = token_mult_prob_error(gen_lp, old_lp)
+        # Non-finite weights must not reach the engine, nor the next step train on them.
+        check_train_health(train, backend=policy.backend, step=step)
         with clock("refit"):
             report = retry_on_generation_loss(lambda step=step: refit(step), recover, "refit")
         if not sampled:

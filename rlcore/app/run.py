@@ -23,6 +23,7 @@ from rich.table import Table
 
 from rlcore.app import overlap
 from rlcore.app.grpo import Handoff, check_divergence, probe_batch, run_grpo, token_mult_prob_error
+from rlcore.app.health import reward_trend, trend_line
 from rlcore.app.interrupts import RunInterrupted, signal_name, signum_of
 from rlcore.app.plots import plot_reward, plot_setup_timeline
 from rlcore.app.recovery import GenerationRecovery
@@ -419,6 +420,10 @@ def _train(
     )
     if history:
         plot_reward(history, run_dir / "reward.png", title=f"{config.name}: reward per step")
+        trend = reward_trend(history)
+        if trend is not None:
+            writer.write(trend, step=history[-1]["step"])
+            console.print(trend_line(trend))
 
 
 def _handoff(config: RunConfig, setup: SetupResult) -> Handoff | None:

@@ -39,6 +39,7 @@ from rlcore.errors import ConfigError
 from rlcore.placement import RESOURCE_ROLES, device_layout
 
 if TYPE_CHECKING:
+    from rlcore.declarations import BackendDeclaration, Role
     from rlcore.setup.plan import Plan
     from rlcore.setup.registry import Registry
 
@@ -112,6 +113,7 @@ def check_plan(config: RunConfig, registry: Registry, *, accelerator: str | None
 
     try:
         selected = selected_backends(registry, config)
+        check_dtype(config, {r: i.declaration for r, i in selected.items()})  # type: ignore[misc]
         return build_plan(
             config, {r: i.declaration for r, i in selected.items()},  # type: ignore[misc]
             accelerator=accelerator,
@@ -134,6 +136,25 @@ def check_plan(config: RunConfig, registry: Registry, *, accelerator: str | None
             f"the backends the config selects ({chosen}) cannot run together: {one_line(str(err))}",
             key=None,
         ) from err
+
+
+def check_dtype(config: RunConfig, declarations: dict[Role, BackendDeclaration]) -> None:
+    """``model.dtype`` is one that the policy and generation backends declare (a backend
+    that declares no ``dtypes`` accepts any)."""
+    from rlcore.declarations import Role
+
+    want = config.model.dtype
+    for role in (Role.POLICY, Role.GENERATION):
+        decl = declarations.get(role)
+        if decl is None or not decl.dtypes or want in decl.dtypes:
+            continue
+        runs = ", ".join(sorted(decl.dtypes))
+        raise ConfigError(
+            f"config key 'model.dtype' is {want}, but {role.value} backend '{decl.name}' runs "
+            f"in {runs} only (its declaration's dtypes); set model.dtype to one of them or pick "
+            f"another {role.value}.backend",
+            key="model.dtype",
+        )
 
 
 def check_task_deadlines(config: RunConfig, plan: Plan) -> None:

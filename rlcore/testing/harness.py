@@ -189,10 +189,13 @@ def heavy(modules: Iterable[str], heavy_roots: Sequence[str] = HEAVY_MODULES) ->
 
 
 class LeakCheck:
-    """Child processes and threads alive at creation, to compare against later.
+    """Child processes, threads and Ray actors alive at creation, to compare against later.
 
     ``ignore_processes`` are prefixes of process names or command lines that are
     not the backend's (Ray's pooled ``ray::IDLE`` workers come and go by themselves).
+    Ray actors are read from Ray's own actor table (the GCS), not the process table: Ray
+    runs an actor in a worker process it started before (a prestarted idle worker), so
+    an actor left alive need not be a new process.
     """
 
     def __init__(
@@ -208,6 +211,7 @@ class LeakCheck:
         self._ignore_processes = tuple(ignore_processes)
         self.threads = {t.ident for t in threading.enumerate()}
         self.children = {p.pid: self._create_time(p) for p in self._proc.children(recursive=True)}
+        self.actors = set(_alive_actors())
 
     @staticmethod
     def _create_time(p: Any) -> float | None:
@@ -246,17 +250,44 @@ class LeakCheck:
             out.append(f"pid {p.pid} ({cmd.strip()[:120] or name})")
         return out
 
+    def new_actors(self) -> list[str]:
+        """Ray actors of this driver's job alive now that were not at creation."""
+        return [line for actor_id, line in _alive_actors().items() if actor_id not in self.actors]
+
     def problems(self, settle_s: float = 5.0) -> list[str]:
         """What is still alive that was not at creation, after waiting up to ``settle_s``."""
         end = time.monotonic() + settle_s
         while True:
-            threads, children = self.new_threads(), self.new_children()
-            if (not threads and not children) or time.monotonic() >= end:
+            threads, children, actors = self.new_threads(), self.new_children(), self.new_actors()
+            if (not threads and not children and not actors) or time.monotonic() >= end:
                 break
             time.sleep(0.05)
         out = [f"thread {t.name!r} (daemon={t.daemon})" for t in threads]
         out += [f"child process {c}" for c in children]
+        out += [f"Ray actor {a}" for a in actors]
         return out
+
+
+def _alive_actors() -> dict[str, str]:
+    """Actor id -> ``ClassName (actor id, pid N)`` of every ALIVE (or starting) actor of this
+    driver's Ray job, from Ray's actor table; empty when Ray is not initialised here."""
+    ray = sys.modules.get("ray")  # never import Ray for a check that has no cluster
+    if ray is None or not ray.is_initialized():
+        return {}
+    try:
+        from ray._private import state  # the GCS actor table: no dashboard needed
+
+        job = ray.get_runtime_context().get_job_id()
+        table = state.actors()
+    except Exception as err:  # noqa: BLE001 - a check that cannot read the table says so
+        log.warning("leak check: Ray's actor table could not be read (%s)", err)
+        return {}
+    out = {}
+    for actor_id, info in table.items():
+        if info.get("State") in ("DEAD",) or str(info.get("JobID")) != str(job):
+            continue
+        out[actor_id] = f"{info.get('ActorClassName', '?')} ({actor_id[:12]}, pid {info.get('Pid')}, {info.get('State')})"
+    return out
 
 
 # -- running things with a bound ---------------------------------------------------

@@ -116,7 +116,7 @@ class ReferencePolicyWorker(HFWorker, RefitSenderWorker):
         old = old if old is not None else self.logprobs(rows)
         out = reference_grpo_step(self.model, rows, advantages, old, lr=lr, clip_eps=clip_eps)
         self.model.zero_grad(set_to_none=True)
-        return {"loss": float(out["loss"]), "grad_norm": float(out["grad_norm"])}
+        return {k: float(v) for k, v in out.items() if k != "state"}
 
     def export_stream(self) -> Any:
         """(name, tensor) of every weight in send order (what the refit sends)."""
@@ -303,6 +303,7 @@ class ReferencePlugin:
             receive_transports=set(self.receive_transports) if gen else set(),
             refit_fed=gen,
             options=ReferenceOptions,
+            dtypes={"float32"},  # its workers load the checkpoint in float32 whatever model.dtype says
             contract_version=CONTRACT_VERSION,
             description="transformers reference peer of rlcore's conformance suite (one Ray actor)",
         )

@@ -71,11 +71,13 @@ def reference_grpo_step(
 ) -> dict[str, Any]:
     """One GRPO step: ``-mean`` over every completion token of the batch of
     ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)``, global grad-norm clipping,
-    AdamW (no weight decay). Returns ``loss``, ``grad_norm`` and the new ``state``."""
+    AdamW (no weight decay). Returns the metrics of the ``train_step`` contract
+    (``loss``, ``grad_norm`` before clipping, ``clip_fraction``: tokens whose ratio left
+    ``[1 - eps, 1 + eps]``, ``tokens``, ``lr``) and the new ``state``."""
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    terms = []
+    terms, clipped = [], 0
     for (p, c), a, o in zip(batch, advantages, old, strict=True):
         if not c:
             continue
@@ -83,11 +85,20 @@ def reference_grpo_step(
         lp = logp[len(p) - 1 : len(p) - 1 + len(c)].gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
         ratio = torch.exp(lp - torch.tensor(o))
         terms.append(torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a))
-    loss = -torch.cat(terms).mean()
+        clipped += int(((ratio - 1).abs() > clip_eps).sum())
+    tokens = sum(len(c) for _, c in batch)
+    loss = -torch.cat(terms).mean() if terms else torch.zeros((), requires_grad=True)
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     opt.step()
-    return {"loss": loss.item(), "grad_norm": norm.item(), "state": model.state_dict()}
+    return {
+        "loss": loss.item(),
+        "grad_norm": norm.item(),
+        "clip_fraction": clipped / max(tokens, 1),
+        "tokens": float(tokens),
+        "lr": float(lr),
+        "state": model.state_dict(),
+    }
 
 
 def max_diff(a: list[list[float]], b: list[list[float]]) -> float:

@@ -65,6 +65,8 @@ from rlcore.testing.harness import (
 from rlcore.waiting import CancelToken, Deadline
 
 ROLES = [r.value for r in Role]
+#: The compute dtypes the training test runs in (each skipped unless declared).
+DTYPES = ["float32", "bfloat16", "float16"]
 #: The default peer: rlcore's transformers reference policy and generation (Ray actors).
 REFERENCE_PEER = "rlcore.testing.peers:REFERENCE"
 _PROTOCOLS: dict[Role, type] = {
@@ -139,6 +141,38 @@ class _LazyGeneration:
 
     def shutdown(self) -> None:  # the suite shuts the real handle down
         pass
+
+
+def training_capture(suite: BackendConformance, h: Harness, policy: Any, config: Any) -> dict[str, Any]:
+    """What ``policy`` sends in one core refit over the first declared transport that runs
+    here (files first: they leave no channel open), captured by
+    :func:`rlcore.testing.capture.capture_export`."""
+    from rlcore.refit import transports as core_transports
+    from rlcore.testing.capture import capture_export
+
+    decl = h.declaration
+    here = core_transports.implemented(detect_accelerator())
+    order = [Transport.DISK, Transport.SHARED_MEMORY, Transport.COLLECTIVE]
+    usable = [t for t in order if t in decl.send_transports and t in here]
+    if not usable:
+        pytest.skip(
+            f"backend '{decl.name}' sends over {sorted(map(str, decl.send_transports))}, none of "
+            "which the suite can receive on this host: its export is checked by the refit round trips"
+        )
+    suite._ensure_ray()
+    out = call_bounded(
+        lambda: capture_export(policy, config, str(usable[0]), cancel=h.cancel),
+        config.refit.timeout_s + 10,
+        "capture export",
+    )
+    if out.timed_out:
+        _fail(f"backend '{decl.name}': a refit over {usable[0]} did not finish within refit.timeout_s")
+    if out.error is not None:
+        _fail(
+            f"backend '{decl.name}': a refit over {usable[0]} in model.dtype={config.model.dtype} "
+            f"raised {type(out.error).__name__}: {out.error}"
+        )
+    return dict(out.value)
 
 
 class BackendConformance:
@@ -309,11 +343,11 @@ class BackendConformance:
             ignore_threads=self.leak_ignore_threads, ignore_processes=self.leak_ignore_processes
         )
 
-    def _assert_no_leaks(self, leaks: LeakCheck, what: str) -> None:
+    def _assert_no_leaks(self, h: Harness, leaks: LeakCheck, what: str) -> None:
         left = leaks.problems(self.settle_s)
         if left:
             _fail(
-                f"{what}: still alive {self.settle_s:g}s after shutdown: {'; '.join(left)}. "
+                f"backend '{h.declaration.name}': {what}: still alive {self.settle_s:g}s after shutdown: {'; '.join(left)}. "
                 "shutdown() must release every process, thread and actor the backend started "
                 "(and an init that raises must release what it started)."
             )
@@ -462,7 +496,7 @@ class BackendConformance:
                 f"{'hung' if outcome.timed_out else f'raised {type(outcome.error).__name__}: {outcome.error}'}; "
                 "it must be idempotent (the core may call it from a failure path too)"
             )
-        self._assert_no_leaks(leaks, f"init:{role} then shutdown()")
+        self._assert_no_leaks(harness, leaks, f"init:{role} then shutdown()")
 
     def _check_handle(self, h: Harness, role: Role, handle: Any, config: Any) -> None:
         decl = h.declaration
@@ -605,7 +639,7 @@ class BackendConformance:
                 )
         else:
             h.shutdown(outcome.value, what=f"{role} handle")
-        self._assert_no_leaks(leaks, f"init:{role} when {why}")
+        self._assert_no_leaks(h, leaks, f"init:{role} when {why}")
 
     # -- honest overlap declaration ---------------------------------------------------------------
 
@@ -659,7 +693,7 @@ class BackendConformance:
                 f"backend '{h.declaration.name}' claims {what}, but "
                 f"{started} inits started at the same moment failed: " + "; ".join(problems)
             )
-        self._assert_no_leaks(leaks, f"concurrent inits ({what})")
+        self._assert_no_leaks(h, leaks, f"concurrent inits ({what})")
 
     def test_overlap_non_colocated(self, harness: Harness) -> None:
         """Claimed non-colocated overlap safety: inits of its roles (or two instances of
@@ -674,6 +708,13 @@ class BackendConformance:
         decl = harness.declaration
         if not decl.overlap.colocated:
             pytest.skip(f"not claimed: overlap.colocated is False ({decl.overlap.reason})")
+        conditions = [*decl.openai_endpoint_when, *(c for x in (*decl.produces, *decl.needs) for c in x.when)]
+        if not decl.roles & {Role.POLICY, Role.GENERATION} and not any(c.key == "colocated" for c in conditions):
+            pytest.skip(
+                f"covered by test_overlap_non_colocated: backend '{decl.name}' serves no role that "
+                "placement.colocated puts on shared devices, and no condition of its declaration "
+                "tests colocated"
+            )
         self._concurrent_inits(
             harness, harness.config("placement.colocated=true"), "overlap.colocated=True"
         )
@@ -744,7 +785,7 @@ class BackendConformance:
                 self._check_receiver(decl.name, handle)
         finally:
             h.shutdown(handle, what="generation handle")
-        self._assert_no_leaks(leaks, "refit-fed init:generation then shutdown()")
+        self._assert_no_leaks(harness, leaks, "refit-fed init:generation then shutdown()")
 
     def test_refit_round_trip(self, harness: Harness) -> None:
         """For every transport both sides declare: refit through the rlcore_refit hook,
@@ -872,7 +913,7 @@ class BackendConformance:
                 step += 1
         h.shutdown(generation, what="generation handle")
         h.shutdown(policy, what="policy handle")
-        self._assert_no_leaks(leaks, "refit round trip then shutdown()")
+        self._assert_no_leaks(h, leaks, "refit round trip then shutdown()")
 
     def _logprob_error(self, policy: Any, generation: Any, names: tuple[str, str]) -> float:
         """token_mult_prob_error of generation vs policy logprobs on the probe batch
@@ -915,6 +956,43 @@ class BackendConformance:
                 _fail(
                     f"after {where}, generation weights differ from the policy's: {'; '.join(diff)}"
                 )
+
+    # -- training: the policy learns, forgets what it should, exports what it declares ---------
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_train_step_semantics(self, harness: Harness, dtype: str) -> None:
+        """In every dtype the backend declares (float32 when it declares none): a step
+        moves each completion's logprob in the direction of its advantage and lowers the
+        loss on its batch; at ``lr=0`` weights stay and the same batch gives the same
+        gradient whatever came before; every reported metric is the contract's; the
+        refit export is the checkpoint's Hugging Face weights in that dtype."""
+        from rlcore.config import cache_dir
+        from rlcore.refit.hf_specs import hf_weight_specs
+        from rlcore.testing import training
+        from rlcore.tinymodel import ensure_model
+
+        decl = harness.declaration
+        self._role_or_skip(harness, Role.POLICY.value)
+        declared = decl.dtypes or frozenset({"float32"})
+        if dtype not in declared:
+            pytest.skip(f"not claimed: backend '{decl.name}' does not declare dtype {dtype}")
+        config = harness.config(f"model.dtype={dtype}")
+        policy = self._start(harness, Role.POLICY, config)
+        who = f"policy backend '{decl.name}'"
+        try:
+            if self._uses_core_refit(harness, Role.POLICY):
+                self._check_sender(decl.name, policy)
+                model_dir = ensure_model(config.model, cache_dir(config))
+                received = training_capture(self, harness, policy, config)
+                training.check_export(
+                    received, policy.weight_specs(), hf_weight_specs(model_dir, dtype), who, dtype
+                )
+            training.check_learning_step(policy, who, dtype)
+            training.check_step_is_memoryless(policy, who, dtype)
+        except training.TrainingFailure as err:
+            _fail(str(err))
+        finally:
+            harness.shutdown(policy, what="policy handle")
 
     # -- the handle protocols: what the run loop calls --------------------------------------------
 

@@ -79,7 +79,9 @@ def rlcore_declare_backend() -> BackendDeclaration:
         # engine; megatron-core's own server needs its dynamic engine and CUDA).
         openai_endpoint=True,
         openai_endpoint_when=(Condition("options.serve_openai", True),),
-        contract_version="1.0",
+        # Trained and exported in the run's dtype (float16 would need loss scaling).
+        dtypes={"float32", "bfloat16"},
+        contract_version="1.1",
         options=MegatronOptions,
         description=(
             "megatron-core GPTModel (local layer spec, tensor parallel over gloo/NCCL) as "

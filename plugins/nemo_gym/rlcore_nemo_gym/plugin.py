@@ -40,7 +40,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
             ),
         ),
         options=NemoGymOptions,
-        contract_version="1.0",
+        contract_version="1.1",
         description=DESCRIPTION,
     )
 

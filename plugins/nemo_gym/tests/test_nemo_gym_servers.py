@@ -307,7 +307,12 @@ DEAD_PARTS = {
 }
 
 
-@pytest.mark.parametrize("part", list(DEAD_PARTS))
+# The resources and agent servers die through the same path as the model server (a Gym
+# server process of the launcher's): soak; the default suite kills a server and the head.
+@pytest.mark.parametrize(
+    "part",
+    [pytest.param(p, marks=pytest.mark.soak) if p in ("resources", "agent") else p for p in DEAD_PARTS],
+)
 def test_a_dead_server_is_named_by_the_next_rollouts(
     tmp_path: Path, stub: StubEndpoint, leaks: LeakCheck, part: str
 ) -> None:

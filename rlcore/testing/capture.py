@@ -1,0 +1,84 @@
+"""A refit receiver that keeps what it receives: the suite's view of a policy's export.
+
+:func:`capture_export` refits a policy handle (:class:`rlcore.handles.RefitSender`)
+through the core's own refit (:func:`rlcore.refit.sync.refit`, the channel and bucket
+plan of a real run) into one Ray actor that loads nothing and keeps every tensor, and
+returns them by name. The conformance suite compares them with what the backend
+declares; the bytes are the ones a generation engine would have been given.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlcore.refit.worker import RefitChannels
+from rlcore.runtime.group_handle import GroupHandle
+from rlcore.runtime.workers import DistributedWorker
+
+
+class CaptureWorker(DistributedWorker, RefitChannels):
+    """Channel rank 1..N of a refit; keeps the received tensors (CPU copies)."""
+
+    def __init__(self, rank: int, world_size: int, specs: list[Any]) -> None:
+        super().__init__(rank, world_size)
+        self.specs = specs
+        self.kept: dict[str, Any] = {}
+
+    def open_refit_channel(self, spec: Any) -> None:
+        self.join_refit_channel(spec, 1 + self.rank)
+
+    def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> int:
+        from rlcore.refit import channels
+
+        self.kept = {
+            n: t.detach().cpu().clone()
+            for n, t in channels.receive_weights(spec, 1 + self.rank, step, buckets)
+        }
+        return len(self.kept)
+
+    def received(self) -> dict[str, Any]:
+        return self.kept
+
+
+class CaptureReceiver(GroupHandle):
+    """The driver's handle (:class:`rlcore.handles.RefitReceiver`) of one :class:`CaptureWorker`."""
+
+    refit_ranks = 1
+
+    def __init__(self, group: Any, specs: list[Any]) -> None:
+        super().__init__(group, backend="capture", role="generation")
+        self._specs = list(specs)
+
+    def weight_specs(self) -> list[Any]:
+        return list(self._specs)
+
+    def open_refit_channel(self, spec: Any) -> list[Any]:
+        return list(self.group.call_async("open_refit_channel", spec))
+
+    def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
+        return list(self.group.call_async("receive_weights", spec, step, buckets))
+
+    def received(self) -> dict[str, Any]:
+        return dict(self.group.call("received", what="captured weights")[0])
+
+
+def capture_export(policy: Any, config: Any, transport: str, *, cancel: Any) -> dict[str, Any]:
+    """Every tensor ``policy`` sends in one refit over ``transport`` (a core transport
+    that runs on this host), by name; the capture actor is gone when this returns."""
+    from rlcore.refit.sessions import RefitSessions
+    from rlcore.refit.sync import refit
+    from rlcore.runtime.workers import WorkerGroup
+    from rlcore.setup.runner import refit_context
+
+    specs = list(policy.weight_specs())
+    group = WorkerGroup(CaptureWorker, 1, name="conformance-capture", args=(specs,),
+                        num_cpus=0.01, dist_backend=None)
+    sessions = RefitSessions()
+    receiver = CaptureReceiver(group, specs)
+    try:
+        ctx = refit_context(config, step=0, transport=transport, cancel=cancel, sessions=sessions)
+        refit(policy, receiver, ctx)
+        return receiver.received()
+    finally:
+        sessions.close()
+        receiver.shutdown()

@@ -1,0 +1,259 @@
+"""What the conformance suite asks of a policy's training: it learns, forgets nothing it
+should, reports what it did and exports what it declares.
+
+:class:`rlcore.testing.BackendConformance` runs :func:`check_learning_step`,
+:func:`check_step_is_memoryless` and :func:`check_export` on a started policy handle
+(through :class:`rlcore.handles.PolicyHandle` and :class:`rlcore.handles.RefitSender`
+only), once per dtype the backend declares. Each failure is one
+:class:`TrainingFailure` naming the rule, the backend and what was seen; the expected
+values come from the contract's own formulas (:func:`grpo_loss`,
+:func:`clip_fraction`) applied to the policy's own logprobs, so no second model is
+needed.
+
+Imports torch (:func:`check_export`) only when called.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rlcore.errors import RlcoreError
+
+Pair = tuple[list[int], list[int]]
+
+#: The batch a learning step is checked on: distinct prompts and completions, so each
+#: row's gradient is mostly its own. Ids < 52 (rlcore's tiny tokenizer's vocabulary).
+LEARN_BATCH: list[Pair] = [
+    ([2, 5, 6], [7, 8, 9]),
+    ([2, 11, 12], [13, 14]),
+    ([2, 20, 21], [22, 23, 24]),
+    ([2, 30, 31], [32, 33]),
+]
+#: One advantage per row of :data:`LEARN_BATCH` (both signs).
+LEARN_ADVANTAGES: list[float] = [1.0, -1.0, 1.0, -1.0]
+#: Another batch (uneven lengths, a zero advantage) for the checks at ``lr=0``.
+PROBE_BATCH: list[Pair] = [
+    ([2, 40, 41, 42], [43, 44, 45, 46]),
+    ([2, 15], [16]),
+    ([2, 25, 26], [27, 28]),
+    ([2, 35], [36, 37, 38]),
+]
+PROBE_ADVANTAGES: list[float] = [0.8, -0.6, 0.0, -1.1]
+#: Old-logprob shifts that put some ratios far outside the clip range and some far inside.
+OLD_SHIFTS: tuple[float, ...] = (-0.4, 0.05, 0.4)
+#: The suite's clip range and learning rate of the learning step (large enough that a
+#: step moves bfloat16 weights by more than their rounding).
+CLIP_EPS = 0.2
+LEARN_LR = 2e-3
+
+#: Tolerances per dtype: (absolute on losses and logprob means, relative on grad norms).
+TOLERANCE: dict[str, tuple[float, float]] = {
+    "float32": (1e-4, 1e-3),
+    "bfloat16": (3e-2, 3e-2),
+    "float16": (1e-2, 1e-2),
+}
+#: Metrics every train_step returns (:meth:`rlcore.handles.PolicyHandle.train_step`).
+METRICS = ("loss", "grad_norm", "clip_fraction", "tokens", "lr")
+
+
+class TrainingFailure(RlcoreError):
+    """A policy broke a rule of training; the message names the rule and what was seen."""
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """A train_step's metrics, checked against the contract's keys and types."""
+
+    loss: float
+    grad_norm: float
+    clip_fraction: float
+    tokens: float
+    lr: float
+
+    @classmethod
+    def of(cls, got: Any, who: str) -> StepMetrics:
+        if not isinstance(got, dict):
+            raise TrainingFailure(f"{who}: train_step() returned {type(got).__name__}, not a dict of metrics")
+        missing = [k for k in METRICS if k not in got]
+        if missing:
+            raise TrainingFailure(
+                f"{who}: train_step() metrics lack {missing} (the contract's metrics are "
+                f"{list(METRICS)}; rlcore.handles.PolicyHandle.train_step)"
+            )
+        values = {}
+        for k in METRICS:
+            try:
+                values[k] = float(got[k])
+            except (TypeError, ValueError):
+                raise TrainingFailure(f"{who}: train_step() metric {k!r} is {got[k]!r}, not a float") from None
+        return cls(**values)
+
+
+def grpo_loss(
+    logprobs: Sequence[Sequence[float]],
+    old: Sequence[Sequence[float]],
+    advantages: Sequence[float],
+    clip_eps: float = CLIP_EPS,
+) -> float:
+    """The contract's loss: ``-mean`` over every token of ``min(r * A, clip(r) * A)``."""
+    terms = []
+    for row, old_row, a in zip(logprobs, old, advantages, strict=True):
+        for lp, o in zip(row, old_row, strict=True):
+            r = math.exp(lp - o)
+            terms.append(min(r * a, min(max(r, 1 - clip_eps), 1 + clip_eps) * a))
+    return -sum(terms) / max(len(terms), 1)
+
+
+def clip_fraction(
+    logprobs: Sequence[Sequence[float]], old: Sequence[Sequence[float]], clip_eps: float = CLIP_EPS
+) -> float:
+    """Share of tokens whose ratio ``exp(logprob - old)`` left ``[1 - eps, 1 + eps]``."""
+    ratios = [math.exp(lp - o) for row, o_row in zip(logprobs, old, strict=True) for lp, o in zip(row, o_row, strict=True)]
+    return sum(abs(r - 1) > clip_eps for r in ratios) / max(len(ratios), 1)
+
+
+def shifted(logprobs: Sequence[Sequence[float]]) -> list[list[float]]:
+    """``logprobs`` shifted by :data:`OLD_SHIFTS` in turn (old logprobs of a stale policy)."""
+    return [
+        [lp + OLD_SHIFTS[(i + j) % len(OLD_SHIFTS)] for j, lp in enumerate(row)]
+        for i, row in enumerate(logprobs)
+    ]
+
+
+def _step(policy: Any, who: str, batch: list[Pair], adv: Sequence[float], old: Any, lr: float) -> StepMetrics:
+    got = policy.train_step(
+        [(list(p), list(c)) for p, c in batch], list(adv), old, clip_eps=CLIP_EPS, lr=lr
+    )
+    m = StepMetrics.of(got, who)
+    for k in ("loss", "grad_norm"):
+        if not math.isfinite(getattr(m, k)):
+            raise TrainingFailure(f"{who}: train_step() reported {k}={getattr(m, k)} on a finite batch")
+    return m
+
+
+def _logprobs(policy: Any, batch: list[Pair]) -> list[list[float]]:
+    return [list(map(float, row)) for row in policy.logprobs([(list(p), list(c)) for p, c in batch])]
+
+
+def _tokens(batch: list[Pair]) -> int:
+    return sum(len(c) for _, c in batch)
+
+
+def check_metrics(
+    m: StepMetrics, who: str, *, loss: float, clip: float, tokens: int, lr: float, dtype: str, what: str
+) -> None:
+    """The reported metrics of one step are those of the step that was asked for."""
+    atol, _ = TOLERANCE[dtype]
+    if abs(m.loss - loss) > atol + 1e-3 * abs(loss):
+        raise TrainingFailure(
+            f"{who}: {what}: train_step() reported loss {m.loss:.6f}, but the contract's loss of "
+            f"that batch at the weights before the step is {loss:.6f} (from the policy's own "
+            "logprobs): the step optimises something else, or its sign or normalisation differs"
+        )
+    if m.tokens != tokens:
+        raise TrainingFailure(f"{who}: {what}: train_step() reported tokens={m.tokens:g}; the batch has {tokens} completion tokens")
+    if m.lr != lr:
+        raise TrainingFailure(f"{who}: {what}: train_step() reported lr={m.lr:g}; the step was asked for lr={lr:g}")
+    if abs(m.clip_fraction - clip) > 1e-6:
+        raise TrainingFailure(
+            f"{who}: {what}: train_step() reported clip_fraction={m.clip_fraction:.4f}; "
+            f"{clip:.4f} of the tokens have a ratio outside [1 - clip_eps, 1 + clip_eps]"
+        )
+
+
+def check_learning_step(policy: Any, who: str, dtype: str) -> None:
+    """One step on :data:`LEARN_BATCH` at :data:`LEARN_LR` (old logprobs = the current ones)
+    reports what it did, raises each completion's mean logprob where its advantage is
+    positive and lowers it where negative, and lowers the contract's loss on that batch."""
+    atol, _ = TOLERANCE[dtype]
+    before = _logprobs(policy, LEARN_BATCH)
+    loss0 = grpo_loss(before, before, LEARN_ADVANTAGES)
+    m = _step(policy, who, LEARN_BATCH, LEARN_ADVANTAGES, before, LEARN_LR)
+    check_metrics(m, who, loss=loss0, clip=0.0, tokens=_tokens(LEARN_BATCH), lr=LEARN_LR, dtype=dtype,
+                  what=f"a step at lr={LEARN_LR:g}")
+    if not m.grad_norm > 0:
+        raise TrainingFailure(f"{who}: a step on advantages {LEARN_ADVANTAGES} reported grad_norm={m.grad_norm}")
+    after = _logprobs(policy, LEARN_BATCH)
+    wrong = []
+    for i, (a, b, adv) in enumerate(zip(after, before, LEARN_ADVANTAGES, strict=True)):
+        moved = sum(a) / len(a) - sum(b) / len(b)
+        if moved * adv <= 0 or abs(moved) <= atol:
+            wrong.append(f"row {i} (advantage {adv:+g}) moved {moved:+.5f}")
+    if wrong:
+        raise TrainingFailure(
+            f"{who}: a train step must move each completion's logprob in the direction of its "
+            f"advantage (lr={LEARN_LR:g}, dtype {dtype}): {'; '.join(wrong)}. Is the loss's sign "
+            "flipped, or are the gradients or the learning rate not applied?"
+        )
+    loss1 = grpo_loss(after, before, LEARN_ADVANTAGES)
+    if not loss1 < loss0 - atol:
+        raise TrainingFailure(
+            f"{who}: a train step did not lower the loss on its own batch: {loss0:.5f} before, "
+            f"{loss1:.5f} after (the contract's loss from the policy's logprobs, dtype {dtype})"
+        )
+
+
+def check_step_is_memoryless(policy: Any, who: str, dtype: str) -> None:
+    """At ``lr=0`` the weights stay, and from the same weights one batch gives the same
+    loss and gradient whatever steps came before (gradients are not carried over); the
+    gradient norm scales with the advantages (0 for zero advantages, twice for twice);
+    ``clip_fraction`` and ``loss`` with stale old logprobs are the contract's."""
+    atol, rtol = TOLERANCE[dtype]
+    n = _tokens(PROBE_BATCH)
+    first = _step(policy, who, PROBE_BATCH, PROBE_ADVANTAGES, None, 0.0)
+    held = _logprobs(policy, LEARN_BATCH)
+    on_policy = -sum(a * len(c) for (_, c), a in zip(PROBE_BATCH, PROBE_ADVANTAGES, strict=True)) / n
+    check_metrics(first, who, loss=on_policy, clip=0.0, tokens=n, lr=0.0, dtype=dtype,
+                  what="an on-policy step at lr=0")
+    _step(policy, who, LEARN_BATCH, [-3.0 * a for a in LEARN_ADVANTAGES], None, 0.0)
+    again = _step(policy, who, PROBE_BATCH, PROBE_ADVANTAGES, None, 0.0)
+    moved = max(abs(x - y) for r, s in zip(_logprobs(policy, LEARN_BATCH), held, strict=True) for x, y in zip(r, s, strict=True))
+    if moved > atol:
+        raise TrainingFailure(
+            f"{who}: steps at lr=0 changed the weights (logprobs moved by up to {moved:.2e}): "
+            "train_step must use the lr it is given"
+        )
+    if abs(again.grad_norm - first.grad_norm) > rtol * first.grad_norm + 1e-7:
+        raise TrainingFailure(
+            f"{who}: the same batch at the same weights gave grad_norm {first.grad_norm:.6f}, then "
+            f"{again.grad_norm:.6f} after another step: gradients of an earlier step carried over "
+            "(zero them before each step's backward)"
+        )
+    doubled = _step(policy, who, PROBE_BATCH, [2 * a for a in PROBE_ADVANTAGES], None, 0.0)
+    zero = _step(policy, who, PROBE_BATCH, [0.0] * len(PROBE_BATCH), None, 0.0)
+    if abs(doubled.grad_norm - 2 * first.grad_norm) > 2 * rtol * first.grad_norm + 1e-7 or abs(zero.grad_norm) > 1e-6:
+        raise TrainingFailure(
+            f"{who}: grad_norm must be that of the step's gradient, before clipping: advantages x1 "
+            f"gave {first.grad_norm:.6f}, x2 {doubled.grad_norm:.6f} (want twice), x0 "
+            f"{zero.grad_norm:.6f} (want 0)"
+        )
+    current = _logprobs(policy, PROBE_BATCH)
+    old = shifted(current)
+    stale = _step(policy, who, PROBE_BATCH, PROBE_ADVANTAGES, old, 0.0)
+    check_metrics(stale, who, loss=grpo_loss(current, old, PROBE_ADVANTAGES), clip=clip_fraction(current, old),
+                  tokens=n, lr=0.0, dtype=dtype, what="a step with stale old logprobs at lr=0")
+
+
+def check_export(
+    received: dict[str, Any], specs: Sequence[Any], expected: Sequence[Any], who: str, dtype: str
+) -> None:
+    """What the policy sent over a refit is what it declares: every weight of the
+    checkpoint's Hugging Face state dict (``expected``, in ``dtype``) under its name, with
+    its shape, in ``dtype``; and the sender's ``weight_specs()`` say the same."""
+    want = {s.name: (tuple(s.shape), s.dtype) for s in expected}
+    said = {s.name: (tuple(s.shape), s.dtype) for s in specs}
+    got = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in received.items()}
+    for label, seen in (("weight_specs()", said), ("the sent tensors", got)):
+        missing = sorted(set(want) - set(seen))
+        extra = sorted(set(seen) - set(want))
+        off = sorted(n for n in set(want) & set(seen) if seen[n] != want[n])
+        if missing or extra or off:
+            detail = [f"missing {missing[:4]}" if missing else "", f"unexpected {extra[:4]}" if extra else ""]
+            detail += [f"'{n}' is {seen[n][0]} {seen[n][1]}, want {want[n][0]} {want[n][1]}" for n in off[:4]]
+            raise TrainingFailure(
+                f"{who}: in model.dtype={dtype}, {label} must be the checkpoint's Hugging Face "
+                f"weights in {dtype}: {'; '.join(d for d in detail if d)}"
+            )
