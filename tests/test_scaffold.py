@@ -108,7 +108,7 @@ def test_generated_package_installs_registers_and_conforms(tmp_path: Path) -> No
     skips = [line for line in tests.stdout.splitlines() if line.startswith("SKIPPED")]
     deferred = "covered by test_refit_fed_round_trip"
     assert skips and all("not claimed" in line or deferred in line for line in skips), skips
-    assert sum("does not declare dtype" in line for line in skips) == 2, skips
+    assert sum("does not declare dtype" in line for line in skips) == 1, skips  # float16
     assert not any("does not serve" in line or "serves none" in line for line in skips), skips
 
     # `rlcore plugins --json` finds it through the entry point.

@@ -28,7 +28,7 @@ from rlcore.app.interrupts import RunInterrupted, signal_name, signum_of
 from rlcore.app.plots import plot_reward, plot_setup_timeline
 from rlcore.app.recovery import GenerationRecovery
 from rlcore.config import RunConfig, cache_dir, load_config
-from rlcore.errors import ConfigError
+from rlcore.errors import ConfigError, DivergenceError
 from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.placement import Network
 from rlcore.runtime.cluster import Cluster
@@ -149,7 +149,11 @@ def run_job(
         plot = overlap.Background("setup plot", _plot_setup, setup, run_dir, config, defer=True)
         _write_placement(run_dir, setup, cluster.network(config), groups_before)
         if not setup_only:
-            _train(config, setup, cancel, trace, metrics_writer, run_dir, console, phase, plot.start)
+            try:
+                _train(config, setup, cancel, trace, metrics_writer, run_dir, console, phase, plot.start)
+            except DivergenceError as err:
+                phase.now = "the diagnosis of the failed refit check"
+                raise DivergenceError(f"{err} {_diagnosis(config, setup, cancel)}") from err
         plot.result()
         phase.now = "teardown"
         return run_dir
@@ -316,6 +320,35 @@ def _plot_setup(setup: SetupResult, run_dir: Path, config: RunConfig) -> None:
             "critical path": m["timing/setup/critical_path_s"],
             "serial sum": m["timing/setup/serial_sum_s"],
         },
+    )
+
+
+def _diagnosis(config: RunConfig, setup: SetupResult, cancel: CancelToken) -> str:
+    """Whose bug a failed refit check is (:mod:`rlcore.app.diagnose`), in one sentence."""
+    from rlcore.app.diagnose import diagnose_divergence
+    from rlcore.refit.capture import file_transport_first
+    from rlcore.refit.sessions import RefitSessions
+    from rlcore.setup.planner import detect_accelerator
+    from rlcore.setup.runner import refit_context
+    from rlcore.tinymodel import ensure_model
+
+    tokenizer = overlap.tokenizer(config.model, cache_dir(config))
+    names = (config.policy.backend, config.generation.backend)
+    decl = setup.plugins["policy"].declaration
+    return diagnose_divergence(
+        policy=setup.handles["policy"],
+        policy_logprobs=GuardedPolicy(setup.handles["policy"], names[0]).logprobs,
+        generation_logprobs=GuardedGeneration(
+            setup.handles["generation"], names[1], eos_ids={tokenizer.eos_token_id}
+        ).logprobs,
+        make_context=lambda transport: refit_context(
+            config, step=0, transport=transport, cancel=cancel, sessions=RefitSessions()
+        ),
+        transport=file_transport_first(decl.send_transports if decl else (), detect_accelerator()),
+        model_dir=str(ensure_model(config.model, cache_dir(config))),
+        probe=probe_batch(tokenizer, config.refit.probe_prompts),
+        limit=config.refit.max_mult_prob_error or 1.05,
+        names=names,
     )
 
 

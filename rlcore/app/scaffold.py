@@ -122,6 +122,8 @@ def _values(name: str, roles: list[Role]) -> dict[str, str]:
         decl_imports.append("Transport")
     deps = ['"ray>=2.40"', '"torch>=2.4"', '"transformers>=4.46"'] if model else []
     overrides = [f"{r.value}.devices_per_worker=0.5" for r in model]
+    if Role.POLICY in roles:  # two data-parallel ranks: the suite checks their reduced step
+        overrides.append("policy.workers=2")
     roles_text = ", ".join(r.value for r in roles)
     return {
         "name": name,
@@ -133,7 +135,7 @@ def _values(name: str, roles: list[Role]) -> dict[str, str]:
         "first_role": roles[0].value,
         "decl_imports": ", ".join(decl_imports),
         "deps": ", ".join(deps),
-        "overrides": "[" + ", ".join(f'"{o}"' for o in overrides) + "]",
+        "overrides": "[" + "".join(f'\n        "{o}",' for o in overrides) + ("\n    ]" if overrides else "]"),
         "description": f"{roles_text} backend '{name}' (transformers in Ray actors)",
         "contract_version": CONTRACT_VERSION,
     }

@@ -57,6 +57,21 @@ def clipped_pg_loss(
     return -objective * mask, clipped
 
 
+def model_logprobs(model: Any, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+    """Logprob (temperature 1) of each completion token given everything before it under a
+    transformers causal LM, one row at a time, no padding: the plain computation references
+    compare against (the conformance suite, a failed refit check's diagnosis)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for p, c in batch:
+            ids = torch.tensor([[*p, *c]])
+            logp = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+            out.append([logp[len(p) - 1 + j, t].item() for j, t in enumerate(c)])
+    return out
+
+
 class PaddedRows(NamedTuple):
     """Rows ``(prompt, completion)`` as one right-padded batch (see :func:`right_padded`)."""
 

@@ -40,15 +40,11 @@ def hf_model(model_dir: str | Path, state: dict | None = None) -> Any:
 
 
 def reference_logprobs(model: Any, batch: list) -> list[list[float]]:
-    """Logprob of each completion token given everything before it, one row at a time."""
-    import torch
+    """Logprob of each completion token given everything before it, one row at a time
+    (:func:`rlcore.runtime.losses.model_logprobs`)."""
+    from rlcore.runtime.losses import model_logprobs
 
-    out = []
-    with torch.no_grad():
-        for p, c in batch:
-            logp = model(input_ids=torch.tensor([p + c])).logits[0, :-1].float().log_softmax(-1)
-            out.append([logp[len(p) - 1 + j, t].item() for j, t in enumerate(c)])
-    return out
+    return model_logprobs(model, batch)
 
 
 def perturbed_old(logprobs: list[list[float]]) -> list[list[float]]:

@@ -146,30 +146,30 @@ class _LazyGeneration:
 def training_capture(suite: BackendConformance, h: Harness, policy: Any, config: Any) -> dict[str, Any]:
     """What ``policy`` sends in one core refit over the first declared transport that runs
     here (files first: they leave no channel open), captured by
-    :func:`rlcore.testing.capture.capture_export`."""
-    from rlcore.refit import transports as core_transports
-    from rlcore.testing.capture import capture_export
+    :func:`rlcore.refit.capture.capture_export`."""
+    from rlcore.refit.capture import capture_export, file_transport_first
+    from rlcore.refit.sessions import RefitSessions
+    from rlcore.setup.runner import refit_context
 
     decl = h.declaration
-    here = core_transports.implemented(detect_accelerator())
-    order = [Transport.DISK, Transport.SHARED_MEMORY, Transport.COLLECTIVE]
-    usable = [t for t in order if t in decl.send_transports and t in here]
-    if not usable:
+    transport = file_transport_first(decl.send_transports, detect_accelerator())
+    if transport is None:
         pytest.skip(
             f"backend '{decl.name}' sends over {sorted(map(str, decl.send_transports))}, none of "
             "which the suite can receive on this host: its export is checked by the refit round trips"
         )
     suite._ensure_ray()
+    ctx = refit_context(config, step=0, transport=transport, cancel=h.cancel, sessions=RefitSessions())
     out = call_bounded(
-        lambda: capture_export(policy, config, str(usable[0]), cancel=h.cancel),
+        lambda: capture_export(policy, ctx),
         config.refit.timeout_s + 10,
         "capture export",
     )
     if out.timed_out:
-        _fail(f"backend '{decl.name}': a refit over {usable[0]} did not finish within refit.timeout_s")
+        _fail(f"backend '{decl.name}': a refit over {transport} did not finish within refit.timeout_s")
     if out.error is not None:
         _fail(
-            f"backend '{decl.name}': a refit over {usable[0]} in model.dtype={config.model.dtype} "
+            f"backend '{decl.name}': a refit over {transport} in model.dtype={config.model.dtype} "
             f"raised {type(out.error).__name__}: {out.error}"
         )
     return dict(out.value)

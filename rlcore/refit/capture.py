@@ -1,10 +1,11 @@
-"""A refit receiver that keeps what it receives: the suite's view of a policy's export.
+"""A refit receiver that keeps what it receives: a policy's export, as an engine gets it.
 
 :func:`capture_export` refits a policy handle (:class:`rlcore.handles.RefitSender`)
 through the core's own refit (:func:`rlcore.refit.sync.refit`, the channel and bucket
 plan of a real run) into one Ray actor that loads nothing and keeps every tensor, and
 returns them by name. The conformance suite compares them with what the backend
-declares; the bytes are the ones a generation engine would have been given.
+declares; a run whose refit check failed loads them into a reference model to tell a
+policy bug from an engine bug (:mod:`rlcore.app.diagnose`).
 """
 
 from __future__ import annotations
@@ -62,23 +63,31 @@ class CaptureReceiver(GroupHandle):
         return dict(self.group.call("received", what="captured weights")[0])
 
 
-def capture_export(policy: Any, config: Any, transport: str, *, cancel: Any) -> dict[str, Any]:
-    """Every tensor ``policy`` sends in one refit over ``transport`` (a core transport
-    that runs on this host), by name; the capture actor is gone when this returns."""
-    from rlcore.refit.sessions import RefitSessions
+def file_transport_first(declared: Any, accelerator: str | None) -> str | None:
+    """The transport a capture uses: of those the policy declares and the core runs here,
+    files first (they leave no channel open), else collective; ``None`` if none."""
+    from rlcore.declarations import Transport
+    from rlcore.refit import transports as core_transports
+
+    here = core_transports.implemented(accelerator)
+    order = (Transport.DISK, Transport.SHARED_MEMORY, Transport.COLLECTIVE)
+    return next((str(t) for t in order if t in declared and t in here), None)
+
+
+def capture_export(policy: Any, ctx: Any) -> dict[str, Any]:
+    """Every tensor ``policy`` sends in one refit as ``ctx`` (a :class:`rlcore.context.RefitContext`
+    whose transport the core runs on this host, with sessions of its own, closed here) says,
+    by name; the capture actor is gone when this returns."""
     from rlcore.refit.sync import refit
     from rlcore.runtime.workers import WorkerGroup
-    from rlcore.setup.runner import refit_context
 
     specs = list(policy.weight_specs())
-    group = WorkerGroup(CaptureWorker, 1, name="conformance-capture", args=(specs,),
+    group = WorkerGroup(CaptureWorker, 1, name="refit-capture", args=(specs,),
                         num_cpus=0.01, dist_backend=None)
-    sessions = RefitSessions()
     receiver = CaptureReceiver(group, specs)
     try:
-        ctx = refit_context(config, step=0, transport=transport, cancel=cancel, sessions=sessions)
         refit(policy, receiver, ctx)
         return receiver.received()
     finally:
-        sessions.close()
+        ctx.sessions.close()
         receiver.shutdown()
