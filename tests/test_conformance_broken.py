@@ -61,9 +61,13 @@ class FaultyPolicyWorker(ReferencePolicyWorker):
             old = old if old is not None else self.logprobs(rows)
             out = reference_grpo_step(self.model, rows, advantages, old, lr=lr, clip_eps=clip_eps)
             return {k: float(v) for k, v in out.items() if k != "state"}
+        if self.fault == "lr_fixed":  # trains at its own learning rate, whatever it is given
+            lr = 1e-3
         out = super().train_step(rows, advantages, old, clip_eps, lr)
         if self.fault == "tokens_are_rows":  # counts completions, not their tokens
             out["tokens"] = float(len(rows))
+        if self.fault == "clip_fraction_never":  # a metric left at its initial value
+            out["clip_fraction"] = 0.0
         return out
 
     def export_stream(self) -> Any:
@@ -360,6 +364,9 @@ CASES = [
          ("gradients of an earlier step carried over",)),
     case("tokens_are_rows", "train_step() reports the batch's completion tokens", (SEM,),
          ("tokens=4", "10 completion tokens")),
+    case("lr_fixed", "train_step() steps at the lr it is given", (SEM,), ("lr=0.001", "lr=0.002")),
+    case("clip_fraction_never", "train_step() reports the share of clipped tokens", (SEM,),
+         ("clip_fraction=0.0000", "stale old logprobs")),
     case("export_float64", "the refit export is in the declared dtype", (SEM, *TRIPS),
          ("model.dtype=float32", "float64")),
     case("leaks_actor", "shutdown() releases every Ray actor it started",
@@ -385,7 +392,8 @@ SELECTED = (
     "test_logprobs_shape", "test_logprobs_agree", *GEN, "test_env_collect_rollouts",
 )
 #: The cases the training test runs for (it is the only test these faults reach).
-TRAINING = ("none", "loss-sign-flipped", "grads-not-reset", "tokens-are-rows", "export-float64")
+TRAINING = ("none", "loss-sign-flipped", "grads-not-reset", "tokens-are-rows", "lr-fixed",
+            "clip-fraction-never", "export-float64")
 
 
 @pytest.fixture(scope="module")

@@ -90,3 +90,35 @@ def test_exit_codes_tell_bad_input_from_a_failed_run(
     assert cli.main(["run", "examples/quickstart.yaml"]) == code
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and str(error) in err[0]
+
+
+def test_a_non_finite_logprob_stops_the_run_naming_backend_role_and_step() -> None:
+    from rlcore.errors import ProtocolError
+
+    class NanLogprobs(Model):
+        def __init__(self) -> None:
+            super().__init__(0.5)
+            self.calls = 0
+
+        def logprobs(self, batch: Any) -> list[list[float]]:
+            self.calls += 1
+            rows = super().logprobs(batch)
+            return [[math.nan] * len(r) for r in rows] if self.calls >= 2 else rows
+
+    tok = CharTokenizer()
+    with pytest.raises(ProtocolError) as info:
+        run_grpo(
+            cfg=GRPOConfig(steps=4, prompts_per_step=2, samples_per_prompt=2),
+            tokenizer=tok,
+            policy=GuardedPolicy(NanLogprobs(), "pol"),
+            generation=GuardedGeneration(Model(0.5), "gen", eos_ids={3}),
+            env=GuardedEnv(Sevens(), "sevens"),
+            refit=lambda step: RefitReport(step, "disk", 1, 1, 0.01),
+            probe=probe_batch(tok, 2),
+            on_step=lambda m: None,
+            max_mult_prob_error=1.05,
+            refit_check="sampled",
+        )
+    text = str(info.value)
+    assert text.startswith("at step 2: policy backend 'pol'") and "finite float logprobs" in text, text
+    assert (info.value.backend, info.value.role) == ("pol", "policy")

@@ -19,7 +19,7 @@ from typing import Any
 from rlcore.app.health import check_train_health
 from rlcore.app.recovery import retry_on_generation_loss
 from rlcore.config import REFIT_CHECKS, GRPOConfig
-from rlcore.errors import DivergenceError
+from rlcore.errors import DivergenceError, ProtocolError
 from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.handles import MemoryHandoff, Pair, RolloutRequest
 
@@ -258,86 +258,94 @@ def run_grpo(
             sampled_by=sampled_by,
         )
 
-    for step in range(1, cfg.steps + 1):
-        if cancelled():
-            break
-        t_step = time.monotonic()
-        clock = _StepClock(step, trace)
-        recover = recover_at(step)
+    step = 0
+    try:
+        for step in range(1, cfg.steps + 1):
+            if cancelled():
+                break
+            t_step = time.monotonic()
+            clock = _StepClock(step, trace)
+            recover = recover_at(step)
 
-        with clock("handoff"):
-            handoff.to_generation()
-        request = RolloutRequest(
-            step=step,
-            prompts=cfg.prompts_per_step,
-            samples_per_prompt=cfg.samples_per_prompt,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            seed=cfg.seed * 1_000_003 + step,
-            generation=generation,
-            tokenizer=tokenizer,
-        )
-        with clock("generate"):
-            groups = retry_on_generation_loss(
-                lambda request=request: env.collect_rollouts(request), recover, "rollout"
-            )
-        with clock("reward"):
-            rewards = [[r["reward"] for r in g] for g in groups]
-            advantages = group_advantages(rewards)
-        with clock("handoff"):
-            handoff.to_policy()
-        batch = [(r["prompt_ids"], r["token_ids"]) for g in groups for r in g]
-        flat_adv = [a for g in advantages for a in g]
-        gen_lp = [r["logprobs"] for g in groups for r in g]
-        hyper = {"clip_eps": cfg.clip_eps, "lr": cfg.learning_rate}
-        with clock("train"):
-            old_lp = policy.logprobs(batch)
-            if not sampled:
-                train = policy.train_step(batch, flat_adv, old_lp, **hyper)
-        if sampled:
-            # The check sits between the policy's logprobs and its train step (two train
-            # spans in the trace): a failed check stops the step before it trains.
-            with clock("refit_check"):
-                gen_vs_policy = token_mult_prob_error(gen_lp, old_lp)
-            check: dict[str, Any] = {
-                "refit/check": "sampled",
-                "refit/checked_step": step - 1,
-                "refit/token_mult_prob_error": gen_vs_policy,
-            }
-            if max_mult_prob_error is not None and not gen_vs_policy <= max_mult_prob_error:
-                if on_check is not None:
-                    on_check({
-                        "step": step, **check, "train/gen_vs_policy_mult_prob_error": gen_vs_policy,
-                        **clock.metrics(),
-                    })
-                diverged(gen_vs_policy, step - 1, sampled_by=step)
-            with clock("train"):
-                train = policy.train_step(batch, flat_adv, old_lp, **hyper)
-        else:
-            gen_vs_policy = token_mult_prob_error(gen_lp, old_lp)
-        # Non-finite weights must not reach the engine, nor the next step train on them.
-        check_train_health(train, backend=policy.backend, step=step)
-        with clock("refit"):
-            report = retry_on_generation_loss(lambda step=step: refit(step), recover, "refit")
-        if not sampled:
             with clock("handoff"):
                 handoff.to_generation()
-            with clock("refit_check"):
-                probe_err = retry_on_generation_loss(
-                    lambda: _probe_error(generation, policy, probe), recover, "probe"
+            request = RolloutRequest(
+                step=step,
+                prompts=cfg.prompts_per_step,
+                samples_per_prompt=cfg.samples_per_prompt,
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                seed=cfg.seed * 1_000_003 + step,
+                generation=generation,
+                tokenizer=tokenizer,
+            )
+            with clock("generate"):
+                groups = retry_on_generation_loss(
+                    lambda request=request: env.collect_rollouts(request), recover, "rollout"
                 )
-            check = {"refit/check": "probe", "refit/checked_step": step, "refit/token_mult_prob_error": probe_err}
+            with clock("reward"):
+                rewards = [[r["reward"] for r in g] for g in groups]
+                advantages = group_advantages(rewards)
+            with clock("handoff"):
+                handoff.to_policy()
+            batch = [(r["prompt_ids"], r["token_ids"]) for g in groups for r in g]
+            flat_adv = [a for g in advantages for a in g]
+            gen_lp = [r["logprobs"] for g in groups for r in g]
+            hyper = {"clip_eps": cfg.clip_eps, "lr": cfg.learning_rate}
+            with clock("train"):
+                old_lp = policy.logprobs(batch)
+                if not sampled:
+                    train = policy.train_step(batch, flat_adv, old_lp, **hyper)
+            if sampled:
+                # The check sits between the policy's logprobs and its train step (two train
+                # spans in the trace): a failed check stops the step before it trains.
+                with clock("refit_check"):
+                    gen_vs_policy = token_mult_prob_error(gen_lp, old_lp)
+                check: dict[str, Any] = {
+                    "refit/check": "sampled",
+                    "refit/checked_step": step - 1,
+                    "refit/token_mult_prob_error": gen_vs_policy,
+                }
+                if max_mult_prob_error is not None and not gen_vs_policy <= max_mult_prob_error:
+                    if on_check is not None:
+                        on_check({
+                            "step": step, **check, "train/gen_vs_policy_mult_prob_error": gen_vs_policy,
+                            **clock.metrics(),
+                        })
+                    diverged(gen_vs_policy, step - 1, sampled_by=step)
+                with clock("train"):
+                    train = policy.train_step(batch, flat_adv, old_lp, **hyper)
+            else:
+                gen_vs_policy = token_mult_prob_error(gen_lp, old_lp)
+            # Non-finite weights must not reach the engine, nor the next step train on them.
+            check_train_health(train, backend=policy.backend, step=step)
+            with clock("refit"):
+                report = retry_on_generation_loss(lambda step=step: refit(step), recover, "refit")
+            if not sampled:
+                with clock("handoff"):
+                    handoff.to_generation()
+                with clock("refit_check"):
+                    probe_err = retry_on_generation_loss(
+                        lambda: _probe_error(generation, policy, probe), recover, "probe"
+                    )
+                check = {"refit/check": "probe", "refit/checked_step": step, "refit/token_mult_prob_error": probe_err}
 
-        tokens = sum(len(completion) for _, completion in batch)
-        metrics = _step_metrics(step, rewards, train, gen_vs_policy, report, check, tokens)
-        step_time = time.monotonic() - t_step
-        metrics.update(clock.metrics())
-        metrics["timing/step_time_s"] = step_time
-        metrics["timing/refit_check_share"] = clock.times["refit_check"] / step_time if step_time > 0 else 0.0
-        history.append(metrics)
-        on_step(metrics)
-        if not sampled:
-            diverged(check["refit/token_mult_prob_error"], step)
+            tokens = sum(len(completion) for _, completion in batch)
+            metrics = _step_metrics(step, rewards, train, gen_vs_policy, report, check, tokens)
+            step_time = time.monotonic() - t_step
+            metrics.update(clock.metrics())
+            metrics["timing/step_time_s"] = step_time
+            metrics["timing/refit_check_share"] = clock.times["refit_check"] / step_time if step_time > 0 else 0.0
+            history.append(metrics)
+            on_step(metrics)
+            if not sampled:
+                diverged(check["refit/token_mult_prob_error"], step)
+
+    except ProtocolError as err:
+        # The guards name backend, role and method; the step is the loop's to say.
+        raise ProtocolError(
+            f"at step {step}: {err}", backend=err.backend, role=err.role, method=err.method
+        ) from err
 
     if sampled and history and not cancelled():
         # The last refit: no rollout follows, so the probe batch checks it, once per run.

@@ -35,6 +35,9 @@ def test_bad_checkpoint(ray_cluster: None, tiny_model: Path, tmp_path: Path) -> 
     _assert_nothing_left(str(broken))
 
 
+# SGLang's server failing at start is named with its log's tail by test_bad_checkpoint; this
+# repeats that path through a whole setup (two inits, a teardown) at a minute of CI: soak.
+@pytest.mark.soak
 @pytest.mark.timeout(400)
 def test_port_taken_is_a_setup_error(ray_cluster: None, tiny_model: Path, tmp_path: Path) -> None:
     from rlcore.config import load_config
