@@ -206,6 +206,11 @@ class ClusterConfig:
     num_cpus: int | None = bounded(None, ge=1)
     #: GPUs the embedded cluster offers (``null``: Ray detects them).
     num_gpus: int | None = bounded(None, ge=0)
+    #: A worker whose process stops answering its liveness probe (frozen, SIGSTOPped) is
+    #: declared hung within this many seconds, in any phase: the run ends naming it, or a
+    #: generation engine is replaced under ``on_worker_loss: replace``. A long call that
+    #: keeps its process running is never a hang (rlcore/runtime/liveness.py).
+    hang_timeout_s: float = bounded(30.0, gt=0)
 
 
 @dataclass

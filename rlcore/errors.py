@@ -111,15 +111,17 @@ class WorkerLost(WorkerError):
     Attributes:
         worker: the lost worker's label (``vllm-generation rank 0``).
         index: its position among the refs of the call that found it.
+        rank: its rank in its worker group, where the call knew it (``None`` otherwise).
         role: the role whose worker it was, once a caller that knows it has said so
             (:meth:`tag`: the run's guarded handles, the core's refit); ``None`` until then.
             Only a loss known to be the generation's is replaced.
     """
 
-    def __init__(self, message: str, *, worker: str, index: int = 0) -> None:
+    def __init__(self, message: str, *, worker: str, index: int = 0, rank: int | None = None) -> None:
         super().__init__(message)
         self.worker = worker
         self.index = index
+        self.rank = rank
         self.role: str | None = None
 
     def tag(self, role: str) -> WorkerLost:
@@ -154,3 +156,34 @@ class DivergenceError(RefitError):
     """After a refit the generation's logprobs left the policy's by more than
     ``refit.max_mult_prob_error``: the engine computes with other weights than the
     policy trains, so training on its samples would be silently wrong."""
+
+
+class RunDirError(RlcoreError):
+    """A file of the run directory could not be written: a full disk, a read-only mount, a
+    lost permission. What was written before is left valid: ``metrics.jsonl`` ends at its
+    last whole line, every other file is its previous version or absent.
+
+    Attributes:
+        path: the file that could not be written.
+        errno: the operating system's error number (``errno.ENOSPC`` for a full disk), if any.
+    """
+
+    def __init__(self, message: str, *, path: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.errno = errno
+
+    @classmethod
+    def from_os_error(
+        cls, path: object, err: OSError, *, left: str = "what was written before is intact"
+    ) -> RunDirError:
+        """``writing PATH: No space left on device [Errno 28]; what was written before is
+        intact``: the file, the cause and what is left (``left``)."""
+        cause = err.strerror or str(err) or type(err).__name__
+        if err.errno is not None:
+            cause += f" [Errno {err.errno}]"
+        return cls(
+            f"writing {path}: {cause}; {left}",
+            path=str(path),
+            errno=err.errno,
+        )

@@ -34,8 +34,10 @@ class Group:
         self.calls: list[tuple[int, str, Any]] = []
         self.actors = [Engine(i, self.calls) for i in range(engines)]
         self.world_size = engines
+        self.waited: list[list[int]] = []  # the engine ranks of each wait's refs
 
-    def get(self, refs: Any, *, what: str) -> Any:
+    def get(self, refs: Any, *, what: str, ranks: Any = None) -> Any:
+        self.waited.append(list(ranks))
         return refs
 
 
@@ -64,6 +66,8 @@ def test_prompts_are_sharded_contiguously_and_keep_their_seeds() -> None:
     h3 = Handle(engines=3)
     h3.generate([[1]], n=1, max_tokens=4, temperature=1.0, seed=0)
     assert [c[0] for c in h3.group.calls] == [0]
+    # Each wait says which engine each ref is: a loss names (and replaces) that engine.
+    assert h.group.waited == [[0, 1]] and h3.group.waited == [[0]]
     assert h.logprobs([([1], [2, 3])] * 3) == [[-0.0, -0.0]] * 2 + [[-1.0, -1.0]]
 
 

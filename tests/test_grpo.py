@@ -460,6 +460,9 @@ def test_sampled_checks_a_replaced_generation_too(monkeypatch: pytest.MonkeyPatc
         losses: list[dict[str, Any]] = []
 
         class Setup:
+            def engine_replaceable(self, rank: int | None) -> bool:
+                return False  # a whole generation here (one engine alone: tests/test_worker_loss_e2e.py)
+
             def restart_generation(self, cancel: Any) -> tuple[Any, float]:
                 dying.die = ""  # the old engine never answers again
                 return replacement, 0.1

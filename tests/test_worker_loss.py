@@ -139,6 +139,9 @@ class FakeSetup:
         self.replacement, self.refit_error = replacement, refit_error
         self.events: list[tuple[str, int]] = []
 
+    def engine_replaceable(self, rank: int | None) -> bool:
+        return False  # the scripted handles are whole generations (one engine alone: e2e tests)
+
     def restart_generation(self, cancel: Any) -> tuple[Any, float]:
         self.events.append(("restart", 0))
         return self.replacement, 0.5

@@ -1,11 +1,13 @@
 """Chaos: generation workers SIGKILLed mid-run, with real backends, and what the run does.
 
-* ``generation.on_worker_loss=replace``, vLLM (quickstart) and Megatron generation
-  (``examples/megatron.yaml``), 40 steps each: the engine's process is SIGKILLed at
-  three seeded steps, before the step's rollouts or before its refit. Every step
-  finishes, every loss is one metrics record naming the worker and the step, the
-  replacement serves the policy's weights (``token_mult_prob_error`` 1.0000), and so
-  does every later step.
+* ``generation.on_worker_loss=replace``, vLLM (quickstart, two engines) and Megatron
+  generation (``examples/megatron.yaml``), 40 steps each: an engine's process is
+  SIGKILLed at two seeded steps and SIGSTOPped (hung) at a third, before the step's
+  rollouts or before its refit. Every step finishes, every loss is one metrics record
+  naming the worker, the step and the cause, only the lost engine is started again
+  (vLLM: the other engine's process serves on; Megatron's tensor-parallel generation
+  restarts whole), the replacement serves the policy's weights (``token_mult_prob_error``
+  1.0000), and so does every later step.
 * the default (``abort``): the same kill ends the run with the error naming the worker.
 * ``replace``, but a policy rank is killed: the run still aborts, naming it.
 
@@ -34,6 +36,8 @@ SMALL = ["grpo.prompts_per_step=4", "grpo.samples_per_prompt=4", "grpo.max_new_t
 SEED = 12
 #: token_mult_prob_error printed to four places reads 1.0000.
 EXACT = 5e-5
+#: cluster.hang_timeout_s of the run with a hung engine (a short one: the path is the default's).
+HANG_S = 6.0
 
 
 def kill_plan(steps: int) -> dict[int, str]:
@@ -70,7 +74,7 @@ def summary(chaos: Chaos, records: list[dict[str, Any]]) -> list[dict[str, float
     ]
 
 
-def check_replaced(chaos: Chaos, records: list[dict[str, Any]], steps: int, group: str) -> None:
+def check_replaced(chaos: Chaos, records: list[dict[str, Any]], steps: int, group: str, *, per_engine: bool) -> None:
     step_records = [r for r in records if "reward/mean" in r]
     assert [r["step"] for r in step_records] == list(range(1, steps + 1))
     losses = [r for r in records if "generation/lost_worker" in r]
@@ -79,10 +83,18 @@ def check_replaced(chaos: Chaos, records: list[dict[str, Any]], steps: int, grou
         (k.step, k.phase) for k in chaos.kills
     ]
     for loss, kill in zip(losses, chaos.kills, strict=True):
-        assert loss["generation/lost_worker"].startswith(group), loss
+        assert loss["generation/lost_worker"] == f"{group} rank {kill.rank}", loss
+        assert loss["generation/lost_cause"] == ("hung" if kill.how == "SIGSTOP" else "died"), loss
+        alone = per_engine and kill.phase != "refit"  # mid-refit the others hold half a refit
+        assert loss["generation/replaced"] == (f"engine {kill.rank}" if alone else "the generation"), loss
         assert loss["generation/lost_detected_at"] >= kill.at
         assert loss["generation/serving_again_at"] > loss["generation/lost_detected_at"]
         assert abs(loss["generation/replace_mult_prob_error"] - 1.0) < EXACT, loss
+    if per_engine:  # outside a refit, the engines that were not lost kept their processes
+        for before, after in zip(chaos.kills, chaos.kills[1:], strict=False):
+            assert before.pid not in after.pids
+            if before.phase != "refit":
+                assert set(before.pids) - {before.pid} <= set(after.pids), (before, after)
     # Every refit after a replacement (and before) is exact, and every step scored all
     # of its samples: a sample of a lost rollout is sampled again, never scored zero.
     errors = [r["refit/token_mult_prob_error"] for r in step_records]
@@ -96,9 +108,16 @@ def test_vllm_engine_killed_at_three_steps_is_replaced_and_the_run_finishes(tmp_
     pytest.importorskip("rlcore_fsdp")
     pytest.importorskip("rlcore_vllm")
     steps = 40
-    chaos = Chaos(kill_plan(steps))
-    records = chaos_run(tmp_path, QUICKSTART, steps, chaos, "generation.on_worker_loss=replace")
-    check_replaced(chaos, records, steps, "vllm-generation")
+    plan = kill_plan(steps)
+    chaos = Chaos(plan, stop_at=(max(plan),))
+    records = chaos_run(
+        tmp_path, QUICKSTART, steps, chaos, "generation.on_worker_loss=replace",
+        "generation.workers=2", "generation.devices_per_worker=0.5", f"cluster.hang_timeout_s={HANG_S}",
+    )
+    check_replaced(chaos, records, steps, "vllm-generation", per_engine=True)
+    (hung,) = [r for r in records if r.get("generation/lost_cause") == "hung"]
+    stopped = next(k for k in chaos.kills if k.how == "SIGSTOP")
+    assert hung["generation/lost_detected_at"] - stopped.at <= HANG_S + 2.0
 
 
 @pytest.mark.soak  # the same replacement path as vLLM's above, with another backend
@@ -107,7 +126,7 @@ def test_megatron_generation_killed_at_three_steps_is_replaced(tmp_path: Path) -
     steps = 40
     chaos = Chaos(kill_plan(steps))
     records = chaos_run(tmp_path, MEGATRON, steps, chaos, "generation.on_worker_loss=replace")
-    check_replaced(chaos, records, steps, "megatron-generation")
+    check_replaced(chaos, records, steps, "megatron-generation", per_engine=False)
 
 
 def test_by_default_a_killed_engine_aborts_the_run_naming_it(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ Only this module prints. It imports the heavy parts (Ray, torch) only inside
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -31,6 +32,9 @@ DEFAULT_EXAMPLE = "quickstart.yaml"
 #: Interrupts exit 128 + the signal's number (130 for SIGINT, 143 for SIGTERM).
 EXIT_BAD_INPUT = 2
 EXIT_RUN_FAILED = 3
+#: OS errors that say the disk cannot take what a run writes: a run that meets one outside
+#: the run directory's own writers (which raise RunDirError) still ends in one line.
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 
 
 #: Width of output that is not a terminal (a pipe, a file): wide enough that tables are
@@ -311,7 +315,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         _console(stderr=True).print("[red]error:[/red] " + escape(" ".join(str(err).split("\n"))))
         return EXIT_BAD_INPUT
     except RlcoreError as err:
+        # Once the run has started, a RunDirError (a full disk) among them: the run has been
+        # torn down and what it wrote is valid, so one line says which file and why.
         _console(stderr=True).print("[red]error:[/red] " + escape(str(err)))
+        return EXIT_RUN_FAILED
+    except OSError as err:
+        if args.command != "run" or err.errno not in DISK_ERRNOS:
+            raise
+        where = f"writing {err.filename}: " if err.filename else ""
+        _console(stderr=True).print(
+            "[red]error:[/red] " + escape(f"{where}{err.strerror or err} [Errno {err.errno}]")
+        )
         return EXIT_RUN_FAILED
 
 

@@ -1,10 +1,17 @@
-"""PNG plots of a run: the setup timeline and the reward curve (matplotlib, headless)."""
+"""PNG plots of a run: the setup timeline and the reward curve (matplotlib, headless).
+
+Each PNG is drawn in memory and written whole (:func:`rlcore.setup.metrics.write_atomic`):
+a full disk leaves the previous file or none, never a truncated or empty one.
+"""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from rlcore.setup.metrics import write_atomic
 
 
 def _pyplot() -> Any:
@@ -31,9 +38,7 @@ def plot_setup_timeline(
     ax.set_xlabel("seconds since setup start")
     ax.set_title(title + "\n" + "  ".join(f"{k}={v:.2f}s" for k, v in annotations.items()), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_reward(history: Sequence[Mapping[str, Any]], path: Path, *, title: str) -> Path:
@@ -50,6 +55,14 @@ def plot_reward(history: Sequence[Mapping[str, Any]], path: Path, *, title: str)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    """``fig`` as a PNG at ``path``, whole or not at all; raises RunDirError."""
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=110)
+    finally:
+        plt.close(fig)
+    return write_atomic(path, buf.getvalue())

@@ -12,17 +12,31 @@ that names it, as does every loss under the default ``abort``.
 
 What replacing does (:class:`GenerationRecovery`), in order:
 
-1. drop the lost generation's refit channels (:meth:`RefitSessions.forget_generation`)
-   and shut it down, bounded;
-2. start the generation again through its backend's own ``rlcore_init_generation``
-   with the context ``init:generation`` had (:meth:`SetupResult.restart_generation`);
+1. where the generation's engines are independent (its handle offers ``replace_engine``,
+   as :class:`rlcore.runtime.generation_group.GroupGeneration` does for vLLM and SGLang),
+   the pair refits through the core's channels and the loss came outside a refit (the
+   other engines then hold whole weights and are free), only the lost or hung engine is
+   started again (:meth:`SetupResult.replace_engine`): its process is killed, a new
+   worker built and started as at setup, and refitted alone from the policy's current
+   weights over a channel of its own, while the other engines keep running with their
+   weights; the generation's channels are dropped, so the next refit opens new ones
+   with every engine;
+2. otherwise (a tensor-parallel engine cannot rejoin its group, a backend's own refit
+   expects its own handle, the other engines are blocked half-way through the refit
+   that lost one) the whole generation: its refit channels are dropped
+   (:meth:`RefitSessions.forget_generation`), it is shut down, bounded, started again
+   through its backend's own ``rlcore_init_generation`` with the context
+   ``init:generation`` had (:meth:`SetupResult.restart_generation`), and refitted;
    the core names no backend, and a backend needs nothing beyond its init hook;
-3. refit it from the policy's current weights (the policy kept its state), then compare
-   its logprobs with the policy's on the probe batch (``token_mult_prob_error``; above
-   ``refit.max_mult_prob_error`` the run stops as after any refit);
+3. the generation's logprobs are compared with the policy's on the probe batch
+   (``token_mult_prob_error``; above ``refit.max_mult_prob_error`` the run stops as after
+   any refit);
 4. hand back to the loop, which runs the interrupted phase of the step again with the
    same request and seed (:func:`rlcore.app.grpo.run_grpo`): no sample of the step is
    dropped or scored zero, none of the failed call's partial results is used.
+
+A hung engine (:mod:`rlcore.runtime.liveness`: its process stopped answering) is replaced
+like a dead one.
 
 The replacement is checked with the probe batch whatever ``refit.check`` says (a
 replacement is rare, and it must serve the policy's weights before the loop goes on). With
@@ -33,10 +47,10 @@ replacement's; a loss during the probe after the last step (the only probe of su
 is replaced and the probe run again like any phase. The time a replacement takes counts in
 the phase it interrupted (``timing/generate_time_s`` for a rollout).
 
-The whole generation restarts, not only the lost engine: that is what a backend's init
-hook can do, and a tensor-parallel engine cannot rejoin its group anyway. Each loss is
-one record in ``metrics.jsonl`` (``generation/lost_*``, ``generation/replace_*``) with the
-seconds from detection to serving again beside ``init:generation``'s setup time.
+Each loss is one record in ``metrics.jsonl`` (``generation/lost_*``: worker, rank, step,
+phase, cause ``died`` or ``hung``; ``generation/replaced``: ``engine N`` or ``the
+generation``; ``generation/replace_*``) with the seconds from detection to serving again
+beside ``init:generation``'s setup time.
 """
 
 from __future__ import annotations
@@ -48,6 +62,7 @@ from typing import Any
 
 from rlcore.errors import WorkerLost
 from rlcore.guards import GuardedGeneration
+from rlcore.runtime.liveness import WorkerHung
 from rlcore.waiting import CancelToken
 
 log = logging.getLogger(__name__)
@@ -109,25 +124,37 @@ class GenerationRecovery:
 
     def __call__(self, err: WorkerLost, step: int, phase: str) -> None:
         detected_at, t0 = time.time(), time.monotonic()
-        log.warning("step %d (%s): %s; replacing the generation", step, phase, err)
-        handle, init_s = self.setup.restart_generation(self.cancel)
-        self.generation.handle = handle
-        if self.handoff is not None and self.handoff.generation is not None:
-            self.handoff.generation = handle  # declared memory_handoff: the new engine's
-        t1 = time.monotonic()
-        report = self.setup.refit(step, self.cancel)
-        t2 = time.monotonic()
+        # A loss mid-refit leaves the other engines with half-loaded weights, blocked in the
+        # abandoned channel: only a whole restart frees them.
+        one = phase != "refit" and self.setup.engine_replaceable(err.rank)
+        what = f"engine {err.rank}" if one else "the generation"
+        log.warning("step %d (%s): %s; replacing %s", step, phase, err, what)
+        shutdown_s = 0.0  # one engine: killed, not shut down, as part of its start
+        if one:
+            report, init_s, refit_s = self.setup.replace_engine(err.rank, step, self.cancel)
+        else:
+            handle, init_s = self.setup.restart_generation(self.cancel)
+            self.generation.handle = handle
+            if self.handoff is not None and self.handoff.generation is not None:
+                self.handoff.generation = handle  # declared memory_handoff: the new engine's
+            t1 = time.monotonic()
+            shutdown_s = t1 - t0 - init_s
+            report = self.setup.refit(step, self.cancel)
+            refit_s = time.monotonic() - t1
         probe_err = self.probe_error()
         serving_at, t3 = time.time(), time.monotonic()
         loss = {
             "generation/lost_worker": err.worker,
+            "generation/lost_rank": err.rank,
             "generation/lost_step": step,
             "generation/lost_during": phase,
+            "generation/lost_cause": "hung" if isinstance(err, WorkerHung) else "died",
+            "generation/replaced": what,
             "generation/lost_detected_at": detected_at,
             "generation/serving_again_at": serving_at,
             "generation/replace_init_time_s": init_s,
-            "generation/replace_refit_time_s": t2 - t1,
-            "generation/replace_shutdown_time_s": t1 - t0 - init_s,
+            "generation/replace_refit_time_s": refit_s,
+            "generation/replace_shutdown_time_s": shutdown_s,
             "generation/replace_time_s": t3 - t0,
             "generation/replace_mult_prob_error": probe_err,
             "generation/replace_refit_transport": getattr(report, "transport", None),
@@ -137,5 +164,5 @@ class GenerationRecovery:
             loss["generation/replace_vs_setup_init"] = (t3 - t0) / self.init_time_s
         self.losses.append(loss)
         self.record(loss, step)
-        log.warning("step %d: generation replaced and serving in %.1fs", step, t3 - t0)
+        log.warning("step %d: %s replaced and serving in %.1fs", step, what, t3 - t0)
         self.check(probe_err, step)

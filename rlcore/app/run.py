@@ -9,10 +9,15 @@ down (also on failure or Ctrl-C).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
+import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +33,19 @@ from rlcore.app.interrupts import RunInterrupted, signal_name, signum_of
 from rlcore.app.plots import plot_reward, plot_setup_timeline
 from rlcore.app.recovery import GenerationRecovery
 from rlcore.config import RunConfig, cache_dir, load_config
-from rlcore.errors import ConfigError, DivergenceError
+from rlcore.errors import ConfigError, DivergenceError, RunDirError
 from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.placement import Network
 from rlcore.runtime.cluster import Cluster
 from rlcore.runtime.workers import placed_groups
-from rlcore.setup.metrics import MetricsWriter
-from rlcore.setup.preflight import check_before_start, run_dir_for
+from rlcore.setup.metrics import MetricsWriter, write_atomic
+from rlcore.setup.preflight import (
+    RUN_STATUS_FILE,
+    check_before_start,
+    no_step_leftovers,
+    read_run_status,
+    run_dir_for,
+)
 from rlcore.setup.registry import load_registry
 from rlcore.setup.runner import SetupResult, run_setup
 from rlcore.setup.trace import TraceRecorder
@@ -43,19 +54,87 @@ from rlcore.waiting import CancelToken
 log = logging.getLogger(__name__)
 
 
-def make_run_dir(config: RunConfig, out: str | None) -> Path:
+def make_run_dir(config: RunConfig, out: str | None, *, resume: bool = False) -> Path:
     """Create the run directory (``out``, else a new ``<output_dir>/<name>-<time>[-k]``).
 
     :func:`rlcore.setup.preflight.check_before_start` has checked that it can be written and
-    that ``out`` is empty unless the run resumes.
+    that ``out`` is empty unless the run resumes, or holds only what a run that completed no
+    step left: those files are removed here, so the new run starts from an empty directory.
+
+    Raises:
+        RunDirError: the directory or a leftover could not be created or removed.
     """
     path = base = run_dir_for(config, out)
     k = 1
     while not out and path.exists():  # two runs started in the same second
         k += 1
         path = base.with_name(f"{base.name}-{k}")
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        for old in [] if resume else no_step_leftovers(path) or []:
+            if old.is_dir():  # a write check's directory, left by a kill
+                shutil.rmtree(old)
+            else:
+                old.unlink(missing_ok=True)
+    except OSError as err:
+        raise RunDirError.from_os_error(err.filename or path, err) from err
     return path
+
+
+class RunStatus:
+    """The run's ``run.json``: how far it got, written whole at its start (``setting-up``),
+    before the first step's metrics line (``running``) and at its end (``finished``,
+    ``failed`` or ``interrupted``, with the error). ``steps_done`` is exact once the run has
+    ended; while it runs (or if it was killed) it says only that steps were done. A rerun into
+    the same ``--out`` reads it (:func:`rlcore.setup.preflight.check_run_dir`): a run that
+    completed no step (failed, interrupted or killed in setup) does not block it.
+
+    A resumed run counts on from the ``steps_done`` of the run it appends to (unknown, and
+    so never replaced, when that run left no ``run.json``).
+    """
+
+    def __init__(self, run_dir: Path, *, resume: bool) -> None:
+        self.path = run_dir / RUN_STATUS_FILE
+        self.before: int | None = 0
+        if resume:
+            prev = read_run_status(run_dir)
+            steps = prev.get("steps_done") if prev is not None else None
+            has_files = any(p.name != RUN_STATUS_FILE for p in run_dir.iterdir())
+            self.before = steps if isinstance(steps, int) else (None if has_files else 0)
+        self.steps = 0
+        self.record: dict[str, Any] = {
+            "status": "setting-up",
+            "steps_done": self.before,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started_at": datetime.now().isoformat(timespec="seconds"),
+        }
+        self._write()
+
+    def _write(self) -> None:
+        if self.before is not None:
+            self.record["steps_done"] = self.before + self.steps
+        self.record["updated_at"] = datetime.now().isoformat(timespec="seconds")
+        write_atomic(self.path, json.dumps(self.record, indent=2) + "\n")
+
+    def step_done(self) -> None:
+        """A step has run; called before its ``metrics.jsonl`` line is written, so that a disk
+        filling between the two leaves a run that blocks its ``--out`` rather than one a rerun
+        replaces. Only the first step is written (the count is written at the end)."""
+        self.steps += 1
+        if self.steps == 1:
+            self.record["status"] = "running"
+            self._write()
+
+    def end(self, failure: BaseException | None) -> None:
+        """``finished``, or ``failed`` / ``interrupted`` with the error's line."""
+        if failure is None:
+            self.record["status"] = "finished"
+        else:
+            interrupted = isinstance(failure, KeyboardInterrupt)
+            self.record["status"] = "interrupted" if interrupted else "failed"
+            self.record["error"] = f"{type(failure).__name__}: {' '.join(str(failure).split())}"
+        self._write()
 
 
 class SetupProgress:
@@ -116,8 +195,9 @@ def run_job(
             "rlcore run's GRPO loop needs an env: set env.backend (e.g. env.backend=arithmetic)",
             key="env.backend",
         )
-    run_dir = make_run_dir(config, out)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
+    run_dir = make_run_dir(config, out, resume=resume)
+    status = RunStatus(run_dir, resume=resume)  # first: what follows is a run's to replace
+    write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
 
     trace = TraceRecorder()
     metrics_writer = MetricsWriter(run_dir / "metrics.jsonl")
@@ -128,6 +208,7 @@ def run_job(
     phase = RunPhase()
     setup: SetupResult | None = None
     plot: overlap.Background | None = None
+    failure: BaseException | None = None
     try:
         groups_before = len(placed_groups())
         with console.status("starting Ray cluster"):
@@ -150,7 +231,10 @@ def run_job(
         _write_placement(run_dir, setup, cluster.network(config), groups_before)
         if not setup_only:
             try:
-                _train(config, setup, cancel, trace, metrics_writer, run_dir, console, phase, plot.start)
+                _train(
+                    config, setup, cancel, trace, metrics_writer, run_dir, console, phase,
+                    plot.start, status.step_done,
+                )
             except DivergenceError as err:
                 phase.now = "the diagnosis of the failed refit check"
                 raise DivergenceError(f"{err} {_diagnosis(config, setup, cancel)}") from err
@@ -160,9 +244,14 @@ def run_job(
     except KeyboardInterrupt as err:
         # SIGINT/SIGTERM (rlcore.app.interrupts.SignalGuard) or Ctrl-C: a bounded teardown,
         # the records written first, then one error that says what was interrupted.
-        raise _stop_interrupted(
+        failure = err
+        failure = _stop_interrupted(
             err, phase.now, cancel, setup, cluster, trace, metrics_writer, run_dir, plan
-        ) from None
+        )
+        raise failure from None
+    except BaseException as err:
+        failure = err
+        raise
     finally:
         if plot is not None:  # the timeline of a setup that finished, whatever came after
             plot.start()
@@ -171,8 +260,38 @@ def run_job(
             for line in setup.shutdown():
                 console.print(f"[yellow]shutdown: {line}[/yellow]")
         cluster.shutdown()
-        metrics_writer.close()
-        trace.write(run_dir / "trace.json")
+        _close_records(run_dir, metrics_writer, trace, status, failure)
+
+
+def _close_records(
+    run_dir: Path,
+    writer: MetricsWriter,
+    trace: TraceRecorder,
+    status: RunStatus,
+    failure: BaseException | None,
+) -> None:
+    """Close ``metrics.jsonl``, write ``trace.json``, then the final ``run.json``, each tried
+    whatever the others did. A write that fails (a full disk) raises the first
+    :class:`RunDirError` when the run had not failed already; otherwise the run's own error
+    is the one to report (not a chained traceback), and this one is logged."""
+    first: RunDirError | None = None
+    writes = (
+        writer.close,
+        lambda: trace.write(run_dir / "trace.json"),
+        lambda: status.end(failure or first),
+    )
+    for write in writes:
+        try:
+            write()
+        except RunDirError as err:
+            if failure is None and first is None:
+                first = err
+            elif isinstance(failure or first, RunDirError):
+                log.debug("%s", err)  # the same disk: the error reported already says so
+            else:
+                log.warning("%s", err)
+    if first is not None:
+        raise first
 
 
 def _record_setup(setup: SetupResult, cluster: Cluster, writer: MetricsWriter, console: Console) -> None:
@@ -204,8 +323,6 @@ def _setup_display(progress: SetupProgress, console: Console) -> Iterator[None]:
 def _write_placement(run_dir: Path, setup: SetupResult, network: Network, skip: int) -> None:
     """``placement.json``: where each worker group's ranks run (Ray node ids, as the workers
     report them), where the refit channel meets, and whether servers bound beyond loopback."""
-    import json
-
     spec, handles = None, setup.handles
     if setup.plan.refit_transport and "policy" in handles and "generation" in handles:
         spec = setup.refit_sessions.spec_for(handles["policy"], handles["generation"], setup.plan.refit_transport)
@@ -214,7 +331,7 @@ def _write_placement(run_dir: Path, setup: SetupResult, network: Network, skip: 
         "readers_elsewhere": network.readers_elsewhere,
         "refit": None if spec is None else {"transport": spec.transport, "addr": spec.addr, "port": spec.port},
     }
-    (run_dir / "placement.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_atomic(run_dir / "placement.json", json.dumps(record, indent=2) + "\n")
 
 
 class RunPhase:
@@ -276,11 +393,16 @@ def _stop_interrupted(
     execution = setup.execution if setup is not None else getattr(err, "execution", None)
     if setup is None and execution is not None:
         trace.add_execution(execution, plan)
-    writer.write({"run/interrupted_by": signal_name(signum), "run/interrupted_during": during})
-    trace.add_instant(reason, t_signal, cat="run", lane="run")
-    trace.write(run_dir / "trace.json")  # written before the teardown, in case it is cut short
-
     problems: list[str] = []
+    # A write that fails (a full disk) is one of the teardown's problems: the signal is what
+    # the run ends with.
+    _try_write(problems, writer.write, {
+        "run/interrupted_by": signal_name(signum), "run/interrupted_during": during,
+    })
+    trace.add_instant(reason, t_signal, cat="run", lane="run")
+    # Written before the teardown, in case it is cut short.
+    _try_write(problems, trace.write, run_dir / "trace.json")
+
     t0 = time.monotonic()
     if setup is not None:
         problems += setup.shutdown(INTERRUPT_SHUTDOWN_S)
@@ -299,8 +421,20 @@ def _stop_interrupted(
     t1 = time.monotonic()
     trace.add_span("teardown after interrupt", t0, t1, cat="run", lane="run", args={"problems": problems})
     seconds = t1 - t_signal
-    writer.write({"run/interrupt_teardown_s": seconds, "run/shut_down": shut_down, "run/shutdown_problems": problems})
+    _try_write(problems, writer.write, {
+        "run/interrupt_teardown_s": seconds, "run/shut_down": shut_down,
+        "run/shutdown_problems": problems,
+    })
     return RunInterrupted(signum, during, shut_down, problems, run_dir, seconds)
+
+
+def _try_write(problems: list[str], write: Callable[..., Any], *args: Any) -> None:
+    """``write(*args)``; a :class:`RunDirError` is added to ``problems`` (once)."""
+    try:
+        write(*args)
+    except RunDirError as err:
+        if str(err) not in problems:
+            problems.append(str(err))
 
 
 def _plot_setup(setup: SetupResult, run_dir: Path, config: RunConfig) -> None:
@@ -362,6 +496,7 @@ def _train(
     console: Console,
     phase: RunPhase,
     after_first_step: Callable[[], None] = lambda: None,
+    step_done: Callable[[], None] = lambda: None,
 ) -> None:
     how = config.refit.check
     phase.now = "the first refit's check" if how == "probe" else "step 1"
@@ -412,6 +547,7 @@ def _train(
     def on_step(m: dict[str, Any]) -> None:
         last = m["step"] >= config.grpo.steps
         phase.now = "the last refit's check" if last and how == "sampled" else f"step {m['step'] + 1}"
+        step_done()  # run.json (first step only): a rerun may no longer replace this run
         writer.write(m, step=m["step"])
         console.print(
             f"step {m['step']:>3}  reward {m['reward/mean']:.3f}  exact {m['reward/exact']:.2f}  "
@@ -476,8 +612,9 @@ def _record_loss(m: dict[str, Any], step: int, writer: MetricsWriter, console: C
     """One metrics line per replaced generation, and one line on the console."""
     writer.write(m, step=step)
     console.print(
-        f"[yellow]step {step:>3}  lost {m['generation/lost_worker']} during {m['generation/lost_during']}; "
-        f"replaced and serving in {m['generation/replace_time_s']:.1f}s "
+        f"[yellow]step {step:>3}  lost {m['generation/lost_worker']} ({m['generation/lost_cause']}) during "
+        f"{m['generation/lost_during']}; replaced {m['generation/replaced']}, serving in "
+        f"{m['generation/replace_time_s']:.1f}s "
         f"(init {m['generation/replace_init_time_s']:.1f}s, mult_prob_err "
         f"{m['generation/replace_mult_prob_error']:.4f})[/yellow]"
     )

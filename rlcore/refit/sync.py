@@ -21,9 +21,10 @@ log = logging.getLogger(__name__)
 
 
 def _labels(handle: Any, side: str, n: int) -> list[str]:
-    """``<group name> rank <i>`` for a handle's refs (the group name when it has one)."""
+    """``<group name> rank <i>`` for a handle's refs (the group name when it has one; the
+    engines' own ranks for a receiver of some engines, :class:`EngineReceiver`)."""
     name = getattr(getattr(handle, "group", None), "name", None) or f"{side} {type(handle).__name__}"
-    return [f"{name} rank {i}" for i in range(n)]
+    return [f"{name} rank {i}" for i in getattr(handle, "engine_ranks", range(n))]
 
 
 def refit(policy: Any, generation: Any, ctx: RefitContext) -> RefitReport:
@@ -49,6 +50,7 @@ def refit(policy: Any, generation: Any, ctx: RefitContext) -> RefitReport:
             cancel=ctx.cancel,
             deadline=ctx.deadline.sooner(ctx.timeout_s),
             labels=labels,
+            ranks=_ranks(generation, len(sends), len(receives)),
         )
     except WorkerLost as err:
         # Refs are the policy's sends, then the generation's receives: say whose worker
@@ -73,6 +75,13 @@ def refit(policy: Any, generation: Any, ctx: RefitContext) -> RefitReport:
         channel_init_time_s=session.take_init_time(),
         path=_path(done[: len(sends)] if isinstance(done, list) else []),
     )
+
+
+def _ranks(generation: Any, sends: int, receives: int) -> list[int]:
+    """The group rank of each ref's worker: the policy's ranks in order, then the
+    generation's (:class:`rlcore.runtime.generation_group.EngineReceiver` says which)."""
+    engines = list(getattr(generation, "engine_ranks", range(receives)))
+    return list(range(sends)) + engines
 
 
 def _path(sent: list[Any]) -> str:

@@ -46,6 +46,8 @@ from rlcore.placement import (
     role_placement,
     spans_nodes,
 )
+from rlcore.runtime.gate import RAY_GATE
+from rlcore.runtime.liveness import LIVENESS
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +193,6 @@ class Cluster:
         self._devices: DeviceGroup | None = None
 
     def start(self) -> Cluster:
-        from rlcore.runtime.workers import RAY_GATE
 
         with _lock:
             import ray
@@ -200,6 +201,7 @@ class Cluster:
             if ray.is_initialized():
                 return self
             RAY_GATE.open()
+            LIVENESS.configure(self.config.hang_timeout_s)
             t0 = time.monotonic()
             env_vars = {
                 # Workers inherit these: keep CPU threads per worker sane on small hosts.
@@ -247,7 +249,6 @@ class Cluster:
             if self.joined:
                 import ray
 
-                from rlcore.runtime.workers import RAY_GATE
 
                 with RAY_GATE.call("looking up the cluster's nodes"):
                     nodes = [
@@ -271,7 +272,7 @@ class Cluster:
         from ray.util.placement_group import placement_group, remove_placement_group
 
         from rlcore.errors import ConfigError
-        from rlcore.runtime.workers import RAY_GATE, ray_get
+        from rlcore.runtime.workers import ray_get
         from rlcore.waiting import Deadline
 
         with RAY_GATE.call("reserving the run's GPUs"):
@@ -331,8 +332,9 @@ class Cluster:
         raylet is gone).
         """
         from rlcore.runtime import workers
-        from rlcore.runtime.workers import RAY_GATE, wait_exited
+        from rlcore.runtime.workers import wait_exited
 
+        LIVENESS.clear()  # its groups go with the cluster: nothing is probed any more
         with _lock:
             if self.joined:
                 # A cluster joined by address stays up: only this driver's connection ends

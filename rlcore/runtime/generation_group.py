@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from rlcore.context import InitContext
+    from rlcore.waiting import Deadline
 
 
 def prompt_seed(seed: int, index: int) -> int:
@@ -122,31 +123,80 @@ class GroupGeneration(GroupHandle):
         depend on the number of engines.
         """
         seeds = [prompt_seed(seed, i) for i in range(len(prompt_ids))]
+        shards = self._shards(len(prompt_ids))
         refs = [
             actor.generate.remote([list(p) for p in prompt_ids[a:b]], n, max_tokens, temperature, seeds[a:b])
-            for actor, (a, b) in self._shards(len(prompt_ids))
+            for _, actor, (a, b) in shards
         ]
-        return [group for part in self.group.get(refs, what="generate") for group in part]
+        parts = self.group.get(refs, what="generate", ranks=[r for r, _, _ in shards])
+        return [group for part in parts for group in part]
 
     def logprobs(self, batch: Sequence[Pair]) -> list[list[float]]:
         """Per-token log-probabilities of each ``(prompt_ids, completion_ids)`` pair's completion."""
-        refs = [
-            actor.logprobs.remote([(list(p), list(c)) for p, c in batch[a:b]])
-            for actor, (a, b) in self._shards(len(batch))
-        ]
-        return [row for part in self.group.get(refs, what="logprobs") for row in part]
+        shards = self._shards(len(batch))
+        refs = [actor.logprobs.remote([(list(p), list(c)) for p, c in batch[a:b]]) for _, actor, (a, b) in shards]
+        parts = self.group.get(refs, what="logprobs", ranks=[r for r, _, _ in shards])
+        return [row for part in parts for row in part]
+
+    # ------------------------------------------------------- one engine again
+
+    def replace_engine(self, rank: int, deadline: Deadline | None = None) -> EngineReceiver:
+        """Start engine ``rank`` again, alone, after it was lost or hung: its old process is
+        killed, a new worker is built and started as at setup (bounded by the group's call
+        timeout), its endpoint updated; the other engines keep running and serving.
+
+        Returns the :class:`EngineReceiver` of that engine, for its first refit: it serves
+        the policy's weights only after one (a refit-fed engine has none before). The core
+        calls this under ``generation.on_worker_loss: replace`` (:mod:`rlcore.app.recovery`).
+        """
+        self._check_open()
+        what = f"starting {self.group.name} rank {rank} again"
+        self.group.restart_rank(rank, deadline=deadline)
+        info = self.group.call("start", self.group.timeout_s, ranks=[rank], what=what, deadline=deadline)[0]
+        if rank < len(self.start_info):
+            self.start_info[rank] = info
+        if self.endpoints:
+            e = self.group.call("endpoint_info", ranks=[rank], what="endpoint", deadline=deadline)[0]
+            self.endpoints[rank] = Endpoint(base_url=e["base_url"], model=e["model"], api_key=e["api_key"])
+        return EngineReceiver(self, [rank])
 
     # ------------------------------------------------------------ helpers
 
-    def _shards(self, count: int) -> list[tuple[Any, tuple[int, int]]]:
-        """(engine, [start, end)) of each non-empty contiguous shard of ``count`` items."""
+    def _shards(self, count: int) -> list[tuple[int, Any, tuple[int, int]]]:
+        """(rank, engine, [start, end)) of each non-empty contiguous shard of ``count`` items."""
         actors = self._actors()
         bounds = [shard_range(count, len(actors), i) for i in range(len(actors))]
-        return [(a, (s, e)) for a, (s, e) in zip(actors, bounds, strict=True) if e > s]
+        return [(r, a, (s, e)) for r, (a, (s, e)) in enumerate(zip(actors, bounds, strict=True)) if e > s]
 
     def _actors(self) -> list[Any]:
         self._check_open()
         return self.group.actors
+
+
+class EngineReceiver:
+    """Some engines of a :class:`GroupGeneration` as a :class:`rlcore.handles.RefitReceiver`
+    of their own: a refit to it opens a channel of ``1 + len(engine_ranks)`` ranks and
+    loads the weights into those engines only (an engine started again while the others
+    keep their weights). ``engine_ranks`` name the engines in errors."""
+
+    def __init__(self, handle: GroupGeneration, engine_ranks: Sequence[int]) -> None:
+        self.handle = handle
+        self.group = handle.group
+        self.engine_ranks = list(engine_ranks)
+        self.refit_ranks = len(self.engine_ranks)
+
+    def weight_specs(self) -> list[Any]:
+        return self.handle.weight_specs()
+
+    def _engines(self) -> list[Any]:
+        actors = self.handle._actors()
+        return [actors[r] for r in self.engine_ranks]
+
+    def open_refit_channel(self, spec: Any) -> list[Any]:
+        return [a.open_refit_channel.remote(spec, 1 + i) for i, a in enumerate(self._engines())]
+
+    def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
+        return [a.receive_weights.remote(spec, step, buckets) for a in self._engines()]
 
 
 def start_engines(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from rlcore.errors import RlcoreError
+from rlcore.errors import RlcoreError, WorkerError
 
 
 class GroupHandle:
@@ -50,7 +50,8 @@ class GroupHandle:
 
     def shutdown(self) -> None:
         """Release what the handle holds, then every actor (graceful teardown, then kill).
-        Idempotent and thread-safe."""
+        Idempotent and thread-safe. Raises :class:`~rlcore.errors.WorkerError` naming a rank
+        that hung during the shutdown (once everything is down: the error is a report)."""
         with self._lock:
             if self._closed:
                 return
@@ -58,4 +59,6 @@ class GroupHandle:
         try:
             self._release()
         finally:
-            self.group.shutdown()
+            problems = self.group.shutdown()
+        if problems:
+            raise WorkerError("; ".join(problems))

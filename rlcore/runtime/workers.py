@@ -15,68 +15,18 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 # WorkerError and WorkerLost live in the contract (rlcore.errors); importing them from
 # here keeps working.
 from rlcore.errors import Cancelled, ConfigError, DeadlineExceeded, WorkerError, WorkerLost
 from rlcore.placement import Network, RolePlacement
+from rlcore.runtime.gate import RAY_GATE, RayGate  # noqa: F401  (re-exported: callers import them from here)
+from rlcore.runtime.liveness import LIVENESS, PROBE_GROUP, PROBE_METHOD, liveness_answer
 from rlcore.waiting import CancelToken, Deadline
 
 log = logging.getLogger(__name__)
-
-
-class RayGate:
-    """Who may call Ray now: closed while (and after) the run's cluster shuts down.
-
-    Every Ray call the core makes for a worker group (``ray_get``'s polling slices,
-    starting actors, calling them, killing them) enters the gate. :meth:`close` refuses
-    new calls (they raise :class:`Cancelled` naming the reason) and waits, bounded, for
-    the calls in flight to leave, so ``ray.shutdown()`` never runs under a thread that is
-    still inside Ray (an abandoned init thread), and no such thread calls Ray afterwards.
-    :meth:`open` lets calls in again (a new cluster started).
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._inside = 0
-        self._closed: str | None = None
-
-    @property
-    def closed(self) -> str | None:
-        """Why the gate is closed, or ``None`` while Ray calls are allowed."""
-        return self._closed
-
-    @contextlib.contextmanager
-    def call(self, what: str) -> Iterator[None]:
-        """Around one Ray call (or one short slice of calls); raises Cancelled when closed."""
-        with self._cond:
-            if self._closed is not None:
-                raise Cancelled(f"{what}: no Ray calls any more ({self._closed})")
-            self._inside += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._inside -= 1
-                self._cond.notify_all()
-
-    def close(self, reason: str, wait_s: float = 2.0) -> bool:
-        """Refuse new calls; wait up to ``wait_s`` for those in flight. True if none is left."""
-        with self._cond:
-            if self._closed is None:
-                self._closed = reason
-            return self._cond.wait_for(lambda: self._inside == 0, timeout=wait_s)
-
-    def open(self) -> None:
-        with self._cond:
-            self._closed = None
-
-
-#: The process's gate (one Ray connection per process): closed by
-#: :meth:`rlcore.runtime.cluster.Cluster.shutdown`, opened by :meth:`rlcore.runtime.cluster.Cluster.start`.
-RAY_GATE = RayGate()
 
 
 def free_port() -> int:
@@ -314,6 +264,11 @@ class DistributedWorker:
     def ping(self) -> int:
         return os.getpid()
 
+    def rlcore_liveness(self) -> dict[str, Any]:
+        """The liveness probe (:mod:`rlcore.runtime.liveness`): runs on a thread of its own,
+        beside whatever call is busy; do not override it with anything that can block."""
+        return liveness_answer()
+
     def teardown(self) -> None:
         try:
             import torch.distributed as dist
@@ -344,11 +299,13 @@ def ray_get(
     slice_s: float = 0.2,
     labels: Sequence[str] | None = None,
     settle_s: float = 2.0,
+    ranks: Sequence[int] | None = None,
 ) -> Any:
     """``ray.get`` that observes cancellation and a deadline, and names ``what`` on failure.
 
     ``labels`` (one per ref, e.g. ``vllm-generation rank 0``) name the worker in
-    errors. When one ref fails, the others get ``settle_s`` to finish: a worker
+    errors; ``ranks`` (one per ref) say which rank of its group each ref's worker is
+    (:attr:`WorkerLost.rank`, what a replacement restarts). When one ref fails, the others get ``settle_s`` to finish: a worker
     that *died* is the root cause and is reported before the errors it caused in
     its peers (a collective partner sees only a closed connection).
     """
@@ -370,19 +327,23 @@ def ray_get(
         remaining = deadline.remaining()
         if remaining is not None and remaining <= 0:
             raise DeadlineExceeded(f"{what} did not finish within {deadline.seconds:g}s")
+        # A frozen worker anywhere in the run ends this wait too: in a synchronous run
+        # nothing can finish without it, and the error names it (role, rank, pid).
+        LIVENESS.raise_if_hung(what)
         timeout = slice_s if remaining is None else min(slice_s, remaining)
         with RAY_GATE.call(what):
             ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=timeout)
             # Surface a failure as soon as any worker fails, not after the slowest finishes.
             if any(_failure(ray, r) for r in ready):
-                _raise_first_failure(ray, pending, not_ready, names, what, settle_s)
+                _raise_first_failure(ray, pending, not_ready, names, what, settle_s, ranks)
             if not not_ready:
                 values = ray.get(pending)
                 return values[0] if single else values
 
 
 def _raise_first_failure(
-    ray: Any, pending: list[Any], not_ready: list[Any], names: list[str], what: str, settle_s: float
+    ray: Any, pending: list[Any], not_ready: list[Any], names: list[str], what: str, settle_s: float,
+    ranks: Sequence[int] | None = None,
 ) -> None:
     """Raise a WorkerError for the failed refs, a dead worker's first (see :func:`ray_get`)."""
     if not_ready:
@@ -397,7 +358,8 @@ def _raise_first_failure(
     others = [f"{names[j]}: {type(e).__name__}" for _, j, (_, e) in failures if j != i]
     also = f" (then: {'; '.join(others)})" if others else ""
     if died:
-        raise WorkerLost(f"{what}: {names[i]} died: {err}{also}", worker=names[i], index=i) from err
+        rank = ranks[i] if ranks is not None else None
+        raise WorkerLost(f"{what}: {names[i]} died: {err}{also}", worker=names[i], index=i, rank=rank) from err
     raise WorkerError(f"{what}: {names[i]} failed: {type(err).__name__}: {err}{also}") from err
 
 
@@ -502,27 +464,35 @@ class WorkerGroup:
             if cancel is not None:
                 cancel.raise_if_cancelled(f"starting {name} workers")
             _check_fits(name, world_size, num_cpus, num_gpus, placement)
-            remote_cls = ray.remote(cls)
+            # The probe's own thread answers while the default group's call is busy.
+            probed = hasattr(cls, PROBE_METHOD)
+            remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(cls) if probed else ray.remote(cls)
             runtime_env = actor_runtime_env(env)
+        # What starting a rank takes, kept for restart_rank (an engine started again alone).
+        self._remote_cls, self._args, self._kwargs = remote_cls, tuple(args), dict(kwargs or {})
+        self._actor_options: dict[str, Any] = {
+            "num_cpus": num_cpus,
+            "num_gpus": num_gpus,
+            **({"runtime_env": runtime_env} if runtime_env else {}),
+            "name": None,
+            "max_restarts": 0,
+        }
+        self._probed, self._dist_backend = probed, dist_backend
         try:
             for rank in range(world_size):
                 with RAY_GATE.call(f"starting {name} rank {rank}"):
                     if cancel is not None:
                         cancel.raise_if_cancelled(f"starting {name} workers")
-                    self.actors.append(
-                        remote_cls.options(
-                            num_cpus=num_cpus,
-                            num_gpus=num_gpus,
-                            **({"runtime_env": runtime_env} if runtime_env else {}),
-                            name=None,
-                            max_restarts=0,
-                            **(placement.ray_options(rank) if placement is not None else {}),
-                        ).remote(rank, world_size, *args, **(kwargs or {}))
-                    )
+                    self.actors.append(self._new_actor(rank))
             self._processes = ray_get(
                 [a.process_ids.remote() for a in self.actors], what=f"starting {name} workers", cancel=cancel, deadline=deadline
             )
             self.nodes = [node for node, _ in self._processes]
+            if probed:
+                LIVENESS.watch(
+                    id(self), name=name, role=placement.role if placement else None,
+                    actors=list(self.actors), processes=list(self._processes), addresses=_node_addresses(),
+                )
             _PLACED.append({"group": name, "role": placement.role if placement else None, "nodes": list(self.nodes)})
             if dist_backend:
                 addr, port = ray_get(self.actors[0].rendezvous_address.remote(), what=f"{name} rendezvous", cancel=cancel, deadline=deadline)
@@ -532,6 +502,42 @@ class WorkerGroup:
             raise
         self.start_time_s = time.monotonic() - t0
 
+    def _new_actor(self, rank: int) -> Any:
+        placed = self.placement.ray_options(rank) if self.placement is not None else {}
+        return self._remote_cls.options(**self._actor_options, **placed).remote(
+            rank, self.world_size, *self._args, **self._kwargs
+        )
+
+    def restart_rank(self, rank: int, *, deadline: Deadline | None = None) -> None:
+        """Replace rank ``rank``'s actor by a new one, built as at the start (the other ranks
+        keep running and serving): the old one's processes are SIGKILLed on this host and
+        the actor killed in Ray. Only for groups without a process group (independent
+        engines): a rank cannot rejoin a torch.distributed group alone. The new actor is
+        constructed and probed like the others; the caller starts what it serves."""
+        import ray
+
+        if self._dist_backend:
+            raise WorkerError(f"{self.name}: rank {rank} is part of a process group and cannot be restarted alone")
+        key = id(self)
+        LIVENESS.drop(key, rank)  # its hang is being handled: no wait may raise it again
+        with RAY_GATE.call(f"{self.name}: killing rank {rank}"):
+            _kill_all(self._local_processes_of([rank]))
+            with contextlib.suppress(Exception):
+                ray.kill(self.actors[rank], no_restart=True)
+            self.actors[rank] = self._new_actor(rank)
+        self._processes[rank] = ray_get(
+            self.actors[rank].process_ids.remote(),
+            what=f"restarting {self.name} rank {rank}",
+            cancel=self.cancel,
+            deadline=deadline or Deadline(self.timeout_s, f"restarting {self.name} rank {rank}"),
+            labels=[f"{self.name} rank {rank}"],
+            ranks=[rank],
+        )
+        self.nodes[rank] = self._processes[rank][0]
+        if self._probed:
+            address = _node_addresses().get(self.nodes[rank], "?")
+            LIVENESS.replace(key, rank, self.actors[rank], self._processes[rank], address)
+
     def call_async(self, method: str, *args: Any, ranks: Sequence[int] | None = None, **kwargs: Any) -> list[Any]:
         ranks = range(self.world_size) if ranks is None else ranks
         with RAY_GATE.call(f"{self.name}: {method}"):
@@ -539,19 +545,29 @@ class WorkerGroup:
                 self.cancel.raise_if_cancelled(f"{self.name}: {method}")
             return [getattr(self.actors[r], method).remote(*args, **kwargs) for r in ranks]
 
-    def get(self, refs: Any, *, what: str, deadline: Deadline | None = None) -> Any:
+    def get(
+        self, refs: Any, *, what: str, deadline: Deadline | None = None, ranks: Sequence[int] | None = None
+    ) -> Any:
+        """Wait for ``refs`` (one per rank of ``ranks``, default every rank when there are as
+        many); a failure names the rank (:class:`WorkerLost` carries it as ``rank``)."""
         deadline = deadline or Deadline(self.timeout_s, f"{self.name}: {what}")
-        return ray_get(refs, what=f"{self.name}: {what}", cancel=self.cancel, deadline=deadline, labels=self.labels(refs))
+        if ranks is None and isinstance(refs, list | tuple) and len(refs) == self.world_size:
+            ranks = range(self.world_size)
+        return ray_get(
+            refs, what=f"{self.name}: {what}", cancel=self.cancel, deadline=deadline,
+            labels=self.labels(ranks), ranks=ranks,
+        )
 
-    def labels(self, refs: Any) -> list[str] | None:
-        """Names for refs of a whole-group call (``<group> rank <i>``)."""
-        if isinstance(refs, list | tuple) and len(refs) == self.world_size:
-            return [f"{self.name} rank {r}" for r in range(self.world_size)]
-        return None
+    def labels(self, ranks: Sequence[int] | None) -> list[str] | None:
+        """Names for refs of ``ranks`` (``<group> rank <i>``)."""
+        return None if ranks is None else [f"{self.name} rank {r}" for r in ranks]
 
     def call(self, method: str, *args: Any, what: str | None = None, deadline: Deadline | None = None, ranks: Sequence[int] | None = None, **kwargs: Any) -> list[Any]:
         """Call ``method`` on every rank (or ``ranks``) and wait for all results."""
-        return self.get(self.call_async(method, *args, ranks=ranks, **kwargs), what=what or method, deadline=deadline)
+        return self.get(
+            self.call_async(method, *args, ranks=ranks, **kwargs), what=what or method, deadline=deadline,
+            ranks=None if ranks is None else list(ranks),
+        )
 
     def pids(self) -> list[int]:
         return list(self.call("ping", what="ping"))
@@ -564,17 +580,20 @@ class WorkerGroup:
         # Another host's process: ray.kill is all the driver can do.
         return _processes_of([pid for node, pid in self._processes if node == here])
 
-    def _teardown(self, graceful_s: float) -> None:
-        """Ask every rank to release its resources (``teardown``); bounded by ``graceful_s``."""
+    def _teardown(self, graceful_s: float) -> list[int]:
+        """Ask every rank to release its resources (``teardown``), bounded by ``graceful_s``;
+        returns the ranks whose teardown did not return in time."""
         import ray
 
         try:
             refs = [a.teardown.remote() for a in self.actors]
-            ray.wait(refs, num_returns=len(refs), timeout=graceful_s)
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=graceful_s)
+            return [r for r, ref in enumerate(refs) if ref not in done]
         except Exception as err:  # dead actors cannot tear down; kill them anyway
             log.debug("%s: graceful teardown failed: %s", self.name, err)
+            return []
 
-    def shutdown(self, graceful_s: float = 10.0, exit_s: float = 10.0) -> None:
+    def shutdown(self, graceful_s: float = 10.0, exit_s: float = 10.0) -> list[str]:
         """Tear every actor down and return once its processes have exited.
 
         A graceful ``teardown`` with a deadline of ``graceful_s``, then ``ray.kill``;
@@ -582,25 +601,38 @@ class WorkerGroup:
         children, e.g. an engine's subprocesses) to exit, and SIGKILL what is left.
         Idempotent; never raises for a worker that is already dead.
 
-        Once the run is cancelled (an interrupt, another task's failure) the graceful step
-        is skipped: an actor busy in a long call would only run ``teardown`` after it. When
-        the cluster is shutting down (:data:`RAY_GATE` closed) no Ray call is made at all:
-        the processes recorded at start are killed directly.
+        Once the run is cancelled (an interrupt, another task's failure), or a rank of the
+        group was declared hung (:mod:`rlcore.runtime.liveness`; its peers may be waiting
+        on it in a collective), the graceful step is skipped: an actor busy in a long call
+        would only run ``teardown`` after it; a hung rank's processes are SIGKILLed at once.
+        When the cluster is shutting down (:data:`RAY_GATE` closed) no Ray call is made at
+        all: the processes recorded at start are killed directly.
+
+        Returns one line per rank that hung during the shutdown itself (its teardown did
+        not return within ``graceful_s`` while its process was stopped), naming it.
         """
         import ray
 
+        key = id(self)
+        hung = {h.rank for h in LIVENESS.hung(key)}
+        problems: list[str] = []
         if not self.actors:
-            return
+            LIVENESS.unwatch(key)
+            return problems
         if not ray.is_initialized():
             # The cluster is gone and its workers with it; no Ray call may follow (with
             # auto-init on, one would start a new local cluster).
+            LIVENESS.unwatch(key)
             self.actors, self._processes = [], []
-            return
+            return problems
         try:
             with RAY_GATE.call(f"{self.name}: shutdown"):
                 procs = self._local_processes()
-                if not (self.cancel is not None and self.cancel.cancelled):
-                    self._teardown(graceful_s)
+                if hung:
+                    _kill_all(self._local_processes_of(sorted(hung)))
+                elif not (self.cancel is not None and self.cancel.cancelled):
+                    late = self._teardown(graceful_s)
+                    problems = [self._late_line(r, graceful_s) for r in late if self._stopped(r)]
                 for a in self.actors:
                     try:
                         ray.kill(a, no_restart=True)
@@ -609,9 +641,11 @@ class WorkerGroup:
         except Cancelled:
             # The cluster is going down: kill this host's worker processes ourselves.
             procs = _processes_of([pid for _, pid in self._processes])
-            for p in procs:
-                with contextlib.suppress(Exception):
-                    p.kill()
+            _kill_all(procs)
+        finally:
+            LIVENESS.unwatch(key)
+        if problems:  # a stopped process will not exit on ray.kill: no point waiting for it
+            _kill_all(self._local_processes_of([r for r in range(len(self._processes)) if self._stopped(r)]))
         self.actors = []
         self._processes = []
         left = wait_exited(procs, exit_s)
@@ -620,14 +654,62 @@ class WorkerGroup:
                 "%s: %d worker process(es) still alive %gs after ray.kill; SIGKILL: %s",
                 self.name, len(left), exit_s, [p.pid for p in left],
             )
-            for p in left:
-                try:
-                    p.kill()
-                except Exception as err:  # gone meanwhile, or not ours to kill
-                    log.debug("%s: SIGKILL of %d failed: %s", self.name, p.pid, err)
+            _kill_all(left)
             left = wait_exited(left, 5.0)
             if left:
                 log.error("%s: processes %s survived SIGKILL", self.name, [p.pid for p in left])
+        for line in problems:
+            log.error("%s", line)
+        return problems
+
+    def _local_processes_of(self, ranks: Sequence[int]) -> list[Any]:
+        """The processes (with descendants) of ``ranks`` that run on this host."""
+        import ray
+
+        here = ray.get_runtime_context().get_node_id()
+        return _processes_of([self._processes[r][1] for r in ranks if self._processes[r][0] == here])
+
+    def _stopped(self, rank: int) -> bool:
+        """Whether rank ``rank``'s process, or one of its children, is stopped (this host only)."""
+        return any(_is_stopped(p) for p in self._local_processes_of([rank]))
+
+    def _late_line(self, rank: int, graceful_s: float) -> str:
+        where = LIVENESS.where(id(self), rank)
+        role = f"role {self.placement.role}, " if self.placement is not None else ""
+        return (
+            f"{self.name} rank {rank} ({role}node {where}, pid {self._processes[rank][1]}) hung during "
+            f"shutdown: its teardown did not return within {graceful_s:g}s and its process is stopped; killed"
+        )
+
+
+def _node_addresses() -> dict[str, str]:
+    """Ray node id -> the node's address, for the cluster's alive nodes (names a rank's node)."""
+    import ray
+
+    try:
+        with RAY_GATE.call("looking up the nodes' addresses"):
+            return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+    except Exception as err:  # naming the node is a courtesy: never fail a start for it
+        log.debug("cannot list the cluster's nodes: %s", err)
+        return {}
+
+
+def _is_stopped(proc: Any) -> bool:
+    import psutil
+
+    try:
+        return proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
+
+
+def _kill_all(procs: Sequence[Any]) -> None:
+    """SIGKILL each ``psutil.Process`` (a stopped one too: SIGKILL needs no cooperation)."""
+    for p in procs:
+        try:
+            p.kill()
+        except Exception as err:  # gone meanwhile, or not ours to kill
+            log.debug("SIGKILL of %d failed: %s", p.pid, err)
 
 
 #: Every worker group this process started: ``{"group", "role", "nodes"}`` (Ray node id per rank).

@@ -17,18 +17,22 @@ a second with one line that names the key and the fix:
 4. the policy and generation workers fit the embedded cluster's CPUs (or GPUs)
    when no ``cluster.address`` is given (Ray would otherwise wait forever), and
    ``placement.nodes`` is asked only of a joined cluster, in Ray's terms;
-5. the run directory and the cache directory can be created and written.
+5. the run directory and the cache directory can be created and written (a few KiB are
+   written and removed, so a full disk is found here), and a ``--out`` is empty unless
+   the run resumes, or holds only what a run that completed no step left.
 
 Every failure is a :class:`~rlcore.errors.ConfigError` with a one-line message.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import re
 import shutil
+import socket
 import tempfile
 from datetime import datetime
 from pathlib import Path
@@ -37,6 +41,7 @@ from typing import TYPE_CHECKING
 from rlcore.config import RunConfig, cache_dir
 from rlcore.errors import ConfigError
 from rlcore.placement import RESOURCE_ROLES, device_layout
+from rlcore.setup.metrics import is_temp_file
 
 if TYPE_CHECKING:
     from rlcore.declarations import BackendDeclaration, Role
@@ -463,12 +468,32 @@ def _nearest_existing(path: Path) -> Path:
     return probe
 
 
+#: Bytes the directory checks write (and remove) in the nearest existing ancestor: enough
+#: to meet a full disk, which creating an empty directory or file may not.
+PROBE_BYTES = 64 * 1024
+#: Prefix of the directory the checks write in (removed again; left only by a kill).
+PROBE_PREFIX = ".rlcore-write-check-"
+
+#: The run's own record of how far it got, written whole by ``rlcore run`` at its start,
+#: before its first step's metrics line and at its end (``rlcore.app.run.RunStatus``):
+#: ``{"status": "setting-up" | "running" | "finished" | "failed" | "interrupted",
+#: "steps_done": N, "pid": ..., "host": ..., "error": ...}``.
+RUN_STATUS_FILE = "run.json"
+#: Everything a run writes into its directory (besides the temporary files of
+#: :func:`rlcore.setup.metrics.write_atomic`, left only by a kill).
+RUN_FILES = (
+    RUN_STATUS_FILE, "config.yaml", "metrics.jsonl", "trace.json", "placement.json",
+    "setup_timeline.png", "reward.png",
+)
+
+
 def check_writable_dir(path: Path, *, key: str) -> None:
     """``path`` is a directory that exists or can be created, and can be written.
 
-    Creates nothing that stays: a temporary directory is made and removed in the
-    deepest existing ancestor, which catches read-only mounts, /proc and /sys, a
-    file in the way, and missing permissions (root included).
+    Creates nothing that stays: a temporary directory holding a file of
+    :data:`PROBE_BYTES` is made and removed in the deepest existing ancestor, which
+    catches a full disk (or quota), read-only mounts, /proc and /sys, a file in the way,
+    and missing permissions (root included).
     """
     anchor = _nearest_existing(path.absolute())
     if not anchor.is_dir():
@@ -477,23 +502,114 @@ def check_writable_dir(path: Path, *, key: str) -> None:
             f"config key '{key}': '{path}' {what} a file, not a directory; choose another path",
             key=key,
         )
+    probe: str | None = None
     try:
-        probe = tempfile.mkdtemp(prefix=".rlcore-write-check-", dir=anchor)
+        probe = tempfile.mkdtemp(prefix=PROBE_PREFIX, dir=anchor)
+        # Random bytes: a compressing filesystem would store zeros in no space at all.
+        with open(os.path.join(probe, "probe"), "wb") as f:
+            f.write(os.urandom(PROBE_BYTES))
     except OSError as err:
+        cause = f"{err.strerror or err}" + (f" [Errno {err.errno}]" if err.errno else "")
         raise ConfigError(
-            f"config key '{key}': cannot create '{path}' ({err.strerror or err} in '{anchor}'); "
-            "choose a writable directory",
+            f"config key '{key}': cannot write '{path}' ({cause}, found by writing "
+            f"{PROBE_BYTES // 1024} KiB in '{anchor}'); {_write_fix(err.errno)}",
             key=key,
         ) from None
-    shutil.rmtree(probe, ignore_errors=True)
+    finally:
+        if probe is not None:
+            shutil.rmtree(probe, ignore_errors=True)
+
+
+def _write_fix(code: int | None) -> str:
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return "free space on that filesystem, or choose a directory on another one"
+    if code == errno.EROFS:
+        return "that filesystem is mounted read-only: choose a directory on a writable one"
+    if code in (errno.EACCES, errno.EPERM):
+        return "choose a directory you may write, or give yourself write permission there"
+    return "choose a writable directory"
 
 
 def check_run_dir(path: Path, *, resume: bool, key: str = "--out") -> None:
-    """The run directory can be written, and is new (or empty) unless ``resume``."""
+    """The run directory can be written, and is new or empty unless ``resume``.
+
+    A directory that holds only what a run that completed no step left (its
+    ``run.json`` says so, see :func:`no_step_leftovers`) counts as empty: a run that
+    failed in setup never blocks the same ``--out``, and the next run replaces its files.
+    """
     check_writable_dir(path, key=key)
-    if path.is_dir() and not resume and any(path.iterdir()):
-        raise ConfigError(
-            f"run directory '{path}' ({key}) is not empty; choose a new one, or pass --resume "
-            "to append to it",
-            key=key,
-        )
+    if resume or not path.is_dir() or all(_a_probe(p.name) for p in path.iterdir()):
+        return
+    why = _why_not_reusable(path)
+    if why is None:
+        return
+    raise ConfigError(
+        f"run directory '{path}' ({key}) is not empty{why}; choose a new one, or pass --resume "
+        "to append to it",
+        key=key,
+    )
+
+
+def read_run_status(path: Path) -> dict[str, object] | None:
+    """The run directory's ``run.json``, or ``None`` when it is missing or unreadable."""
+    try:
+        status = json.loads((path / RUN_STATUS_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return status if isinstance(status, dict) else None
+
+
+def no_step_leftovers(path: Path) -> list[Path] | None:
+    """What a run that completed no step left in ``path`` (files to replace), or ``None``
+    when ``path`` holds anything else: a run that completed a step or finished, a run
+    still in its setup, a file no run wrote, or no ``run.json`` at all."""
+    if _why_not_reusable(path) is not None:
+        return None
+    return sorted(p for p in path.iterdir() if _a_run_wrote(p.name) or _a_probe(p.name))
+
+
+def _why_not_reusable(path: Path) -> str | None:
+    """``None`` when ``path`` holds only what a run that completed no step left; else a
+    clause for the refusal (empty when there is nothing more to say than "not empty")."""
+    status = read_run_status(path)
+    if status is None:
+        return ""
+    foreign = sorted(p.name for p in path.iterdir() if not (_a_run_wrote(p.name) or _a_probe(p.name)))
+    if foreign:
+        return f" (it holds '{foreign[0]}', which no run wrote)"
+    steps, state = status.get("steps_done"), status.get("status")
+    if steps != 0 or state == "finished":
+        done = f"{steps} step(s)" if isinstance(steps, int) else "an unknown number of steps"
+        if state == "running":  # its end was never written: killed, or its disk filled
+            done = f"at least {done}"
+        return f": it holds a run that completed {done} (run.json status '{state}')"
+    pid = status.get("pid")
+    if (
+        state == "setting-up"
+        and isinstance(pid, int)
+        and pid != os.getpid()
+        and status.get("host") == socket.gethostname()
+        and _alive(pid)
+    ):
+        return f": a run (pid {pid}) is setting up in it"
+    return None
+
+
+def _a_run_wrote(name: str) -> bool:
+    return name in RUN_FILES or is_temp_file(name, RUN_FILES)
+
+
+def _a_probe(name: str) -> bool:
+    """A directory :func:`check_writable_dir` made (in ``--out`` when it exists) and a kill
+    kept it from removing: it never makes a directory not empty."""
+    return name.startswith(PROBE_PREFIX)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True

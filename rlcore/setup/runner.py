@@ -112,6 +112,35 @@ class SetupResult:
             ),
         )
 
+    def engine_replaceable(self, rank: int | None) -> bool:
+        """Whether engine ``rank`` alone can be started again and refitted: the generation
+        handle offers ``replace_engine`` (engines independent of each other, as
+        :class:`rlcore.runtime.generation_group.GroupGeneration`'s) and the pair refits
+        through the core's channels (a backend's own ``rlcore_refit`` expects its handle)."""
+        handle = self.handles.get(Role.GENERATION.value)
+        if rank is None or not callable(getattr(handle, "replace_engine", None)) or self.registry is None:
+            return False
+        pair = [self.plugins[Role.POLICY.value].plugin, self.plugins[Role.GENERATION.value].plugin]
+        impls = self.registry.pm.hook.rlcore_refit.get_hookimpls()
+        return not any(i.plugin in pair and not (i.wrapper or i.hookwrapper) for i in impls)
+
+    def replace_engine(self, rank: int, step: int, cancel: CancelToken) -> tuple[Any, float, float]:
+        """Start generation engine ``rank`` again alone and refit it from the policy's
+        current weights, over a channel of its own; the other engines keep running and
+        their weights. The generation's channels are dropped first (the lost engine's end
+        of each is gone): the next refit opens new ones with every engine. Returns (refit
+        report, seconds to start the engine, seconds to refit it)."""
+        assert self.config is not None and self.registry is not None and self.transport
+        handle = self.handles[Role.GENERATION.value]
+        self.refit_sessions.forget_generation(handle)
+        t0 = time.monotonic()
+        receiver = handle.replace_engine(rank, deadline=Deadline(self.config.setup.deadline_s, "replacing an engine"))
+        t1 = time.monotonic()
+        # Its own sessions: the one-engine channel is used once, never by the next refit.
+        ctx = refit_context(self.config, step=step, transport=self.transport, cancel=cancel, sessions=RefitSessions())
+        report = _refit_once(self.config, self.registry, self.plugins, {**self.handles, Role.GENERATION.value: receiver}, ctx)
+        return report, t1 - t0, time.monotonic() - t1
+
     def restart_generation(self, cancel: CancelToken) -> tuple[Any, float]:
         """Replace the generation after it lost a worker: drop its refit channels, shut
         it down (bounded by ``setup.shutdown_timeout_s``; its dead workers cannot answer)

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rlcore.errors import RunDirError
 from rlcore.setup.executor import ExecutionResult
 from rlcore.setup.plan import Plan
 
@@ -167,13 +168,21 @@ class TraceRecorder:
         return {"traceEvents": self.events, "displayTimeUnit": "ms"}
 
     def write(self, path: str | Path) -> Path:
-        """Write the Chrome trace JSON to ``path`` (atomically: temp file, then rename)."""
+        """Write the Chrome trace JSON to ``path`` whole or not at all
+        (:func:`~rlcore.setup.metrics.write_atomic`): a failure leaves the previous
+        ``path`` (or none) and no temporary file.
+
+        Raises:
+            RunDirError: naming ``path`` and the cause (a full disk, a read-only mount).
+        """
+        from rlcore.setup.metrics import write_atomic
+
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_dict()), encoding="utf-8")
-        os.replace(tmp, path)
-        return path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise RunDirError.from_os_error(path.parent, err) from err
+        return write_atomic(path, json.dumps(self.to_dict()))
 
 
 def _plain(value: Any) -> Any:
