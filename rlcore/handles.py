@@ -220,10 +220,8 @@ class RolloutRequest:
             (prompt-and-score envs). Envs that talk to the model through its
             OpenAI-compatible endpoint ignore it.
         tokenizer: the run's Hugging Face tokenizer (to encode prompts, decode
-            completions): :func:`rlcore.tokenizer.load`'s, which serves
-            ``tokenizer(text).input_ids``, ``encode``, ``decode`` and the special
-            token ids itself where it can, and the rest of Hugging Face's interface
-            through transformers.
+            completions): transformers' ``AutoTokenizer`` of the run's model
+            (:func:`rlcore.tokenizer.load`).
     """
 
     step: int

@@ -1,87 +1,50 @@
 """Atomic publish of a directory: the core's implementation of ``rlcore_publish``.
 
-An artifact (a converted checkpoint, a tokenizer dump...) is a directory that
-several worker groups, threads or processes may try to create at once and that
-readers may look at while it is being made. The protocol below gives three
-guarantees:
+An artifact (a converted checkpoint, the tiny model) is a directory that several worker
+groups, threads or processes may try to create at once and that readers may look at
+while it is being made. Guarantees:
 
-* **Nothing half-written counts.** A directory is *complete* only if it holds
-  the completion marker (:data:`MARKER_NAME`) and every file the marker lists
-  exists with the recorded size (:func:`is_complete`). A directory without its
-  marker is never complete, whoever made it.
-* **A crash at any moment is harmless.** A publisher killed with SIGKILL (or a
-  machine that loses power) leaves at most a staging directory, never a
-  destination that :func:`is_complete` accepts but that is not fully written.
-* **Exactly one winner.** Concurrent publishers of one destination (threads,
-  processes, hosts sharing a filesystem) end with one complete directory at the
-  destination; the losers discard their copies and return the winner's.
+* **Nothing half-written counts.** A directory is complete only if it holds the marker
+  (:data:`MARKER_NAME`) and every file the marker lists has its recorded size
+  (:func:`is_complete`).
+* **A crash at any moment is harmless.** A publisher killed at any point (SIGKILL, a
+  power loss) leaves at most scratch directories, never a destination that
+  :func:`is_complete` accepts but that is not fully written.
+* **One writer, one winner.** Publishers of one destination on one host write it once
+  (the others wait for it); publishers anywhere end with one complete directory.
 
-Protocol of :func:`publish_dir`, and why each step exists:
+:func:`publish_dir`, and why each step exists:
 
-1. If the destination is already complete, return it: ``write`` is expensive
-   (a checkpoint conversion) and the artifact is immutable once published.
-2. Remove staging and trash directories left in the parent by dead processes
-   of this host (:func:`clean_stale_staging`), so crashes do not fill the disk.
-3. Create a private staging directory *beside* the destination, in the same
-   parent: a rename is only atomic within one filesystem. Its name carries the
-   host, pid and process start time of its owner, so that a cleaner can tell a
-   live publisher's directory (never touched) from a dead one's, even after
-   the pid has been reused.
-4. ``write(staging)`` fills it. Nobody else looks inside, so ``write`` needs no
-   care about atomicity.
-5. fsync every file and directory in the staging directory. Without it, after
-   a power loss the rename below could be durable while file data is not, and
-   a marker would vouch for zero-filled files.
-6. Write the marker (format version, time, host, pid and a manifest of every
-   file and its size) through a temporary file, fsync and ``os.replace``
-   *inside* the staging directory, then fsync the staging directory. The
-   marker is written last, so its presence means everything before it is on
-   disk; the manifest lets readers detect files truncated or removed later.
-7. ``os.rename(staging, destination)``: one atomic step that makes the whole
-   directory visible with its marker. A directory rename fails if the
-   destination is a non-empty directory, which is what elects one winner
-   without any lock:
+1. A complete destination is returned as is: writing is expensive, artifacts immutable.
+2. The destination's lock (a ``filelock.FileLock`` in this user's directory of the temp
+   dir, named by the destination's path) elects one writer on this host; the others
+   wait, observing their cancel token and deadline, and return once the destination is
+   complete. The kernel releases a dead writer's lock, so a crash never blocks the next.
+3. Holding it, scratch entries of this destination left on this host are a dead
+   writer's: they are removed (:func:`clean_stale_staging` does the same for a whole
+   parent, testing each entry's lock).
+4. ``write(staging)`` fills a private directory beside the destination (a rename is
+   atomic only within one filesystem).
+5. Every file and directory is fsynced, then the marker (a manifest of every file and
+   its size) is written last, through a temporary file and ``os.replace``: without the
+   fsync a power loss could keep the rename but not the data, and a marker would vouch
+   for zero-filled files.
+6. ``os.rename(staging, destination)`` makes it visible in one step, and fails if the
+   destination is a non-empty directory: if that is complete another host's publisher
+   won (ours is discarded); an incomplete occupant (another tool's half-written
+   directory, a damaged artifact) is moved aside to a trash name, deleted, and the
+   rename retried, boundedly. The parent is fsynced after the winning rename.
 
-   * if the destination is complete, another publisher won: discard ours;
-   * if it is occupied but *incomplete* (a half-written directory of some
-     other tool, an artifact damaged later), it is never trusted: it is moved
-     aside to a unique ``.trash.*`` name (a rename, so only one displacer
-     succeeds; ENOENT means someone else did it), deleted, and the rename is
-     retried, in a bounded loop that honours cancellation and the deadline.
-
-   After the winning rename the parent directory is fsynced so the new entry
-   itself survives a power loss.
-
-Before step 3, publishers of one destination elect a writer, so that concurrent
-runs convert a checkpoint once instead of each converting and all but one
-discarding the result: a publisher *claims* the destination by creating a
-symlink ``.publishing.<name>`` in the parent whose target text names its owner
-(host, pid, process start time, a unique id). ``symlink(2)`` fails if the name
-exists, so exactly one claim succeeds, and ``readlink`` reads an owner whole.
-A publisher that finds a live owner's claim waits (with its own cancel token and
-deadline) until the destination is complete, or until the claim goes away (the
-owner failed and released it), and then claims again. A claim whose owner died
-(SIGKILL) is taken over: moved aside by a rename (one taker wins), after which
-the claim is retried. The claim is an optimisation, never a condition for
-correctness: the rename in step 7 still elects one winner if two publishers
-write (a claim of another host cannot be checked for liveness, so such a claim
-is not waited for), and the claim is released when ``publish_dir`` returns or
-raises.
-
-Readers call :func:`wait_for_artifact`, which polls :func:`is_complete` with the
-run's cancellation token and deadline.
-
-Known limits: the destination's content must not change after publish (the
-protocol never rewrites it). Liveness of a staging directory's owner can only
-be checked on its own host; directories of other hosts (shared filesystems)
-are removed only when older than ``max_age_s``. Hosts that share a filesystem
-must have distinct host names.
+Publishers on other hosts of a shared filesystem do not share a lock: both may write,
+and the rename still elects one winner; their scratch entries are removed only when
+older than ``max_age_s``. The destination must not change after it is published.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -89,10 +52,10 @@ import re
 import shutil
 import socket
 import stat
+import tempfile
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -110,8 +73,6 @@ MARKER_FORMAT = 1
 STAGING_PREFIX = ".staging."
 #: Name prefix of directories moved aside for deletion.
 TRASH_PREFIX = ".trash."
-#: Name prefix of a destination's claim: a symlink whose target names the publisher writing it.
-CLAIM_PREFIX = ".publishing."
 
 # How often the rename is retried when an incomplete occupant keeps coming back.
 _MAX_RENAME_ATTEMPTS = 50
@@ -121,126 +82,33 @@ _NAME_ROOM = 96
 _OCCUPIED = frozenset({errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR})
 # Errors of fsync on a directory from filesystems that do not support it.
 _FSYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
-_SCRATCH_TAIL_RE = re.compile(
-    r"^(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>[0-9]+)\.(?P<token>[0-9a-z]+)\.(?P<uid>[0-9a-f]{32})$"
-)
 
 
-def _host_tag(host: str | None = None) -> str:
+def _host_tag() -> str:
     """This host's name as it appears in scratch names (no dots, bounded)."""
-    raw = socket.gethostname() if host is None else host
-    return re.sub(r"[^A-Za-z0-9_-]", "-", raw)[:63] or "unknown-host"
+    return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:63] or "unknown-host"
 
 
-# ----------------------------------------------------------------------------
-# Process identity: pid plus start time, so a reused pid is not mistaken for
-# the publisher that died.
-# ----------------------------------------------------------------------------
-
-
-def _proc_stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time in clock ticks) of ``pid`` from /proc, or None if unavailable."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    fields = data[data.rfind(b")") + 2 :].split()
-    if len(fields) < 20:
-        return None
-    return fields[0].decode(), fields[19].decode()
-
-
-def _psutil_start(pid: int) -> tuple[str, str] | None:
-    """(status, start token) of ``pid`` through psutil (non-Linux), or None."""
-    try:
-        import psutil
-    except ImportError:
-        return None
-    try:
-        proc = psutil.Process(pid)
-        zombie = proc.status() == psutil.STATUS_ZOMBIE
-        return ("Z" if zombie else "R"), f"c{int(proc.create_time() * 100)}"
-    except psutil.Error:
-        return None
-
-
-def _start_token(pid: int) -> str:
-    """A string that identifies this incarnation of ``pid``; ``x`` if unknown."""
-    st = _proc_stat(pid) or _psutil_start(pid)
-    return "x" if st is None else st[1]
-
-
-_own_token: dict[int, str] = {}
-
-
-def _own_start_token() -> str:
-    pid = os.getpid()  # looked up per call: a forked child has a new pid
-    token = _own_token.get(pid)
-    if token is None:
-        token = _own_token[pid] = _start_token(pid)
-    return token
-
-
-def _pid_alive(pid: int, token: str) -> bool:
-    """Whether the process that created a scratch directory still runs on this host.
-
-    Errs on the side of "alive" whenever it cannot tell.
-    """
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, owned by another user
-    except OSError:
-        return True
-    st = _proc_stat(pid)
-    if st is None:
-        st = _psutil_start(pid)
-        if st is None:
-            return True
-    state, current = st
-    if state in ("Z", "X"):
-        return False  # killed, not yet reaped: it will never finish
-    return token == "x" or token == current
-
-
-@dataclass(frozen=True)
-class _Owner:
-    host: str
-    pid: int
-    token: str
+def _dest_tag(name: str) -> str:
+    """A destination's name as scratch names carry it (long names kept distinct)."""
+    if len(name) > _NAME_ROOM:  # the 255-byte limit of a name
+        name = f"{name[:_NAME_ROOM]}-{uuid.uuid5(uuid.NAMESPACE_URL, name).hex[:16]}"
+    return name
 
 
 def _scratch_name(prefix: str, dest_name: str) -> str:
-    """A unique name for a staging or trash entry, recording who owns it."""
-    return (
-        f"{prefix}{dest_name[:_NAME_ROOM]}.{_host_tag()}.{os.getpid()}."
-        f"{_own_start_token()}.{uuid.uuid4().hex}"
-    )
+    """``<prefix><destination>.<host>.<unique>``: whose it is, for the cleaners."""
+    return f"{prefix}{_dest_tag(dest_name)}.{_host_tag()}.{uuid.uuid4().hex}"
 
 
-def _parse_owner(name: str) -> _Owner | None:
-    """The owner recorded in a scratch name, or None if the name is not one of ours."""
+def _parse_scratch(name: str) -> tuple[str, str] | None:
+    """(destination tag, host) of a scratch entry's name; None if not one of ours."""
     for prefix in (STAGING_PREFIX, TRASH_PREFIX):
         if name.startswith(prefix):
-            parts = name[len(prefix) :].rsplit(".", 4)
-            if len(parts) != 5:
-                return None
-            m = _SCRATCH_TAIL_RE.match(".".join(parts[1:]))
-            if m is None:
-                return None
-            return _Owner(m["host"], int(m["pid"]), m["token"])
+            parts = name[len(prefix):].rsplit(".", 2)
+            if len(parts) == 3 and re.fullmatch(r"[0-9a-f]{32}", parts[2]):
+                return parts[0], parts[1]
     return None
-
-
-# ----------------------------------------------------------------------------
-# Filesystem helpers
-# ----------------------------------------------------------------------------
 
 
 def _fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -434,74 +302,112 @@ def wait_for_artifact(
 
 
 # ----------------------------------------------------------------------------
-# Cleaning
+# The writer's lock, and cleaning what dead writers left
 # ----------------------------------------------------------------------------
+
+
+def _lock(parent: Path, dest_tag: str) -> Any:
+    """The lock of destination ``parent/<dest_tag>``: in this user's directory of the
+    system's temp dir, named by the destination's path, so nothing sits beside artifacts.
+    Lock files stay (empty): removing one could let two holders in."""
+    from filelock import FileLock
+
+    key = hashlib.sha256(str(Path(parent).absolute() / dest_tag).encode()).hexdigest()[:32]
+    root = Path(tempfile.gettempdir()) / f"rlcore-publish-locks-{os.getuid()}"
+    root.mkdir(mode=0o700, exist_ok=True)
+    return FileLock(str(root / f"{key}.lock"))
+
+
+@contextlib.contextmanager
+def _writer_lock(
+    destination: Path, cancel: CancelToken | None, deadline: Deadline | None, what: str
+) -> Iterator[bool]:
+    """Hold ``destination``'s lock while the body writes; yields False instead when the
+    destination became complete while waiting for another writer (nothing to write)."""
+    from filelock import Timeout
+
+    lock = _lock(destination.parent, _dest_tag(destination.name))
+    waiting = False
+    while True:
+        if cancel is not None:
+            cancel.raise_if_cancelled(what)
+        if deadline is not None:
+            deadline.raise_if_expired(what)
+        try:
+            lock.acquire(timeout=0.1)
+            break
+        except Timeout:
+            if is_complete(destination):
+                yield False
+                return
+            if not waiting:
+                log.info("%s is being written by another publisher; waiting for it", destination)
+                what, waiting = f"{what} (being written by another publisher)", True
+    try:
+        yield True
+    finally:
+        lock.release()
 
 
 def _newest_mtime(path: Path) -> float:
     """The newest mtime in a tree: an active writer anywhere in it keeps it young."""
     try:
-        st = os.lstat(path)
-        newest = st.st_mtime
-        if stat.S_ISDIR(st.st_mode):
-            for dirpath, dirnames, filenames in os.walk(path):
-                for name in dirnames + filenames:
-                    newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_mtime)
+        newest = os.lstat(path).st_mtime
+        for dirpath, dirnames, filenames in os.walk(path):
+            for name in dirnames + filenames:
+                newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_mtime)
     except OSError:
         return time.time()  # changing under us: treat as young
     return newest
 
 
-def _stale_reason(path: Path, max_age_s: float | None) -> str | None:
-    """Why ``path`` (a staging or trash entry) may be removed, or None to keep it."""
-    owner = _parse_owner(path.name)
-    if owner is not None and owner.host == _host_tag():
-        if _pid_alive(owner.pid, owner.token):
-            return None  # a live publisher's: never touched, however old
-        return f"its owner, pid {owner.pid} on this host, is gone"
-    if max_age_s is None:
-        return None
-    age = time.time() - _newest_mtime(path)
-    if age > max_age_s:
-        return f"untouched for {age:.0f}s (max_age_s={max_age_s:g})"
+def _stale_reason(path: Path, max_age_s: float | None, held: set[str]) -> str | None:
+    """Why scratch entry ``path`` may be removed, or None to keep it. ``held``: the
+    destinations whose lock the caller holds (their entries of this host are dead)."""
+    parsed = _parse_scratch(path.name)
+    if parsed is not None and parsed[1] == _host_tag():
+        tag = parsed[0]
+        if tag in held:
+            return "its writer, on this host, is gone"
+        lock = _lock(path.parent, tag)
+        with contextlib.suppress(Exception):
+            lock.acquire(timeout=0)
+            lock.release()
+            return "no writer on this host holds its destination's lock"
+        return None  # a live writer's: never touched, however old
+    if max_age_s is not None:
+        age = time.time() - _newest_mtime(path)
+        if age > max_age_s:
+            return f"untouched for {age:.0f}s (max_age_s={max_age_s:g})"
     return None
 
 
-def clean_stale_staging(parent: Path, *, max_age_s: float | None = None) -> list[Path]:
-    """Remove ``.staging.*`` and ``.trash.*`` entries (and ``.publishing.*`` claims) in
-    ``parent`` that no one will finish.
+def clean_stale_staging(
+    parent: Path, *, max_age_s: float | None = None, held: Iterable[str] = ()
+) -> list[Path]:
+    """Remove the ``.staging.*`` and ``.trash.*`` entries in ``parent`` that no one will
+    finish: those of this host whose destination's lock no live writer holds (or whose
+    lock the caller holds: ``held``, destination names), and, with ``max_age_s``, those
+    of other hosts (or of unknown names) untouched for that long. A live writer's entry
+    on this host is never removed.
 
-    An entry is removed if the process that created it ran on this host and is
-    gone (its pid is not alive, is a zombie, or now belongs to a process started
-    later), or, if ``max_age_s`` is given, if its owner cannot be checked (other
-    host, unknown name) and nothing in it changed for ``max_age_s`` seconds. A
-    live publisher's staging directory on this host is never removed.
-
-    Safe to run concurrently: each entry is claimed by renaming it to a private
-    trash name before deletion. Returns the removed paths (their old names).
+    Safe to run concurrently: each entry is renamed to a private trash name before it is
+    deleted. Returns the removed paths (their old names).
     """
     parent = Path(parent)
     try:
         names = sorted(os.listdir(parent))
     except OSError:
         return []
+    tags = {_dest_tag(name) for name in held}
     removed: list[Path] = []
     for name in names:
-        if name.startswith(CLAIM_PREFIX):
-            found = _claim_owner(parent / name)
-            if found is not None and found[1] is not None and found[1].host == _host_tag():
-                if not _owner_alive(found[1]):
-                    _take_over(parent / name, found[0])
-                    removed.append(parent / name)
-            continue
         if not name.startswith((STAGING_PREFIX, TRASH_PREFIX)):
             continue
         path = parent / name
-        reason = _stale_reason(path, max_age_s)
+        reason = _stale_reason(path, max_age_s, tags)
         if reason is None:
             continue
-        # Claim it first, so two cleaners never delete one tree at once and a
-        # cleaner that dies mid-delete leaves a trash entry of its own.
         claim = parent / _scratch_name(TRASH_PREFIX, "stale")
         try:
             os.rename(path, claim)
@@ -514,110 +420,6 @@ def clean_stale_staging(parent: Path, *, max_age_s: float | None = None) -> list
         log.info("removed stale %s: %s", path, reason)
         removed.append(path)
     return removed
-
-
-# ----------------------------------------------------------------------------
-# Claiming: one writer per destination while its owner lives
-# ----------------------------------------------------------------------------
-
-
-def _claim_path(destination: Path) -> Path:
-    name = destination.name
-    if len(name) > _NAME_ROOM:  # keep long names distinct within the 255-byte limit
-        name = f"{name[:_NAME_ROOM]}-{uuid.uuid5(uuid.NAMESPACE_URL, name).hex[:16]}"
-    return destination.parent / f"{CLAIM_PREFIX}{name}"
-
-
-def _owner_text() -> str:
-    return f"{_host_tag()}.{os.getpid()}.{_own_start_token()}.{uuid.uuid4().hex}"
-
-
-def _claim_owner(claim: Path) -> tuple[str, _Owner | None] | None:
-    """(text, owner) of a claim; None if there is none. The owner is None if garbled."""
-    try:
-        text = os.readlink(claim)
-    except FileNotFoundError:
-        return None
-    except OSError:  # not a symlink: nothing of ours, so nobody to wait for
-        return "", None
-    m = _SCRATCH_TAIL_RE.match(text)
-    return text, (None if m is None else _Owner(m["host"], int(m["pid"]), m["token"]))
-
-
-def _owner_alive(owner: _Owner | None) -> bool:
-    return owner is not None and owner.host == _host_tag() and _pid_alive(owner.pid, owner.token)
-
-
-def _take_over(claim: Path, text: str) -> None:
-    """Remove the claim ``text`` of a dead owner (moved aside first: one taker wins)."""
-    aside = claim.parent / _scratch_name(TRASH_PREFIX, "claim")
-    try:
-        os.rename(claim, aside)
-    except FileNotFoundError:
-        return  # another taker was first
-    try:
-        if os.readlink(aside) != text:
-            # A live publisher claimed it between our look and our rename: give it back.
-            with contextlib.suppress(OSError):
-                os.rename(aside, claim)
-            return
-    except OSError:
-        pass
-    log.info("took over the claim %s of a dead publisher (%s)", claim, text)
-    _remove(aside)
-
-
-def _claim(
-    destination: Path, cancel: CancelToken | None, deadline: Deadline | None, what: str
-) -> str | None:
-    """Claim ``destination`` for this publisher; returns the claim's text, or None when it
-    need not write: the destination became complete while a live owner wrote it, or the
-    claim belongs to another host (whose liveness cannot be checked here)."""
-    claim = _claim_path(destination)
-    mine = _owner_text()
-    while True:
-        if cancel is not None:
-            cancel.raise_if_cancelled(what)
-        if deadline is not None:
-            deadline.raise_if_expired(what)
-        try:
-            os.symlink(mine, claim)
-            return mine
-        except FileExistsError:
-            pass
-        found = _claim_owner(claim)
-        if found is None:
-            continue  # released meanwhile
-        text, owner = found
-        if owner is not None and owner.host != _host_tag():
-            return None  # not waited for: write, the rename still elects one winner
-        if not _owner_alive(owner):
-            _take_over(claim, text)
-            clean_stale_staging(destination.parent)  # the dead owner's staging directory
-            continue
-        assert owner is not None
-        log.info("%s is being written by pid %d; waiting for it", destination, owner.pid)
-
-        def settled(text: str = text, owner: _Owner = owner) -> bool:
-            current = _claim_owner(claim)
-            return is_complete(destination) or current is None or current[0] != text or not _owner_alive(owner)
-
-        wait_until(
-            settled,
-            what=f"{destination}, being written by pid {owner.pid} on this host",
-            cancel=cancel,
-            deadline=deadline,
-        )
-        if is_complete(destination):
-            return None
-
-
-def _release(destination: Path, text: str) -> None:
-    claim = _claim_path(destination)
-    found = _claim_owner(claim)
-    if found is not None and found[0] == text:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(claim)
 
 
 # ----------------------------------------------------------------------------
@@ -709,9 +511,9 @@ def publish_dir(
     writing when it returns and must not create :data:`MARKER_NAME`. If
     ``destination`` is already complete, ``write`` is not called. Concurrent
     callers end with exactly one winner; all of them return ``destination``.
-    A caller that finds a live publisher of this host already writing
-    ``destination`` waits for it (observing ``cancel`` and ``deadline``) instead
-    of writing too, and writes itself only if that publisher fails or dies.
+    A caller that finds another publisher writing ``destination`` (holding its lock)
+    waits for it (observing ``cancel`` and ``deadline``) instead of writing too, and
+    writes itself only if that publisher fails or dies.
     See the module docstring for the protocol.
 
     Raises:
@@ -726,17 +528,12 @@ def publish_dir(
     if is_complete(destination):
         log.debug("%s is already published", destination)
         return destination
-    parent = destination.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_staging(parent)
-    claim = _claim(destination, cancel, deadline, what)
-    try:
-        if is_complete(destination):  # published by the owner we waited for (or just before)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    with _writer_lock(destination, cancel, deadline, what) as must_write:
+        if not must_write or is_complete(destination):  # the writer we waited for published it
             return destination
+        clean_stale_staging(destination.parent, held=[destination.name])
         return _stage_and_publish(destination, write, cancel, deadline, what)
-    finally:
-        if claim is not None:
-            _release(destination, claim)
 
 
 def _stage_and_publish(

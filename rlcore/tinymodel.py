@@ -160,12 +160,9 @@ def load_tokenizer(
     *,
     cancel: CancelToken | None = None,
     deadline: Deadline | None = None,
-):  # -> rlcore.tokenizer.FastTokenizer | transformers.PreTrainedTokenizerBase
+):  # -> transformers.PreTrainedTokenizerBase
     """The tokenizer of the run's model (made first if it is the tiny model), through
-    :func:`rlcore.tokenizer.load`: the tiny model's (a generic fast tokenizer) is served
-    without importing transformers, so the driver may call this from a background thread
-    while setup tasks ask for the model without taking their cores for seconds.
-    """
+    :func:`rlcore.tokenizer.load`."""
     from rlcore import tokenizer
 
     return tokenizer.load(ensure_model(model, cache_dir, cancel=cancel, deadline=deadline))

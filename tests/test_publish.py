@@ -9,19 +9,18 @@ import os
 import random
 import shutil
 import signal
-import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from rlcore import publish
 from rlcore.errors import Cancelled, DeadlineExceeded, PublishError
 from rlcore.publish import (
-    CLAIM_PREFIX,
     MARKER_NAME,
     STAGING_PREFIX,
     TRASH_PREFIX,
@@ -98,7 +97,7 @@ def scratch_entries(parent: Path) -> list[Path]:
     if not parent.exists():
         return []
     return sorted(
-        p for p in parent.iterdir() if p.name.startswith((STAGING_PREFIX, TRASH_PREFIX, CLAIM_PREFIX))
+        p for p in parent.iterdir() if p.name.startswith((STAGING_PREFIX, TRASH_PREFIX))
     )
 
 
@@ -533,7 +532,7 @@ def test_a_waiter_observes_cancel_and_deadline(tmp_path: Path, leaks: LeakCheck)
         threading.Timer(0.1, cancel.cancel, args=("run interrupted",)).start()
         with pytest.raises(Cancelled, match="run interrupted"):
             publish_dir(dest, writer_for(content_for(2)), cancel=cancel)
-        with pytest.raises(DeadlineExceeded, match="being written by pid"):
+        with pytest.raises(DeadlineExceeded, match="being written by another publisher"):
             publish_dir(dest, writer_for(content_for(2)), deadline=Deadline(0.1, "init:policy"))
     finally:
         release.set()
@@ -655,7 +654,7 @@ def test_sigkill_at_chosen_moments(tmp_path: Path, point: str, leaks: LeakCheck)
     if point == "after_rename":
         assert is_complete(dest)
         assert_content(dest, content_for(8))
-        assert [p.name.startswith(CLAIM_PREFIX) for p in leftovers] == [True]  # its claim, dead
+        assert leftovers == []  # nothing of it beside the artifact; its lock went with it
         _recover_and_republish(dest, 8)
         return
     assert not is_complete(dest)
@@ -759,46 +758,46 @@ def test_clean_never_removes_live_publisher(tmp_path: Path, leaks: LeakCheck) ->
     assert scratch_entries(tmp_path) == []
 
 
-def _fake_entry(parent: Path, prefix: str, host: str, pid: int, token: str) -> Path:
-    path = parent / f"{prefix}artifact.{host}.{pid}.{token}.{'0' * 31}1"
+def _fake_entry(parent: Path, prefix: str, host: str, dest: str = "artifact") -> Path:
+    path = parent / f"{prefix}{dest}.{host}.{uuid.uuid4().hex}"
     (path / "sub").mkdir(parents=True)
     (path / "sub" / "f").write_bytes(b"x")
     return path
 
 
-def test_clean_removes_dead_and_reused_pids(tmp_path: Path) -> None:
+def _hold_lock(parent: Path, dest: str, ready: Any, release: Any) -> None:
+    lock = publish._lock(parent, dest)
+    with lock:
+        ready.set()
+        release.wait(30)
+
+
+def test_clean_removes_this_hosts_entries_no_writer_holds(tmp_path: Path, leaks: LeakCheck) -> None:
+    """An entry of this host is a dead writer's exactly when no process holds its
+    destination's lock (the kernel dropped a killed writer's): no pid bookkeeping."""
     host = publish._host_tag()
-    proc = subprocess.Popen(["sleep", "30"])  # noqa: S603,S607
-    token = publish._start_token(proc.pid)
-    proc.kill()
-    proc.wait()
-    dead = _fake_entry(tmp_path, STAGING_PREFIX, host, proc.pid, token)
-    dead_trash = _fake_entry(tmp_path, TRASH_PREFIX, host, proc.pid, token)
-    # Our own pid, but an earlier incarnation (different start time): pid reuse.
-    reused = _fake_entry(tmp_path, STAGING_PREFIX, host, os.getpid(), "1")
-    mine = _fake_entry(tmp_path, STAGING_PREFIX, host, os.getpid(), publish._own_start_token())
-    removed = clean_stale_staging(tmp_path)
-    assert sorted(removed) == sorted([dead, dead_trash, reused])
-    assert scratch_entries(tmp_path) == [mine]
-
-
-def test_clean_removes_zombie_owner(tmp_path: Path) -> None:
-    proc = subprocess.Popen(["sleep", "30"])  # noqa: S603,S607
+    dead = _fake_entry(tmp_path, STAGING_PREFIX, host, "artifact")
+    dead_trash = _fake_entry(tmp_path, TRASH_PREFIX, host, "artifact")
+    live = _fake_entry(tmp_path, STAGING_PREFIX, host, "busy.checkpoint")
+    ready, release = CTX.Event(), CTX.Event()
+    holder = CTX.Process(target=_hold_lock, args=(tmp_path, "busy.checkpoint", ready, release))
+    holder.start()
     try:
-        token = publish._start_token(proc.pid)
-        os.kill(proc.pid, signal.SIGKILL)
-        time.sleep(0.1)  # now a zombie: pid exists, process will never finish
-        entry = _fake_entry(tmp_path, STAGING_PREFIX, publish._host_tag(), proc.pid, token)
-        assert clean_stale_staging(tmp_path) == [entry]
+        assert ready.wait(20)
+        assert sorted(clean_stale_staging(tmp_path)) == sorted([dead, dead_trash])
+        assert scratch_entries(tmp_path) == [live]
+        assert clean_stale_staging(tmp_path, max_age_s=0) == []  # live beats old
     finally:
-        proc.wait()
+        release.set()
+        holder.join(20)
+    assert clean_stale_staging(tmp_path) == [live]  # its holder is gone now
 
 
 def test_clean_other_hosts_and_unknown_names_only_by_age(tmp_path: Path) -> None:
-    other = _fake_entry(tmp_path, STAGING_PREFIX, "some-other-host", 12345, "99")
+    other = _fake_entry(tmp_path, STAGING_PREFIX, "some-other-host")
     odd = tmp_path / ".staging.not-one-of-ours"
     odd.mkdir()
-    young = _fake_entry(tmp_path, STAGING_PREFIX, "third-host", 1, "1")
+    young = _fake_entry(tmp_path, STAGING_PREFIX, "third-host")
     unrelated = tmp_path / "artifact"
     unrelated.mkdir()
     assert clean_stale_staging(tmp_path) == []

@@ -3,8 +3,7 @@
 The driver has work of its own that needs neither the cluster nor the started
 backends: the tiny model when it is not cached yet (torch and transformers imported,
 weights written), the tokenizer the GRPO loop encodes with (:func:`rlcore.tokenizer.load`:
-a fraction of a second for a generic fast tokenizer, seconds when transformers must be
-imported), the setup timeline plot (matplotlib). Done in line, each adds its seconds to
+seconds, transformers imported), the setup timeline plot (matplotlib). Done in line, each adds its seconds to
 the time from command to first step. Here each runs in a daemon thread started as soon
 as its inputs exist, checks passed, and the run joins it where it needs the result:
 

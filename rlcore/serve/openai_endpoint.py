@@ -24,10 +24,8 @@ off the event loop. Unsupported parameters (stop strings, ``top_p`` < 1,
 ``top_logprobs`` > 0, ``echo``) are answered with a 400 naming the parameter
 rather than ignored.
 
-The tokenizer of a path is :func:`rlcore.tokenizer.load`'s: for the generic fast
-tokenizer that is ``tokenizers`` with the chat template rendered by jinja2
-(:mod:`rlcore.chat_template`), no transformers (whose import, torch's included, took
-~3.8 CPU-s beside the workers' start). The server's imports (starlette, uvicorn) happen in
+The tokenizer of a path is :func:`rlcore.tokenizer.load`'s (transformers', chat template
+included). The server's imports (starlette, uvicorn) happen in
 :meth:`OpenAIEndpoint.start`, or ahead of it in a thread (:func:`prepare`): a backend that
 starts the endpoint once its engine is ready calls :func:`prepare` when the engine starts
 and passes the future as the endpoint's tokenizer.
@@ -48,11 +46,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rlcore.chat_template import APPLY_OPTIONS
 from rlcore.errors import DeadlineExceeded, NotServingError, RlcoreError
 from rlcore.handles import Endpoint
 
 log = logging.getLogger(__name__)
+
+#: ``apply_chat_template``'s own options: a request's ``chat_template_kwargs`` may not set
+#: them (they are not template variables, and would change what the call returns).
+APPLY_OPTIONS = frozenset({
+    "tokenize", "return_dict", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "padding", "truncation", "max_length", "return_tensors",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
 
 #: A sample as generation handles return it: ``{"token_ids": [...], "logprobs": [...]}``.
 Sample = dict[str, list]
@@ -263,7 +268,7 @@ class OpenAIEndpoint:
 
     Args:
         generator: the engine (a generation handle's ``generate``).
-        tokenizer: a Hugging Face tokenizer (or :class:`rlcore.tokenizer.FastTokenizer`),
+        tokenizer: a Hugging Face tokenizer,
             the path of one (loaded at start by :func:`rlcore.tokenizer.load`) or the
             future :func:`prepare` returns.
         model_name: the name requests must use (``model``) and ``/v1/models`` lists.
