@@ -209,8 +209,10 @@ class ClusterConfig:
     #: A worker whose process stops answering its liveness probe (frozen, SIGSTOPped) is
     #: declared hung within this many seconds, in any phase: the run ends naming it, or a
     #: generation engine is replaced under ``on_worker_loss: replace``. A long call that
-    #: keeps its process running is never a hang (rlcore/runtime/liveness.py).
-    hang_timeout_s: float = bounded(30.0, gt=0)
+    #: keeps its process running is never a hang (rlcore/runtime/liveness.py). ``null``
+    #: turns the probe off: workers' calls then run on their process's main thread (the
+    #: probe needs a thread of its own) and a frozen worker ends only a call's own timeout.
+    hang_timeout_s: float | None = bounded(30.0, gt=0)
 
 
 @dataclass

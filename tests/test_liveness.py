@@ -47,6 +47,11 @@ class BusyWorker(DistributedWorker):
         time.sleep(0.5)
         super().teardown()
 
+    def on_main_thread(self) -> bool:
+        import threading
+
+        return threading.current_thread() is threading.main_thread()
+
 
 @pytest.fixture(scope="module")
 def cluster():
@@ -151,3 +156,23 @@ def test_a_worker_stopped_during_shutdown_is_named_and_killed(cluster) -> None:
     assert "hung during shutdown" in problems[0] and "node 127.0.0.1" in problems[0]
     assert took < 5.0
     assert not any(_alive(p) for p in pids)
+
+
+def test_without_a_hang_timeout_workers_run_unprobed_on_their_main_thread(cluster) -> None:
+    """``cluster.hang_timeout_s: null``: the escape hatch for a worker that needs its
+    process's main thread; the probe's concurrency group moves calls off it."""
+    probed = _group("probed", 1)
+    try:
+        assert probed.call("on_main_thread") == [False]
+    finally:
+        probed.shutdown()
+    LIVENESS.configure(None)
+    try:
+        bare = _group("bare", 1)
+        try:
+            assert bare.call("on_main_thread") == [True]
+            assert LIVENESS.where(id(bare), 0) == "?"  # not watched
+        finally:
+            bare.shutdown()
+    finally:
+        LIVENESS.configure(HANG_S)

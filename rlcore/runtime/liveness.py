@@ -134,14 +134,19 @@ class LivenessMonitor:
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
         self.timeout_s = timeout_s
+        #: Whether groups started now get the probe (``cluster.hang_timeout_s: null``: no).
+        self.enabled = True
 
     # ------------------------------------------------------------- settings
 
-    def configure(self, timeout_s: float) -> None:
-        """Set ``cluster.hang_timeout_s`` (takes effect at the next probe)."""
-        if timeout_s <= 0:
+    def configure(self, timeout_s: float | None) -> None:
+        """Set ``cluster.hang_timeout_s`` (takes effect at the next probe); ``None`` turns
+        probing off for the groups started from now on (:attr:`enabled`)."""
+        if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"hang timeout must be positive, got {timeout_s}")
-        self.timeout_s = float(timeout_s)
+        self.enabled = timeout_s is not None
+        if timeout_s is not None:
+            self.timeout_s = float(timeout_s)
 
     @property
     def interval_s(self) -> float:

@@ -465,7 +465,7 @@ class WorkerGroup:
                 cancel.raise_if_cancelled(f"starting {name} workers")
             _check_fits(name, world_size, num_cpus, num_gpus, placement)
             # The probe's own thread answers while the default group's call is busy.
-            probed = hasattr(cls, PROBE_METHOD)
+            probed = LIVENESS.enabled and hasattr(cls, PROBE_METHOD)
             remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(cls) if probed else ray.remote(cls)
             runtime_env = actor_runtime_env(env)
         # What starting a rank takes, kept for restart_rank (an engine started again alone).
