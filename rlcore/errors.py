@@ -155,7 +155,17 @@ class ProtocolError(RlcoreError):
 class DivergenceError(RefitError):
     """After a refit the generation's logprobs left the policy's by more than
     ``refit.max_mult_prob_error``: the engine computes with other weights than the
-    policy trains, so training on its samples would be silently wrong."""
+    policy trains, so training on its samples would be silently wrong.
+
+    Attributes:
+        mult_prob_error: the measured ``refit/token_mult_prob_error`` (``None`` if unknown).
+        step: the step whose refit failed the check (``None`` if unknown).
+    """
+
+    def __init__(self, message: str, *, mult_prob_error: float | None = None, step: int | None = None) -> None:
+        super().__init__(message)
+        self.mult_prob_error = mult_prob_error
+        self.step = step
 
 
 class RunDirError(RlcoreError):

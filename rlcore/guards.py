@@ -16,7 +16,7 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlcore.errors import ProtocolError, WorkerLost
+from rlcore.errors import ConfigError, ProtocolError, WorkerLost
 from rlcore.handles import (
     EnvHandle,
     GenerationHandle,
@@ -269,7 +269,11 @@ class GuardedGeneration:
 
 
 class GuardedEnv:
-    """The env handle with every result checked (see the module doc)."""
+    """The env handle with every result checked (see the module doc).
+
+    Every env makes scored rollouts (``collect_rollouts``). A prompt-and-score env
+    (:class:`rlcore.envs.PromptAndScoreEnv`) also lends a loop its two halves, for loops that
+    sample themselves (several turns, say): ``sample_prompts`` and ``score``."""
 
     def __init__(self, handle: EnvHandle, backend: str) -> None:
         self.handle = handle
@@ -278,3 +282,41 @@ class GuardedEnv:
     def collect_rollouts(self, request: RolloutRequest) -> list[list[Rollout]]:
         out = self.handle.collect_rollouts(request)
         return check_rollouts(out, request, Caller(self.backend, "env", "collect_rollouts"))
+
+    def _half(self, method: str) -> Any:
+        fn = getattr(self.handle, method, None)
+        if not callable(fn):
+            raise ConfigError(
+                f"env backend '{self.backend}' makes its own rollouts (collect_rollouts) and has no "
+                f"{method}(): a loop that samples itself needs a prompt-and-score env "
+                "(rlcore.envs.PromptAndScoreEnv, e.g. env.backend=arithmetic)",
+                key="env.backend",
+            )
+        return fn
+
+    def sample_prompts(self, n: int, step: int) -> list[Any]:
+        """``n`` prompts for ``step``, each with its ``text`` (the same step gives the same)."""
+        who = Caller(self.backend, "env", "sample_prompts")
+        prompts = self._half("sample_prompts")(n, step)
+        if not isinstance(prompts, Sequence) or len(prompts) != n:
+            raise who.fail(f"{n} prompts", _brief(prompts))
+        for i, p in enumerate(prompts):
+            if not isinstance(getattr(p, "text", None), str):
+                raise who.fail(f"prompt {i}: an object with a text attribute (str)", _brief(p))
+        return list(prompts)
+
+    def score(self, prompts: Sequence[Any], completions: Sequence[Sequence[str]]) -> list[list[float]]:
+        """One finite reward per completion text, per prompt."""
+        who = Caller(self.backend, "env", "score")
+        out = self._half("score")(prompts, completions)
+        if not isinstance(out, Sequence) or len(out) != len(completions):
+            raise who.fail(f"one row of rewards per prompt ({len(completions)} rows)", _brief(out))
+        rows = []
+        for i, (row, texts) in enumerate(zip(out, completions, strict=True)):
+            if not isinstance(row, Sequence) or len(row) != len(texts):
+                raise who.fail(f"prompt {i}: {len(texts)} rewards (one per completion)", _brief(row))
+            for r in row:
+                if isinstance(r, bool) or not isinstance(r, int | float) or not math.isfinite(r):
+                    raise who.fail(f"prompt {i}: finite float rewards", _brief(r))
+            rows.append([float(r) for r in row])
+        return rows

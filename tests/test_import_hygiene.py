@@ -66,3 +66,21 @@ def test_testing_reference_imports_without_the_config_stack() -> None:
     assert proc.returncode == 0, proc.stderr
     loaded = set(json.loads(proc.stdout))
     assert not loaded & {"omegaconf", "rlcore.config", "rlcore.testing.harness", "torch"}
+
+
+def test_rlcore_open_is_imported_at_its_first_use_only() -> None:
+    """``import rlcore`` does not import the application; ``rlcore.open`` imports it, and
+    still no heavy framework (Ray starts when a session opens, not when it is imported)."""
+    code = (
+        "import json, sys; import rlcore; before = sorted(m for m in sys.modules if m.startswith('rlcore.app')); "
+        "rlcore.open, rlcore.Session, rlcore.RunInterrupted; "
+        "sys.__stdout__.write(json.dumps({'before': before, 'after': sorted(sys.modules)}))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RLCORE_PLUGINS"}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["before"] == []
+    assert "rlcore.app.session" in result["after"]
+    assert sorted(m for m in result["after"] if m.split(".")[0] in HEAVY) == []

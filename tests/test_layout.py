@@ -3,7 +3,9 @@ below it, and the README's map names every module.
 
 Layers, lowest first: the contract (top-level modules), ``runtime/``, ``refit/``,
 ``setup/`` and ``serve/``, ``app/``, ``testing/``. Imports under ``TYPE_CHECKING`` do not
-count (they cost nothing at run time and cannot form cycles).
+count (they cost nothing at run time and cannot form cycles). The package's ``__init__``
+resolves the library's names (``rlcore.open``) from ``app/`` at their first use, by module
+name: ``import rlcore`` imports no part above the contract (``tests/test_import_hygiene.py``).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 import rlcore.app.run as run_module
+import rlcore.app.session as session_module
 from rlcore.app import overlap
 from rlcore.app.cli import EXIT_BAD_INPUT, EXIT_RUN_FAILED, main
 from rlcore.app.plots import plot_reward
@@ -301,8 +302,8 @@ def faked(monkeypatch: pytest.MonkeyPatch) -> list[FakeSetup]:
         return setups[-1]
 
     FakeCluster.made, FakeCluster.fail = [], None
-    monkeypatch.setattr(run_module, "Cluster", FakeCluster)
-    monkeypatch.setattr(run_module, "run_setup", fake_run_setup)
+    monkeypatch.setattr(session_module, "Cluster", FakeCluster)
+    monkeypatch.setattr(session_module, "run_setup", fake_run_setup)
     monkeypatch.setattr(overlap, "prefetch_tokenizer", lambda *a, **k: None)
     return setups
 

@@ -1,6 +1,6 @@
 """After a failed refit check: whose bug is it, the policy's or the engine's?
 
-The check (:func:`rlcore.app.grpo.check_divergence`) sees that the generation's logprobs
+The check (:func:`rlcore.app.refit_check.check_divergence`) sees that the generation's logprobs
 left the policy's. Two different bugs look the same there: an engine that did not apply
 the weights it was sent, and a policy whose export (what refit sends) is not the model
 its own forward pass computes with. A third opinion tells them apart: the policy's export,
@@ -92,7 +92,7 @@ def diagnose_divergence(
 
 def _diagnose(policy: Any, policy_lp: Any, engine_lp: Any, ctx: Any, model_dir: str,
               probe: Sequence[Any], limit: float, names: tuple[str, str]) -> str:
-    from rlcore.app.grpo import token_mult_prob_error
+    from rlcore.app.refit_check import token_mult_prob_error
     from rlcore.handles import RefitSender
     from rlcore.refit.capture import capture_export
 

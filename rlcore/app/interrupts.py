@@ -1,8 +1,9 @@
 """SIGINT and SIGTERM during ``rlcore run``: a bounded, clean stop; a second signal at once.
 
-The CLI wraps a run in :class:`SignalGuard`. The first SIGINT or SIGTERM raises
+The CLI wraps a run in :class:`SignalGuard` (so does :func:`rlcore.open` for a loop of its
+own, unless a guard is in charge already). The first SIGINT or SIGTERM raises
 :class:`Interrupted` (a ``KeyboardInterrupt``) in the main thread, wherever it waits;
-:func:`rlcore.app.run.run_job` catches it, cancels the run, shuts everything down (bounded),
+:func:`rlcore.open`'s session catches it, cancels the run, shuts everything down (bounded),
 writes ``metrics.jsonl`` and ``trace.json`` and raises :class:`RunInterrupted`, whose
 :meth:`~RunInterrupted.line` the CLI prints before exiting with ``128 + signal``.
 
@@ -55,7 +56,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """A run stopped by a signal, after its teardown. Raised by :func:`rlcore.app.run.run_job`.
+    """A run stopped by a signal, after its teardown. Raised by :func:`rlcore.open` and its session.
 
     Attributes:
         signum: the signal (SIGINT for a plain ``KeyboardInterrupt``).
@@ -136,13 +137,20 @@ def kill_tree() -> None:
             p.kill()
 
 
+def _guarded() -> bool:
+    """Whether a :class:`SignalGuard` has this process's SIGINT now."""
+    return isinstance(getattr(signal.getsignal(signal.SIGINT), "__self__", None), SignalGuard)
+
+
 class SignalGuard:
     """Route SIGINT/SIGTERM of the main thread into a clean stop, bounded by ``hard_s``.
 
     Use as a context manager around the run (in the main thread; elsewhere it does
     nothing). The first signal raises :class:`Interrupted`; a second one, or ``hard_s``
     seconds without the process having left the guard, SIGKILLs the process tree and
-    exits with ``128 + the first signal``, printing one line on stderr.
+    exits with ``128 + the first signal``, printing one line on stderr. A guard entered
+    while another one is in charge (``rlcore run``'s around :func:`rlcore.open`'s) does
+    nothing either: the outer one keeps the signals until it is left.
     """
 
     def __init__(self, hard_s: float = 9.0) -> None:
@@ -152,7 +160,7 @@ class SignalGuard:
         self._left = threading.Event()
 
     def __enter__(self) -> SignalGuard:
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread() and not _guarded():
             for sig in STOP_SIGNALS:
                 self._saved[sig] = signal.signal(sig, self._handle)
         return self

@@ -116,6 +116,14 @@ def tokenizer(model: ModelConfig, cache_dir: Path) -> Any:
     return load_tokenizer(model, cache_dir)
 
 
+def discard_tokenizer(model: ModelConfig, cache_dir: Path) -> None:
+    """Drop a prefetch nobody collected (a run that ended before it needed the tokenizer):
+    the run leaves nothing registered in the process. Its daemon thread is not waited for
+    (an interrupted run must end within seconds); it ends on its own."""
+    with _tokenizers_lock:
+        _tokenizers.pop(_key(model, cache_dir), None)
+
+
 def concurrently(first: Callable[[], T], second: Callable[[], U]) -> tuple[T, U]:
     """``(first(), second())`` with ``second`` running in another thread meanwhile."""
     other = Background("second", second)

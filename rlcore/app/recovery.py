@@ -32,7 +32,7 @@ What replacing does (:class:`GenerationRecovery`), in order:
    (``token_mult_prob_error``; above ``refit.max_mult_prob_error`` the run stops as after
    any refit);
 4. hand back to the loop, which runs the interrupted phase of the step again with the
-   same request and seed (:func:`rlcore.app.grpo.run_grpo`): no sample of the step is
+   same request and seed (:class:`rlcore.app.session.Session`): no sample of the step is
    dropped or scored zero, none of the failed call's partial results is used.
 
 A hung engine (:mod:`rlcore.runtime.liveness`: its process stopped answering) is replaced

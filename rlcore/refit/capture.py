@@ -82,8 +82,11 @@ def capture_export(policy: Any, ctx: Any) -> dict[str, Any]:
     from rlcore.runtime.workers import WorkerGroup
 
     specs = list(policy.weight_specs())
-    group = WorkerGroup(CaptureWorker, 1, name="refit-capture", args=(specs,),
-                        num_cpus=0.01, dist_backend=None)
+    # No CPU reserved: the run's workers may hold every CPU of the cluster (the quickstart's
+    # do), and an actor that asks for any would wait for one forever. Bounded by the refit's
+    # deadline all the same.
+    group = WorkerGroup(CaptureWorker, 1, name="refit-capture", args=(specs,), num_cpus=0,
+                        dist_backend=None, cancel=ctx.cancel, deadline=ctx.deadline)
     receiver = CaptureReceiver(group, specs)
     try:
         refit(policy, receiver, ctx)

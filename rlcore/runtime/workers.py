@@ -721,6 +721,12 @@ def placed_groups() -> list[dict[str, Any]]:
     return [dict(p) for p in _PLACED]
 
 
+def forget_placed(keep: int = 0) -> None:
+    """Forget every worker group recorded after the first ``keep``: a run that ended drops
+    its own, so the next run in this process (a second ``rlcore.open``) lists only its own."""
+    del _PLACED[keep:]
+
+
 def _processes_of(pids: Sequence[int]) -> list[Any]:
     """``psutil.Process`` objects of ``pids`` and all their descendants (those still there)."""
     import psutil

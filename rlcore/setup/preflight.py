@@ -475,7 +475,7 @@ PROBE_BYTES = 64 * 1024
 PROBE_PREFIX = ".rlcore-write-check-"
 
 #: The run's own record of how far it got, written whole by ``rlcore run`` at its start,
-#: before its first step's metrics line and at its end (``rlcore.app.run.RunStatus``):
+#: before its first step's metrics line and at its end (``rlcore.app.rundir.RunStatus``):
 #: ``{"status": "setting-up" | "running" | "finished" | "failed" | "interrupted",
 #: "steps_done": N, "pid": ..., "host": ..., "error": ...}``.
 RUN_STATUS_FILE = "run.json"

@@ -81,7 +81,7 @@ def _fail(message: str) -> None:
 
 
 def _mult_err(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> float:
-    from rlcore.app.grpo import token_mult_prob_error
+    from rlcore.app.refit_check import token_mult_prob_error
 
     return token_mult_prob_error(a, b)
 

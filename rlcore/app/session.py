@@ -1,0 +1,863 @@
+"""rlcore as a library: ``rlcore.open(config)`` sets a run up; a loop of any algorithm runs on it.
+
+::
+
+    import rlcore
+
+    with rlcore.open("examples/quickstart.yaml", ["grpo.prompts_per_step=4"]) as s:
+        for step in range(1, 11):
+            groups = s.rollouts(step)                      # scored samples, from the env
+            batch = [(r["prompt_ids"], r["token_ids"]) for g in groups for r in g]
+            advantages = ...                               # the algorithm's own
+            old = s.policy.logprobs(batch)
+            stats = s.train(step, batch, advantages, old)  # one optimiser step
+            s.refit(step)                                  # weights to the engine
+            s.check_refit(step)                            # ...and checked there
+            s.record({"reward/mean": ..., **stats}, step)  # a line of metrics.jsonl
+
+:func:`open` does what ``rlcore run`` does around its loop, with the same code: every
+check that needs no cluster first (a bad input raises :class:`~rlcore.errors.ConfigError`
+before anything starts), the run directory (``config.yaml``, ``run.json``, ``metrics.jsonl``
+with the setup's line, ``placement.json``), the cluster (embedded, or joined by
+``cluster.address``), the overlapped setup and the first refit. Leaving the ``with`` block
+(or :meth:`Session.close`) tears it all down as ``rlcore run`` does: backends shut down
+last started first, the embedded cluster stopped with every process of it, ``trace.json``,
+``setup_timeline.png``, ``reward.png`` and the reward's trend written, ``run.json`` marked
+finished or failed; nothing of the run is left running or registered in the process, so a
+second :func:`open` (a notebook) starts afresh. SIGINT or SIGTERM in the main thread stop it
+as they stop ``rlcore run`` (:mod:`rlcore.app.interrupts`): the loop is interrupted where
+it waits, the teardown is bounded, :class:`~rlcore.app.interrupts.RunInterrupted` says what
+was interrupted. A failed refit check leaves the block with the diagnosis of whose bug it is
+(:mod:`rlcore.app.diagnose`).
+
+The session's methods are where a loop gets the run's services: the colocated roles' memory
+handoff, a lost generation worker replaced and the call run again
+(``generation.on_worker_loss: replace``), training health, the refit check, records and
+trace spans. ``rlcore run``'s GRPO loop (:func:`rlcore.app.grpo.run_grpo_on`) uses nothing
+else.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+from rlcore.app import overlap
+from rlcore.app.health import check_train_health, reward_trend, trend_line
+from rlcore.app.interrupts import RunInterrupted, SignalGuard, signal_name, signum_of
+from rlcore.app.plots import plot_reward, plot_setup_timeline
+from rlcore.app.progress import RunPhase, SetupProgress, setup_display
+from rlcore.app.recovery import GenerationRecovery, retry_on_generation_loss
+from rlcore.app.refit_check import check_divergence, probe_batch, token_mult_prob_error
+from rlcore.app.rundir import RunStatus, close_records, make_run_dir
+from rlcore.config import RunConfig, cache_dir, load_config
+from rlcore.errors import ConfigError, DivergenceError, RunDirError
+from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
+from rlcore.handles import MemoryHandoff, Pair, RefitReport, Rollout, RolloutRequest, Sample
+from rlcore.placement import Network
+from rlcore.runtime.cluster import Cluster
+from rlcore.runtime.workers import forget_placed, placed_groups
+from rlcore.setup.metrics import MetricsWriter, write_atomic
+from rlcore.setup.preflight import check_before_start
+from rlcore.setup.registry import load_registry
+from rlcore.setup.runner import SetupResult, run_setup
+from rlcore.setup.trace import TraceRecorder
+from rlcore.waiting import CancelToken
+
+if TYPE_CHECKING:
+    from rlcore.errors import WorkerLost
+    from rlcore.setup.plan import Plan
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ConfigLike", "Handoff", "Session", "open"]
+
+#: What :func:`open` takes as the config: a YAML path, a mapping or an OmegaConf config of
+#: the same keys, a :class:`~rlcore.config.RunConfig`, or ``None`` (``examples/quickstart.yaml``).
+ConfigLike = str | os.PathLike[str] | Mapping[str, Any] | DictConfig | RunConfig | None
+
+#: Bound on each backend's shutdown after an interrupt (the run must end within 10 s).
+INTERRUPT_SHUTDOWN_S = 3.0
+
+
+class Handoff:
+    """Colocated policy and generation take turns on the devices (:class:`MemoryHandoff`).
+
+    ``to_generation()`` puts the policy to sleep and wakes the generation (before
+    sampling); ``to_policy()`` the reverse (before training). A role whose backend does
+    not declare ``memory_handoff`` is ``None`` and skipped; with neither, nothing happens.
+    """
+
+    def __init__(self, policy: MemoryHandoff | None = None, generation: MemoryHandoff | None = None) -> None:
+        self.policy, self.generation = policy, generation
+
+    def to_generation(self) -> None:
+        if self.policy is not None:
+            self.policy.sleep()
+        if self.generation is not None:
+            self.generation.wake()
+
+    def to_policy(self) -> None:
+        if self.generation is not None:
+            self.generation.sleep()
+        if self.policy is not None:
+            self.policy.wake()
+
+
+def open(
+    config: ConfigLike = None,
+    overrides: Sequence[str] | Mapping[str, Any] = (),
+    *,
+    out: str | os.PathLike[str] | None = None,
+    resume: bool = False,
+    needs_env: bool = False,
+    console: Console | None = None,
+    quiet: bool = False,
+    extra_plugins: Sequence[tuple[str, Any]] = (),
+    handle_signals: bool = True,
+) -> Session:
+    """Check, set up and start a run; the :class:`Session` a loop runs on. Use it as a
+    context manager (or call :meth:`Session.close`).
+
+    Args:
+        config: a YAML path, a mapping or OmegaConf config of the same keys, a
+            :class:`~rlcore.config.RunConfig`, or ``None`` for ``examples/quickstart.yaml``.
+        overrides: ``key=value`` strings, as after ``rlcore run CONFIG``, or a mapping of
+            dotted keys to values (``{"grpo.prompts_per_step": 4}``).
+        out: the run directory (``rlcore run --out``); ``None``: a new
+            ``<output_dir>/<name>-<time>``. It must be new or empty unless ``resume``.
+        resume: append to a non-empty ``out``.
+        needs_env: refuse a config without ``env.backend`` before anything starts (a loop
+            that calls :meth:`Session.rollouts` or the env).
+        console: where setup progress and the run's notices go (a :class:`rich.console.Console`);
+            ``None``: standard output, or nowhere with ``quiet``.
+        quiet: print nothing (``console=None`` only).
+        extra_plugins: ``(name, plugin)`` pairs registered beside the installed plugins
+            (wrapper plugins for tracing or fault injection).
+        handle_signals: route SIGINT/SIGTERM of the main thread into a clean, bounded stop
+            while the session is open, as ``rlcore run`` does (a second signal, or 9 s of
+            teardown, kills the process tree and exits: see :class:`SignalGuard`). Leave it
+            on for scripts; a notebook that wants Ctrl-C to reach only its own cell passes
+            ``False``.
+
+    Raises:
+        ConfigError: bad input (unknown key, value out of range, a backend that does not
+            serve the role, an ``out`` that cannot be written...), before anything started.
+        RunInterrupted: SIGINT/SIGTERM during setup; what had started was torn down.
+        RlcoreError: setup failed (a backend's init, the first refit); torn down.
+    """
+    if console is None:
+        console = Console(quiet=quiet, highlight=False, soft_wrap=True)
+    guard = SignalGuard() if handle_signals else None
+    if guard is not None:
+        guard.__enter__()
+    try:
+        run_config = _load(config, overrides)
+        registry = load_registry(run_config.plugins.allow, extra=extra_plugins)
+        for f in registry.failures:
+            console.print(f"[yellow]skipped plugin {f.name} ({f.distribution}): {f.message}[/yellow]")
+        out_str = None if out is None else os.fspath(out)
+        plan = check_before_start(run_config, registry, out=out_str, resume=resume)
+        if needs_env and not run_config.env.backend:
+            raise ConfigError(
+                "the loop needs an env: set env.backend (e.g. env.backend=arithmetic)", key="env.backend"
+            )
+        run_dir = make_run_dir(run_config, out_str, resume=resume)
+        status = RunStatus(run_dir, resume=resume)  # first: what follows is a run's to replace
+        write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(run_config)))
+        run = _Run(run_config, registry, plan, run_dir, status, console, guard)
+        session = Session(config=run_config)
+        run.start()
+        session._attach(run)
+        return session
+    except BaseException:
+        if guard is not None:
+            guard.__exit__(None, None, None)
+        raise
+
+
+def _load(config: ConfigLike, overrides: Sequence[str] | Mapping[str, Any]) -> RunConfig:
+    """The run's config, checked (:func:`rlcore.config.load_config`) from any :data:`ConfigLike`."""
+    if isinstance(overrides, Mapping):
+        # JSON is YAML: strings stay strings, None is null, dicts and lists are flow style.
+        overrides = [f"{key}={json.dumps(value)}" for key, value in overrides.items()]
+    overrides = list(overrides)
+    if config is None:
+        from rlcore.app.cli import DEFAULT_EXAMPLE, default_config_path
+
+        config = default_config_path()
+        if config is None:
+            raise ConfigError(f"no config given and examples/{DEFAULT_EXAMPLE} not found; pass a config")
+    if isinstance(config, RunConfig):
+        config = OmegaConf.structured(config)
+    if isinstance(config, DictConfig):
+        config = OmegaConf.to_container(config, resolve=True)  # type: ignore[assignment]
+    if isinstance(config, Mapping):
+        return load_config(None, overrides, base=dict(config))
+    return load_config(os.fspath(config), overrides)
+
+
+class Session:
+    """A started run: its handles and the services a training loop needs (module doc).
+
+    Made by :func:`open`. It can also be made over handles started otherwise (keyword
+    arguments below; no cluster, no run directory, ``close`` does nothing): how the GRPO
+    loop's own tests drive it with scripted handles. That constructor is provisional; what
+    is stable is :func:`open` and the attributes and methods documented here.
+
+    Attributes:
+        config: the run's :class:`~rlcore.config.RunConfig` (``config.grpo`` holds the
+            sampling and optimiser settings a loop may use).
+        plan: the setup plan that ran (``None`` over handles started otherwise).
+        setup_metrics: the setup's ``timing/setup/*`` metrics, as in ``metrics.jsonl``.
+        run_dir: the run directory (``None`` over handles started otherwise).
+        transport: the refit transport (``collective``, ``disk``, ``shared_memory``, ...).
+        policy: the policy (:class:`~rlcore.guards.GuardedPolicy`: ``logprobs(batch)``,
+            ``train_step(...)``; every result checked, naming the backend).
+        generation: the generation (:class:`~rlcore.guards.GuardedGeneration`:
+            ``generate(...)``, ``logprobs(batch)``).
+        env: the env (:class:`~rlcore.guards.GuardedEnv`: ``collect_rollouts(request)``,
+            and for a prompt-and-score env ``sample_prompts(n, step)`` and
+            ``score(prompts, texts)``), or ``None`` without ``env.backend``.
+        tokenizer: the run's tokenizer (``tokenizer(text).input_ids``, ``encode``,
+            ``decode``, ``eos_token_id``: :func:`rlcore.tokenizer.load`).
+        probe: the fixed batch a probe refit check compares (``refit.probe_prompts`` pairs).
+    """
+
+    def __init__(
+        self,
+        *,
+        config: RunConfig,
+        policy: GuardedPolicy | None = None,
+        generation: GuardedGeneration | None = None,
+        env: GuardedEnv | None = None,
+        tokenizer: Any = None,
+        probe: Sequence[Pair] | None = None,
+        refit: Callable[[int], RefitReport] | None = None,
+        handoff: Handoff | None = None,
+        on_generation_loss: Callable[[WorkerLost, int, str], None] | None = None,
+        record: Callable[[dict[str, Any], int], None] | None = None,
+        span: Callable[[str, float, float, int | None], None] | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> None:
+        self.config = config
+        self.plan: Plan | None = None
+        self.setup_metrics: dict[str, float] = {}
+        self.run_dir: Path | None = None
+        self.transport: str | None = None
+        self._run: _Run | None = None
+        self._closed = False
+        self._phase = RunPhase()
+        self._handoff = handoff or Handoff()
+        self._holder: str | None = None  # which role the handoff last gave the devices to
+        self._refit, self._record, self._span, self._cancelled = refit, record, span, cancelled
+        # Given handles take the place of the cached properties that build them from a run.
+        given = {"policy": policy, "generation": generation, "tokenizer": tokenizer, "probe": probe}
+        self.__dict__.update({name: value for name, value in given.items() if value is not None})
+        self.__dict__.update(env=env, _recovery=on_generation_loss)
+
+    def _attach(self, run: _Run) -> None:
+        """Take a started run's state (:func:`open`): the handles are built on first use."""
+        assert run.setup is not None
+        self._run, self._phase = run, run.phase
+        for name in ("env", "_recovery"):  # built from the run, not given
+            self.__dict__.pop(name, None)
+        self.plan, self.run_dir = run.plan, run.run_dir
+        self.setup_metrics = dict(run.setup_metrics)
+        self.transport = getattr(run.setup, "transport", None)
+        self._handoff = _handoff(self.config, run.setup)
+
+    # ---------------------------------------------------------------- handles
+
+    def _handles(self) -> dict[str, Any]:
+        if self._run is None or self._run.setup is None:
+            raise RuntimeError("this session was made over handles; it has no setup to take them from")
+        return self._run.setup.handles
+
+    @cached_property
+    def tokenizer(self) -> Any:
+        self._handles()
+        return overlap.tokenizer(self.config.model, cache_dir(self.config))
+
+    @cached_property
+    def policy(self) -> GuardedPolicy:
+        return GuardedPolicy(self._handles()["policy"], self.config.policy.backend)
+
+    @cached_property
+    def generation(self) -> GuardedGeneration:
+        return GuardedGeneration(
+            self._handles()["generation"], self.config.generation.backend,
+            eos_ids={self.tokenizer.eos_token_id},
+        )
+
+    @cached_property
+    def env(self) -> GuardedEnv | None:
+        handle = self._handles().get("env")
+        return None if handle is None else GuardedEnv(handle, str(self.config.env.backend))
+
+    @cached_property
+    def probe(self) -> list[Pair]:
+        return probe_batch(self.tokenizer, self.config.refit.probe_prompts)
+
+    @cached_property
+    def _recovery(self) -> Callable[[WorkerLost, int, str], None] | None:
+        """``generation.on_worker_loss: replace``: what replaces a lost generation."""
+        run = self._run
+        if run is None or run.setup is None or self.config.generation.on_worker_loss != "replace":
+            return None
+        limit = self.config.refit.max_mult_prob_error
+        return GenerationRecovery(
+            run.setup, self.generation, run.cancel,
+            probe_error=lambda: token_mult_prob_error(self.generation.logprobs(self.probe), self.policy.logprobs(self.probe)),
+            check=lambda err, step: check_divergence(
+                err, limit, step=step, policy=self.config.policy.backend, generation=self.config.generation.backend
+            ),
+            record=run.record_loss,
+            handoff=self._handoff,
+            init_time_s=run.setup.metrics.get("timing/setup/init:generation_time_s"),
+        )
+
+    # ---------------------------------------------------------------- what the run does
+
+    @property
+    def now(self) -> str:
+        """What the run is doing, in the words an interrupt's message uses (``step 3``);
+        :meth:`rollouts` and :meth:`generate` set it, a loop may set its own."""
+        return self._phase.now
+
+    @now.setter
+    def now(self, what: str) -> None:
+        self._phase.now = what
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the run is being stopped (a loop checks it between steps)."""
+        if self._run is not None:
+            return self._run.cancel.cancelled
+        return bool(self._cancelled and self._cancelled())
+
+    def _retry(self, fn: Callable[[], Any], step: int, phase: str) -> Any:
+        """``fn()``; a lost generation worker replaced and ``fn()`` run again when the run
+        replaces (:func:`rlcore.app.recovery.retry_on_generation_loss`)."""
+        recovery = self._recovery
+        recover = None if recovery is None else (lambda err, name: recovery(err, step, name))
+        return retry_on_generation_loss(fn, recover, phase)
+
+    # ---------------------------------------------------------------- devices
+
+    def to_generation(self) -> None:
+        """Colocated roles that declare ``memory_handoff``: the generation gets the devices
+        (the policy sleeps). Nothing otherwise. :meth:`rollouts`, :meth:`generate` and the
+        probe check do it themselves when the policy had them."""
+        self._handoff.to_generation()
+        self._holder = "generation"
+
+    def to_policy(self) -> None:
+        """The policy gets the devices back (the generation sleeps); :meth:`train` does it
+        itself when the generation had them."""
+        self._handoff.to_policy()
+        self._holder = "policy"
+
+    def _turn(self, role: str) -> None:
+        if self._holder != role:
+            (self.to_generation if role == "generation" else self.to_policy)()
+
+    # ---------------------------------------------------------------- sampling
+
+    def rollouts(
+        self,
+        step: int,
+        *,
+        prompts: int | None = None,
+        samples_per_prompt: int | None = None,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> list[list[Rollout]]:
+        """The env's scored samples for ``step``: ``prompts`` groups of ``samples_per_prompt``
+        :class:`~rlcore.handles.Rollout` (each with ``prompt_ids``, ``token_ids``, the
+        generation's ``logprobs`` at temperature 1, ``reward``).
+
+        Each argument left out is ``config.grpo``'s (``seed``: derived from ``grpo.seed``
+        and ``step``). The generation gets the devices first; a lost generation worker is
+        replaced and the rollout run again with the same request (``on_worker_loss:
+        replace``).
+        """
+        env = self.env
+        if env is None:
+            raise ConfigError("rollouts need an env: set env.backend (e.g. env.backend=arithmetic)", key="env.backend")
+        g = self.config.grpo
+        self.now = f"step {step}"
+        request = RolloutRequest(
+            step=step,
+            prompts=g.prompts_per_step if prompts is None else prompts,
+            samples_per_prompt=g.samples_per_prompt if samples_per_prompt is None else samples_per_prompt,
+            max_new_tokens=g.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            temperature=g.temperature if temperature is None else temperature,
+            seed=g.seed * 1_000_003 + step if seed is None else seed,
+            generation=self.generation,
+            tokenizer=self.tokenizer,
+        )
+        self._turn("generation")
+        return self._retry(lambda: env.collect_rollouts(request), step, "rollout")  # type: ignore[no-any-return]
+
+    def generate(
+        self,
+        step: int,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        n: int = 1,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> list[list[Sample]]:
+        """``n`` samples of each prompt (:meth:`rlcore.handles.GenerationHandle.generate`),
+        for a loop that builds its prompts itself (multi-turn). ``max_tokens``,
+        ``temperature`` and ``seed`` default as in :meth:`rollouts`; the generation gets
+        the devices first, and a lost worker is replaced and the call run again."""
+        g = self.config.grpo
+        self.now = f"step {step}"
+        self._turn("generation")
+        return self._retry(  # type: ignore[no-any-return]
+            lambda: self.generation.generate(
+                prompt_ids,
+                n=n,
+                max_tokens=g.max_new_tokens if max_tokens is None else max_tokens,
+                temperature=g.temperature if temperature is None else temperature,
+                seed=g.seed * 1_000_003 + step if seed is None else seed,
+            ),
+            step,
+            "generate",
+        )
+
+    # ---------------------------------------------------------------- training
+
+    def train(
+        self,
+        step: int,
+        batch: Sequence[Pair],
+        advantages: Sequence[float],
+        old_logprobs: Sequence[Sequence[float]] | None = None,
+        *,
+        clip_eps: float | None = None,
+        lr: float | None = None,
+    ) -> dict[str, float]:
+        """One optimiser step of the policy (:meth:`rlcore.handles.PolicyHandle.train_step`:
+        one advantage per pair, ``old_logprobs`` the policy's before the step, ``None`` for
+        on-policy); ``clip_eps`` and ``lr`` default to ``config.grpo``'s. The policy gets the
+        devices first. Returns the step's metrics (``loss``, ``grad_norm``,
+        ``clip_fraction``, ``tokens``, ``lr``).
+
+        Raises:
+            TrainingHealthError: a non-finite loss or gradient norm, naming the policy
+                backend and ``step``: the weights after it must not be refitted.
+        """
+        g = self.config.grpo
+        self._turn("policy")
+        out = self.policy.train_step(
+            batch, advantages, old_logprobs,
+            clip_eps=g.clip_eps if clip_eps is None else clip_eps,
+            lr=g.learning_rate if lr is None else lr,
+        )
+        check_train_health(out, backend=self.policy.backend, step=step)
+        return out
+
+    # ---------------------------------------------------------------- weights
+
+    def refit(self, step: int) -> RefitReport:
+        """Copy the policy's current weights to the generation (after the train step of
+        ``step``) over the run's transport; the :class:`~rlcore.handles.RefitReport`
+        (``weight_sync_time_s``, ``bytes``, ``transport``...). A generation worker lost
+        during it is replaced and the refit run again."""
+        return self._retry(lambda: self._refit_once(step), step, "refit")  # type: ignore[no-any-return]
+
+    def _refit_once(self, step: int) -> RefitReport:
+        run = self._run
+        if run is not None and run.setup is not None:
+            return run.setup.refit(step, run.cancel)  # type: ignore[no-any-return]
+        if self._refit is None:
+            raise RuntimeError("this session was made without a refit")
+        return self._refit(step)
+
+    def check_refit(
+        self,
+        step: int,
+        *,
+        generation_logprobs: Sequence[Sequence[float]] | None = None,
+        policy_logprobs: Sequence[Sequence[float]] | None = None,
+        sampled_by: int | None = None,
+    ) -> float:
+        """Check the refit of ``step``: the generation's and the policy's logprobs of the
+        same tokens compared; returns ``refit/token_mult_prob_error`` (1.0: identical).
+
+        Without logprobs, the :attr:`probe` batch goes through both (the generation gets
+        the devices first; a lost worker is replaced and the probe run again). With them
+        (``refit.check: sampled``'s way, no engine call), they are the generation's
+        sampling logprobs of the next step's rollouts and the policy's of the same tokens,
+        before its train step; ``sampled_by`` names that step in the error.
+
+        Raises:
+            DivergenceError: above ``refit.max_mult_prob_error``, naming both backends and
+                the step (``mult_prob_error`` and ``step`` as attributes). Leaving
+                :func:`open`'s block with it adds whose bug it is.
+        """
+        if (generation_logprobs is None) != (policy_logprobs is None):
+            raise ValueError("check_refit takes both generation_logprobs and policy_logprobs, or neither")
+        if generation_logprobs is None or policy_logprobs is None:
+            self._turn("generation")
+            err = self._retry(
+                lambda: token_mult_prob_error(self.generation.logprobs(self.probe), self.policy.logprobs(self.probe)),
+                step,
+                "probe",
+            )
+        else:
+            err = token_mult_prob_error(generation_logprobs, policy_logprobs)
+        check_divergence(
+            err, self.config.refit.max_mult_prob_error, step=step, policy=self.policy.backend,
+            generation=self.generation.backend, sampled_by=sampled_by,
+        )
+        return float(err)
+
+    # ---------------------------------------------------------------- records
+
+    def record(self, metrics: Mapping[str, Any], step: int, *, step_done: bool = True) -> None:
+        """Append ``{"step": step, **metrics}`` to ``metrics.jsonl`` (one whole line).
+
+        ``step_done`` (the default): the line is step ``step``'s result (``step`` >= 1), so
+        the step counts as done in ``run.json`` (a rerun into the directory is then
+        refused) and its ``reward/mean`` goes into ``reward.png`` and the reward's trend
+        at the end. Pass ``False`` for a line about a step that did not complete.
+
+        Raises:
+            RunDirError: the disk could not take the line (the file ends at a whole line).
+        """
+        if self._run is not None:
+            self._run.record(metrics, step, step_done)
+        elif self._record is not None:
+            self._record(dict(metrics), step)
+
+    def span(self, name: str, start: float, end: float, *, step: int | None = None, lane: str = "loop") -> None:
+        """A span in ``trace.json`` (``start`` and ``end`` from :func:`time.monotonic`)."""
+        if self._run is not None:
+            args = None if step is None else {"step": step}
+            self._run.trace.add_span(name, start, end, cat="step", lane=lane, args=args)
+        elif self._span is not None:
+            self._span(name, start, end, step)
+
+    # ---------------------------------------------------------------- the end
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self._end(exc)
+
+    def close(self) -> None:
+        """Tear the run down and write its records (the end of a ``with`` block that
+        raised nothing); a second call does nothing."""
+        self._end(None)
+
+    def _end(self, exc: BaseException | None) -> None:
+        """The run's end after ``exc`` (``None``: the loop finished): what ``rlcore run``
+        does after its loop, raising what the run ends with when it is not ``exc``."""
+        if self._closed:
+            return
+        self._closed = True
+        run = self._run
+        if run is None:
+            return
+        failure: BaseException | None = exc
+        try:
+            try:
+                if isinstance(exc, DivergenceError):
+                    self.now = "the diagnosis of the failed refit check"
+                    failure = DivergenceError(
+                        f"{exc} {self._diagnosis()}", mult_prob_error=exc.mult_prob_error, step=exc.step
+                    )
+                    failure.__cause__ = exc
+                elif exc is None:
+                    run.report()
+                    self.now = "teardown"
+            except BaseException as err:
+                failure = err
+            if isinstance(failure, KeyboardInterrupt) and not isinstance(failure, RunInterrupted):
+                failure = run.stop_interrupted(failure)
+                failure.__suppress_context__ = True
+        finally:
+            run.finish(failure)
+        if failure is not exc:
+            raise failure
+
+    def _diagnosis(self) -> str:
+        """Whose bug a failed refit check is (:mod:`rlcore.app.diagnose`), in one sentence."""
+        from rlcore.app.diagnose import diagnose_divergence
+        from rlcore.refit.capture import file_transport_first
+        from rlcore.refit.sessions import RefitSessions
+        from rlcore.setup.planner import detect_accelerator
+        from rlcore.setup.runner import refit_context
+        from rlcore.tinymodel import ensure_model
+
+        run = self._run
+        assert run is not None and run.setup is not None
+        config, setup = self.config, run.setup
+        decl = setup.plugins["policy"].declaration
+        return diagnose_divergence(
+            policy=setup.handles["policy"],
+            policy_logprobs=self.policy.logprobs,
+            generation_logprobs=self.generation.logprobs,
+            make_context=lambda transport: refit_context(
+                config, step=0, transport=transport, cancel=run.cancel, sessions=RefitSessions()
+            ),
+            transport=file_transport_first(decl.send_transports if decl else (), detect_accelerator()),
+            model_dir=str(ensure_model(config.model, cache_dir(config))),
+            probe=self.probe,
+            limit=config.refit.max_mult_prob_error or 1.05,
+            names=(config.policy.backend, config.generation.backend),
+        )
+
+
+def _handoff(config: RunConfig, setup: SetupResult) -> Handoff:
+    """Colocated: the device handed between the roles that declare ``memory_handoff``
+    (unless ``placement.memory_handoff`` is false); otherwise one that does nothing."""
+    if not (config.placement.colocated and config.placement.memory_handoff):
+        return Handoff()
+    sleeper = {
+        role: setup.handles[role]
+        for role in ("policy", "generation")
+        if (d := setup.plugins[role].declaration) is not None and d.memory_handoff
+    }
+    return Handoff(sleeper.get("policy"), sleeper.get("generation"))
+
+
+class _Run:
+    """What :func:`open` started and the session's end stops: the records, the cluster,
+    the setup. ``start`` and ``finish`` are ``rlcore run``'s before and after its loop."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        registry: Any,
+        plan: Plan,
+        run_dir: Path,
+        status: RunStatus,
+        console: Console,
+        guard: SignalGuard | None,
+    ) -> None:
+        self.config, self.registry, self.plan, self.run_dir = config, registry, plan, run_dir
+        self.status, self.console, self.guard = status, console, guard
+        self.trace = TraceRecorder()
+        self.writer = MetricsWriter(run_dir / "metrics.jsonl")
+        self.cluster = Cluster(config.cluster)
+        self.cancel = CancelToken()
+        self.phase = RunPhase()
+        self.setup: SetupResult | None = None
+        self.setup_metrics: dict[str, Any] = {}
+        self.plot: overlap.Background | None = None
+        self.groups_before = len(placed_groups())
+        self.done: set[int] = set()  # steps recorded as done (run.json)
+        self.history: list[dict[str, Any]] = []  # their lines with a reward, for the plot
+        # The model and its tokenizer get ready while Ray starts.
+        overlap.prefetch_tokenizer(config.model, cache_dir(config), self.cancel)
+
+    def start(self) -> None:
+        """Cluster, setup (with its table), the setup's metrics line and ``placement.json``;
+        on any failure the run is torn down and its records written before the error."""
+        config, console = self.config, self.console
+        try:
+            with console.status("starting Ray cluster"):
+                t0 = time.monotonic()
+                self.cluster.start()
+                devices = self.cluster.reserve_devices(config)
+                self.trace.add_span("cluster start", t0, time.monotonic(), cat="setup", lane="cluster")
+            progress = SetupProgress([t.name for t in self.plan.tasks])
+            with setup_display(progress, console):
+                self.setup = run_setup(
+                    config, self.registry, run_dir=self.run_dir, plan=self.plan, cancel=self.cancel,
+                    progress=self.phase.watch(progress, None if console.is_terminal else console.print),
+                    network=self.cluster.network(config),
+                    devices=devices,
+                )
+            self.trace.add_execution(self.setup.execution, self.setup.plan)
+            self._record_setup(self.setup)
+            # Drawn once the first step is done: it needs no cluster, and the first step does.
+            self.plot = overlap.Background("setup plot", _plot_setup, self.setup, self.run_dir, config, defer=True)
+            _write_placement(self.run_dir, self.setup, self.cluster.network(config), self.groups_before)
+        except BaseException as err:
+            failure: BaseException = err
+            try:
+                if isinstance(err, KeyboardInterrupt):
+                    # SIGINT/SIGTERM (SignalGuard) or Ctrl-C: a bounded teardown, the records
+                    # written first, then one error that says what was interrupted.
+                    failure = self.stop_interrupted(err)
+            finally:
+                self.finish(failure)
+            if failure is not err:
+                raise failure from None
+            raise
+
+    def _record_setup(self, setup: SetupResult) -> None:
+        """The setup's metrics (with Ray's start) as the run's first line, and one line on the console."""
+        record = dict(setup.metrics)
+        record["timing/setup/cluster_start_time_s"] = self.cluster.start_time_s or 0.0
+        self.setup_metrics = record
+        self.writer.write(record, step=0)
+        m = setup.metrics
+        self.console.print(
+            f"setup: total {m['timing/setup/total_setup_time_s']:.2f}s, "
+            f"critical path {m['timing/setup/critical_path_s']:.2f}s, "
+            f"serial sum {m['timing/setup/serial_sum_s']:.2f}s"
+        )
+
+    def record(self, metrics: Mapping[str, Any], step: int, step_done: bool) -> None:
+        """One ``metrics.jsonl`` line; a step's first line done marks it in ``run.json``
+        first (a disk filling between the two leaves a run that blocks its ``--out``)."""
+        done = step_done and step >= 1
+        if done and step not in self.done:
+            self.done.add(step)
+            self.status.step_done()
+        self.writer.write(metrics, step=step)
+        if done:
+            if "reward/mean" in metrics:
+                self.history.append({"step": step, **metrics})
+            if self.plot is not None:
+                self.plot.start()
+
+    def record_loss(self, m: dict[str, Any], step: int) -> None:
+        """One metrics line per replaced generation, and one line on the console."""
+        self.writer.write(m, step=step)
+        self.console.print(
+            f"[yellow]step {step:>3}  lost {m['generation/lost_worker']} ({m['generation/lost_cause']}) during "
+            f"{m['generation/lost_during']}; replaced {m['generation/replaced']}, serving in "
+            f"{m['generation/replace_time_s']:.1f}s "
+            f"(init {m['generation/replace_init_time_s']:.1f}s, mult_prob_err "
+            f"{m['generation/replace_mult_prob_error']:.4f})[/yellow]"
+        )
+
+    def report(self) -> None:
+        """After a loop that finished: ``reward.png`` and the reward's trend (of the steps
+        recorded with a reward), then the setup timeline joined."""
+        if self.history:
+            plot_reward(self.history, self.run_dir / "reward.png", title=f"{self.config.name}: reward per step")
+            trend = reward_trend(self.history)
+            if trend is not None:
+                self.writer.write(trend, step=self.history[-1]["step"])
+                self.console.print(trend_line(trend))
+        if self.plot is not None:
+            self.plot.result()
+
+    def finish(self, failure: BaseException | None) -> None:
+        """Shut everything down and close the records, whatever the run ended with; the
+        process is left as before :func:`open` (no cluster, worker or signal handler)."""
+        try:
+            if self.plot is not None:  # the timeline of a setup that finished, whatever came after
+                self.plot.start()
+                self.plot.join(30.0)
+            if self.setup is not None:
+                for line in self.setup.shutdown():
+                    self.console.print(f"[yellow]shutdown: {line}[/yellow]")
+            self.cluster.shutdown()
+            forget_placed(self.groups_before)
+            overlap.discard_tokenizer(self.config.model, cache_dir(self.config))
+            close_records(self.run_dir, self.writer, self.trace, self.status, failure)
+        finally:
+            if self.guard is not None:
+                self.guard.__exit__(None, None, None)
+                self.guard = None
+
+    def stop_interrupted(self, err: KeyboardInterrupt) -> RunInterrupted:
+        """Tear a run down after a signal: cancel, record, shut down (bounded), report."""
+        during = self.phase.now
+        signum = signum_of(err)
+        t_signal = getattr(err, "at", time.monotonic())
+        reason = f"interrupted ({signal_name(signum)}) during {during}"
+        self.cancel.cancel(reason)
+        setup, trace, writer = self.setup, self.trace, self.writer
+        # Setup interrupted: the executor has shut down what had started; its records are here.
+        execution = setup.execution if setup is not None else getattr(err, "execution", None)
+        if setup is None and execution is not None:
+            trace.add_execution(execution, self.plan)
+        problems: list[str] = []
+        # A write that fails (a full disk) is one of the teardown's problems: the signal is
+        # what the run ends with.
+        _try_write(problems, writer.write, {
+            "run/interrupted_by": signal_name(signum), "run/interrupted_during": during,
+        })
+        trace.add_instant(reason, t_signal, cat="run", lane="run")
+        # Written before the teardown, in case it is cut short.
+        _try_write(problems, trace.write, self.run_dir / "trace.json")
+
+        t0 = time.monotonic()
+        if setup is not None:
+            problems += setup.shutdown(INTERRUPT_SHUTDOWN_S)
+        shut_down = list(execution.shut_down) if execution is not None else []
+        if execution is not None:  # stopped on the token (their threads kill what they started)
+            shut_down += [
+                f"{name} cancelled" for name, rec in execution.records.items() if rec.status == "cancelled"
+            ]
+        had_cluster = self.cluster.owned
+        killed = self.cluster.shutdown(reason)
+        if had_cluster:
+            shut_down.append("Ray cluster")
+        problems += [f"SIGKILLed {k}" for k in killed]
+        if setup is None and execution is not None:
+            problems += execution.shutdown_errors
+        t1 = time.monotonic()
+        trace.add_span("teardown after interrupt", t0, t1, cat="run", lane="run", args={"problems": problems})
+        seconds = t1 - t_signal
+        _try_write(problems, writer.write, {
+            "run/interrupt_teardown_s": seconds, "run/shut_down": shut_down,
+            "run/shutdown_problems": problems,
+        })
+        return RunInterrupted(signum, during, shut_down, problems, self.run_dir, seconds)
+
+
+def _try_write(problems: list[str], write: Callable[..., Any], *args: Any) -> None:
+    """``write(*args)``; a :class:`RunDirError` is added to ``problems`` (once)."""
+    try:
+        write(*args)
+    except RunDirError as err:
+        if str(err) not in problems:
+            problems.append(str(err))
+
+
+def _write_placement(run_dir: Path, setup: SetupResult, network: Network, skip: int) -> None:
+    """``placement.json``: where each worker group's ranks run (Ray node ids, as the workers
+    report them), where the refit channel meets, and whether servers bound beyond loopback."""
+    spec, handles = None, setup.handles
+    if setup.plan.refit_transport and "policy" in handles and "generation" in handles:
+        spec = setup.refit_sessions.spec_for(handles["policy"], handles["generation"], setup.plan.refit_transport)
+    record = {
+        "groups": placed_groups()[skip:],
+        "readers_elsewhere": network.readers_elsewhere,
+        "refit": None if spec is None else {"transport": spec.transport, "addr": spec.addr, "port": spec.port},
+    }
+    write_atomic(run_dir / "placement.json", json.dumps(record, indent=2) + "\n")
+
+
+def _plot_setup(setup: SetupResult, run_dir: Path, config: RunConfig) -> None:
+    ex = setup.execution
+    spans = [
+        (name, rec.start - ex.start, rec.end - ex.start, rec.status)
+        for name, rec in ex.records.items()
+        if rec.start is not None and rec.end is not None
+    ]
+    m = setup.metrics
+    plot_setup_timeline(
+        spans,
+        run_dir / "setup_timeline.png",
+        title=f"{config.name}: setup ({config.policy.backend} + {config.generation.backend})",
+        annotations={
+            "total": m["timing/setup/total_setup_time_s"],
+            "critical path": m["timing/setup/critical_path_s"],
+            "serial sum": m["timing/setup/serial_sum_s"],
+        },
+    )

@@ -1,0 +1,211 @@
+"""``rlcore.open`` and its :class:`~rlcore.app.session.Session`: what a loop relies on (issue 29).
+
+Fast: bad input refused before anything starts (nothing created, no cluster, the signal
+handlers as they were), and the session's services over scripted handles (the devices
+handed to the role that needs them, the refit check, training health, a lost generation
+replaced, the env's halves checked). Real runs on real backends: ``tests/test_loops.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from omegaconf import OmegaConf
+from test_grpo import CharTokenizer, Model, Sevens
+
+import rlcore
+from rlcore.app.health import TrainingHealthError
+from rlcore.app.session import Handoff, Session, _load
+from rlcore.config import GRPOConfig, RefitConfig, RunConfig
+from rlcore.errors import ConfigError, DivergenceError, ProtocolError, WorkerLost
+from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
+from rlcore.handles import RefitReport
+
+QUICKSTART = str(Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml")
+
+
+# ---------------------------------------------------------------- open: refused before anything starts
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "kw", "key", "text"),
+    [
+        (QUICKSTART, {"grpo.steps": 0}, {}, "grpo.steps", "at least 1"),
+        (QUICKSTART, ["policy.backend=fdsp"], {}, "policy.backend", "fsdp"),
+        (QUICKSTART, {"env.backend": None}, {"needs_env": True}, "env.backend", "needs an env"),
+        ({"policy": {"backend": "fsdp"}, "grpo": {"stepz": 3}}, (), {}, "grpo.stepz", "grpo.steps"),
+        (OmegaConf.load(QUICKSTART), {"refit.check": "prob"}, {}, "refit.check", "sampled"),
+    ],
+    ids=["mapping-override", "string-override", "needs-env", "dict-config", "omegaconf-config"],
+)
+def test_open_refuses_bad_input_before_anything_starts(
+    no_cluster: None, tmp_path: Path, config: Any, overrides: Any, kw: dict[str, Any], key: str, text: str
+) -> None:
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as info:
+        rlcore.open(config, overrides, out=out, quiet=True, **kw)
+    assert info.value.key == key and text in str(info.value), str(info.value)
+    assert not out.exists()  # nothing created
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers  # the guard left
+
+
+def test_open_takes_a_path_a_mapping_an_omegaconf_or_a_run_config() -> None:
+    over = {"grpo.prompts_per_step": 3, "generation.backend": "megatron", "setup.task_deadline_s": {"init:policy": 60}}
+    from_path = _load(QUICKSTART, over)
+    assert from_path.grpo.prompts_per_step == 3 and from_path.generation.backend == "megatron"
+    assert from_path.setup.task_deadline_s == {"init:policy": 60}
+    for config in (OmegaConf.load(QUICKSTART), dict(OmegaConf.to_container(OmegaConf.load(QUICKSTART))), from_path):
+        loaded = _load(config, ["grpo.steps=2", "env.options.max_operand=5"])
+        assert loaded.name == "quickstart" and loaded.grpo.steps == 2 and loaded.env.options["max_operand"] == 5
+    assert _load(from_path, ()).grpo.prompts_per_step == 3  # a RunConfig is taken as it is
+
+
+# ---------------------------------------------------------------- the services, scripted handles
+
+
+class Sleeper:
+    def __init__(self, name: str, journal: list[str]) -> None:
+        self.name, self.journal = name, journal
+
+    def sleep(self) -> None:
+        self.journal.append(f"{self.name}.sleep")
+
+    def wake(self) -> None:
+        self.journal.append(f"{self.name}.wake")
+
+
+NO_ENV = object()
+
+
+def session(policy: Any = None, generation: Any = None, env: Any = None, **kw: Any) -> Session:
+    """A session over scripted handles (the Sevens env unless ``env``; none with NO_ENV)."""
+    tok = CharTokenizer()
+    config = RunConfig(grpo=GRPOConfig(prompts_per_step=2, samples_per_prompt=3, seed=5), refit=RefitConfig())
+    return Session(
+        config=config, tokenizer=tok,
+        policy=GuardedPolicy(policy or Model(0.5), "pol"),
+        generation=GuardedGeneration(generation or Model(0.5), "gen", eos_ids={3}),
+        env=None if env is NO_ENV else GuardedEnv(env or Sevens(), "sevens"),
+        probe=[([1, 50], [51, 3])],
+        refit=lambda step: RefitReport(step, "disk", 1, 1, 0.01),
+        **kw,
+    )
+
+
+def test_each_call_hands_the_devices_to_the_role_that_needs_them_once() -> None:
+    journal: list[str] = []
+    s = session(handoff=Handoff(Sleeper("policy", journal), Sleeper("generation", journal)))
+    groups = s.rollouts(1)
+    assert journal == ["policy.sleep", "generation.wake"]
+    s.generate(1, [[1, 50]])
+    s.policy.logprobs([([1, 50], [51])])  # the weights stay in place: no turn
+    assert journal == ["policy.sleep", "generation.wake"]
+    batch = [(r["prompt_ids"], r["token_ids"]) for g in groups for r in g]
+    s.train(1, batch, [0.0] * len(batch))
+    assert journal[2:] == ["generation.sleep", "policy.wake"]
+    s.refit(1)
+    s.check_refit(1)  # the probe: the generation answers
+    assert journal[4:] == ["policy.sleep", "generation.wake"]
+    s.to_generation()  # an explicit turn always runs
+    assert journal[6:] == ["policy.sleep", "generation.wake"]
+
+
+def test_rollouts_and_generate_default_to_the_configs_grpo_settings() -> None:
+    requests: list[Any] = []
+
+    class Recording(Sevens):
+        def collect_rollouts(self, request: Any) -> Any:
+            requests.append(request)
+            return super().collect_rollouts(request)
+
+    s = session(env=Recording())
+    groups = s.rollouts(4)
+    assert len(groups) == 2 and all(len(g) == 3 for g in groups) and s.now == "step 4"
+    r = requests[0]
+    assert (r.step, r.prompts, r.samples_per_prompt, r.seed) == (4, 2, 3, 5 * 1_000_003 + 4)
+    assert r.generation is s.generation and r.tokenizer is s.tokenizer
+    assert s.rollouts(4, prompts=1, samples_per_prompt=2, seed=9) and requests[1].seed == 9
+    assert [len(g) for g in s.generate(2, [[1], [1, 2]], n=2)] == [2, 2]
+    with pytest.raises(ConfigError, match="need an env"):
+        session(env=NO_ENV).rollouts(1)
+
+
+def test_check_refit_returns_the_error_or_raises_naming_both_backends_and_the_step() -> None:
+    s = session()
+    assert s.check_refit(2) == pytest.approx(1.0)
+    off = session(generation=Model(0.7))
+    with pytest.raises(DivergenceError, match=r"refit of step 2, .*'gen'.*'pol' disagree on the probe batch") as info:
+        off.check_refit(2)
+    assert info.value.step == 2 and info.value.mult_prob_error == pytest.approx(math.exp(0.2))
+    with pytest.raises(DivergenceError, match=r"refit of step 2, .*tokens step 3 sampled"):
+        off.check_refit(2, generation_logprobs=[[-0.7]], policy_logprobs=[[-0.5]], sampled_by=3)
+    unchecked = session(generation=Model(0.7))
+    unchecked.config.refit.max_mult_prob_error = None  # refit.max_mult_prob_error=null: measured only
+    assert unchecked.check_refit(2) == pytest.approx(math.exp(0.2))
+    with pytest.raises(ValueError, match="both"):
+        s.check_refit(2, generation_logprobs=[[-0.5]])
+
+
+def test_train_stops_a_non_finite_step_naming_backend_and_step() -> None:
+    class Exploding(Model):
+        def train_step(self, *a: Any, **kw: Any) -> dict[str, float]:
+            assert kw == {"clip_eps": 0.2, "lr": 0.005}  # config.grpo's
+            return {"loss": math.nan, "grad_norm": 1.0}
+
+    with pytest.raises(TrainingHealthError) as info:
+        session(policy=Exploding(0.5)).train(7, [([1], [2])], [1.0])
+    assert (info.value.backend, info.value.step, info.value.metric) == ("pol", 7, "loss")
+
+
+def test_a_lost_generation_worker_is_replaced_and_the_call_runs_again() -> None:
+    class DiesOnce(Model):
+        def generate(self, *a: Any, **kw: Any) -> Any:
+            if not self.calls:
+                self.calls.append("died")
+                raise WorkerLost("gen: generate: gen rank 0 died", worker="gen rank 0")
+            return super().generate(*a, **kw)
+
+    losses: list[tuple[str, int, str]] = []
+    s = session(generation=DiesOnce(0.5), on_generation_loss=lambda err, step, phase: losses.append((err.worker, step, phase)))
+    assert s.generate(3, [[1]])[0][0]["token_ids"] == [ord("7"), 3]
+    assert losses == [("gen rank 0", 3, "generate")]
+    with pytest.raises(WorkerLost):  # without replace: the loss ends the run
+        session(generation=DiesOnce(0.5)).generate(3, [[1]])
+
+
+def test_the_env_lends_its_halves_checked_to_a_loop_that_samples_itself() -> None:
+    env = GuardedEnv(Sevens(), "sevens")
+    prompts = env.sample_prompts(2, 1)
+    assert [p.text for p in prompts] == ["3+4=", "3+4="]
+    assert env.score(prompts, [["7", "8"], ["7"]]) == [[1.0, 0.0], [1.0]]
+
+    class Broken(Sevens):
+        def score(self, prompts: Any, completions: Any) -> Any:
+            return [[math.nan] * len(g) for g in completions]
+
+    with pytest.raises(ProtocolError, match="env backend 'broken' broke the contract of score.*finite"):
+        GuardedEnv(Broken(), "broken").score(prompts, [["7"], ["7"]])
+
+    class GymLike:
+        def collect_rollouts(self, request: Any) -> Any:
+            return []
+
+    with pytest.raises(ConfigError, match="'gym' makes its own rollouts.*no score") as info:
+        GuardedEnv(GymLike(), "gym").score(prompts, [["7"], ["7"]])  # type: ignore[arg-type]
+    assert info.value.key == "env.backend"
+
+
+def test_a_session_over_handles_records_and_traces_through_its_callbacks() -> None:
+    lines: list[tuple[dict[str, Any], int]] = []
+    spans: list[tuple[str, int | None]] = []
+    s = session(record=lambda m, step: lines.append((m, step)), span=lambda n, a, b, step: spans.append((n, step)))
+    s.record({"reward/mean": 0.5}, 2)
+    s.span("generate", 0.0, 1.0, step=2)
+    assert lines == [({"reward/mean": 0.5}, 2)] and spans == [("generate", 2)]
+    s.close()
+    s.close()  # nothing to tear down, twice
