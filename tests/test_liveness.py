@@ -104,14 +104,16 @@ def test_a_stopped_worker_ends_the_wait_naming_it(cluster) -> None:
         group.shutdown()
         shutdown_s = time.monotonic() - t1
     err = info.value
-    assert took <= HANG_S + 1.0, f"declared hung after {took:.1f}s"
+    # Without the probe the wait would last the group's call timeout (120 s): the bound is
+    # loose so a loaded machine passes (bench/hang_detection.py measures the real figure).
+    assert took < 10 * HANG_S, f"declared hung after {took:.1f}s"
     assert (err.rank, err.pid, err.phase) == (1, pids[1], "frozen: generate")
     assert err.node == "127.0.0.1"
     text = str(err)
     assert "frozen rank 1" in text and f"pid {pids[1]}" in text and "node 127.0.0.1" in text
     assert "hung during frozen: generate" in text and "stopped" in text
     # The hung rank's peers may wait on it: no graceful teardown, the stopped process SIGKILLed.
-    assert shutdown_s < 5.0
+    assert shutdown_s < 9.0  # the graceful teardown it skips alone would wait 10 s
     assert not any(_alive(p) for p in pids)
     assert LIVENESS.hung() == []
 
@@ -154,7 +156,7 @@ def test_a_worker_stopped_during_shutdown_is_named_and_killed(cluster) -> None:
     assert len(problems) == 1, problems
     assert "closing rank 0" in problems[0] and f"pid {pids[0]}" in problems[0]
     assert "hung during shutdown" in problems[0] and "node 127.0.0.1" in problems[0]
-    assert took < 5.0
+    assert took < 20.0  # bounded: graceful 1 s, exit 2 s, SIGKILL's wait 5 s, with slack
     assert not any(_alive(p) for p in pids)
 
 

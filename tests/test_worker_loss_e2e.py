@@ -117,7 +117,9 @@ def test_vllm_engine_killed_at_three_steps_is_replaced_and_the_run_finishes(tmp_
     check_replaced(chaos, records, steps, "vllm-generation", per_engine=True)
     (hung,) = [r for r in records if r.get("generation/lost_cause") == "hung"]
     stopped = next(k for k in chaos.kills if k.how == "SIGSTOP")
-    assert hung["generation/lost_detected_at"] - stopped.at <= HANG_S + 2.0
+    # Found by the probe, not by the call's timeout (900 s) or Ray's keepalive (minutes);
+    # loose for a loaded machine (bench/hang_detection.py measures the real figure).
+    assert hung["generation/lost_detected_at"] - stopped.at < 10 * HANG_S
 
 
 @pytest.mark.soak  # the same replacement path as vLLM's above, with another backend
