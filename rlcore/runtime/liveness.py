@@ -43,6 +43,22 @@ DEFAULT_HANG_TIMEOUT_S = 30.0
 _STOPPED = ("stopped", "tracing-stop")
 
 
+def is_stopped(proc: Any) -> bool:
+    """Whether ``proc`` (a ``psutil.Process``) is stopped (SIGSTOP, a tracer); False once gone."""
+    import psutil
+
+    try:
+        return proc.status() in _STOPPED
+    except psutil.Error:
+        return False
+
+
+def describe_worker(group: str, role: str | None, rank: int, node: str, pid: int | None) -> str:
+    """``<group> rank <r> (role <role>, node <address>, pid <pid>)``: how errors name a worker."""
+    who = f"role {role}, " if role else ""
+    return f"{group} rank {rank} ({who}node {node}, pid {pid})"
+
+
 def liveness_answer() -> dict[str, Any]:
     """What a worker answers a probe (runs in the worker, on the probe's thread): its pid,
     its node's address and its child processes that are stopped (a frozen server)."""
@@ -52,7 +68,7 @@ def liveness_answer() -> dict[str, Any]:
     with contextlib.suppress(psutil.Error):
         for child in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.Error):
-                if child.status() in _STOPPED:
+                if is_stopped(child):
                     stopped.append({"pid": child.pid, "name": child.name()})
     node_ip = "?"
     with contextlib.suppress(Exception):
@@ -97,8 +113,7 @@ class Hang:
     cause: str
 
     def describe(self) -> str:
-        role = f"role {self.role}, " if self.role else ""
-        return f"{self.group} rank {self.rank} ({role}node {self.node_ip}, pid {self.pid})"
+        return describe_worker(self.group, self.role, self.rank, self.node_ip, self.pid)
 
 
 @dataclass

@@ -23,7 +23,14 @@ from typing import Any
 from rlcore.errors import Cancelled, ConfigError, DeadlineExceeded, WorkerError, WorkerLost
 from rlcore.placement import Network, RolePlacement
 from rlcore.runtime.gate import RAY_GATE, RayGate  # noqa: F401  (re-exported: callers import them from here)
-from rlcore.runtime.liveness import LIVENESS, PROBE_GROUP, PROBE_METHOD, liveness_answer
+from rlcore.runtime.liveness import (
+    LIVENESS,
+    PROBE_GROUP,
+    PROBE_METHOD,
+    describe_worker,
+    is_stopped,
+    liveness_answer,
+)
 from rlcore.waiting import CancelToken, Deadline
 
 log = logging.getLogger(__name__)
@@ -671,14 +678,14 @@ class WorkerGroup:
 
     def _stopped(self, rank: int) -> bool:
         """Whether rank ``rank``'s process, or one of its children, is stopped (this host only)."""
-        return any(_is_stopped(p) for p in self._local_processes_of([rank]))
+        return any(is_stopped(p) for p in self._local_processes_of([rank]))
 
     def _late_line(self, rank: int, graceful_s: float) -> str:
-        where = LIVENESS.where(id(self), rank)
-        role = f"role {self.placement.role}, " if self.placement is not None else ""
+        role = self.placement.role if self.placement is not None else None
+        who = describe_worker(self.name, role, rank, LIVENESS.where(id(self), rank), self._processes[rank][1])
         return (
-            f"{self.name} rank {rank} ({role}node {where}, pid {self._processes[rank][1]}) hung during "
-            f"shutdown: its teardown did not return within {graceful_s:g}s and its process is stopped; killed"
+            f"{who} hung during shutdown: its teardown did not return within {graceful_s:g}s "
+            "and its process is stopped; killed"
         )
 
 
@@ -692,15 +699,6 @@ def _node_addresses() -> dict[str, str]:
     except Exception as err:  # naming the node is a courtesy: never fail a start for it
         log.debug("cannot list the cluster's nodes: %s", err)
         return {}
-
-
-def _is_stopped(proc: Any) -> bool:
-    import psutil
-
-    try:
-        return proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
-    except psutil.Error:
-        return False
 
 
 def _kill_all(procs: Sequence[Any]) -> None:
