@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from omegaconf import OmegaConf
-from test_grpo import CharTokenizer, Model, Sevens
+from test_grpo import CharTokenizer, Model, Sevens, Sleeper
 
 import rlcore
 from rlcore.app.health import TrainingHealthError
@@ -66,17 +66,6 @@ def test_open_takes_a_path_a_mapping_an_omegaconf_or_a_run_config() -> None:
 
 
 # ---------------------------------------------------------------- the services, scripted handles
-
-
-class Sleeper:
-    def __init__(self, name: str, journal: list[str]) -> None:
-        self.name, self.journal = name, journal
-
-    def sleep(self) -> None:
-        self.journal.append(f"{self.name}.sleep")
-
-    def wake(self) -> None:
-        self.journal.append(f"{self.name}.wake")
 
 
 NO_ENV = object()
