@@ -805,7 +805,7 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
 
     from rlcore.config import cache_dir, load_config
-    from rlcore.tinymodel import ensure_model
+    from rlcore.models.tiny import ensure_model
 
     scratch = Path(tempfile.mkdtemp(prefix="first-step-"))
     overrides = list(args.overrides)

@@ -117,8 +117,8 @@ def _engine_main() -> None:
     import torch.distributed as dist
 
     from rlcore.config import cache_dir, load_config
-    from rlcore.tinymodel import ensure_model
-    from rlcore.tokenizer import load as load_tokenizer
+    from rlcore.models.tiny import ensure_model
+    from rlcore.models.tokenizer import load as load_tokenizer
     from rlcore_arithmetic.task import make_prompts
     from rlcore_megatron import convert
     from rlcore_megatron.handle import _options
@@ -155,7 +155,7 @@ def floor_s(config_path: str, overrides: list[str], workdir: Path) -> float:
     import first_step
 
     from rlcore.config import cache_dir, load_config
-    from rlcore.tinymodel import ensure_model
+    from rlcore.models.tiny import ensure_model
 
     config = load_config(config_path, overrides)
     model_dir = str(ensure_model(config.model, cache_dir(config)))

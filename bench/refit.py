@@ -42,11 +42,11 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
 
     from rlcore.config import load_config
+    from rlcore.errors import CancelToken
     from rlcore.runtime.cluster import Cluster
     from rlcore.runtime.workers import ray_get
     from rlcore.setup.registry import load_registry
     from rlcore.setup.runner import refit_context, run_setup
-    from rlcore.waiting import CancelToken
 
     with tempfile.TemporaryDirectory() as tmp:
         config = load_config(args.config, [*DEFAULTS, f"setup.cache_dir={tmp}/cache", *args.overrides])

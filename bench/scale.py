@@ -4,7 +4,7 @@ Synthetic declarations of 10, 100 and 1,000 worker groups (one policy, generatio
 replicas, environments: :mod:`rlcore.testing.synthetic` says the mix), planned by
 :func:`rlcore.setup.planner.plan_groups` and run by :func:`rlcore.setup.executor.execute`
 with instant tasks: each task only waits, inside its init, for what the plan says it
-waits for (an artifact or the endpoint, through an :class:`rlcore.events.EventBoard`)
+waits for (an artifact or the endpoint, through an :class:`rlcore.setup.events.EventBoard`)
 and posts what it produces. So the figures are the core's own cost per group:
 planning, threads, scheduling, events. Prints one row per size and the ratio to the
 row before (x10 groups: linear is ~10x), and writes ``bench/results/scale.txt``.

@@ -33,8 +33,8 @@ def _context(config: Any, backend: str, options_cls: type, run_dir: Path) -> Any
     from rlcore.config import resolve_options
     from rlcore.context import InitContext
     from rlcore.declarations import Role
-    from rlcore.events import EventBoard
-    from rlcore.waiting import CancelToken, Deadline
+    from rlcore.errors import CancelToken, Deadline
+    from rlcore.setup.events import EventBoard
 
     cancel = CancelToken()
     return InitContext(

@@ -9,14 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlcore.config.placement import DeviceGroup, Network, RolePlacement, role_placement
 from rlcore.declarations import Role
-from rlcore.events import EventBoard
-from rlcore.placement import DeviceGroup, Network, RolePlacement, role_placement
-from rlcore.waiting import CancelToken, Deadline
+from rlcore.errors import CancelToken, Deadline
 
 if TYPE_CHECKING:
     from rlcore.config import RunConfig
     from rlcore.refit.sessions import RefitSessions
+    from rlcore.setup.events import EventBoard
 
 _KEY_RE = re.compile(r"[^A-Za-z0-9_.\-]+")
 
@@ -45,12 +45,12 @@ class InitContext:
         needed_artifacts: the artifacts this init produces that another selected
             backend needs under this config (from the plan); None when the context
             was not made from a plan (then :meth:`artifact_needed` says yes to all).
-        network: who reaches this run's servers (:class:`rlcore.placement.Network`):
+        network: who reaches this run's servers (:class:`rlcore.config.placement.Network`):
             with ``network.readers_elsewhere`` a server binds its node's address
             (:func:`rlcore.runtime.workers.server_host`) and checks ``network.token``
             (:class:`rlcore.serve.auth.BearerGuard`); otherwise loopback, no token.
             Set by the core from the placement; the default is a single node.
-        devices: the run's GPU bundles (:class:`rlcore.placement.DeviceGroup`), reserved
+        devices: the run's GPU bundles (:class:`rlcore.config.placement.DeviceGroup`), reserved
             by the core on a cluster with GPUs; ``None`` elsewhere. Read through
             :attr:`placement`, which puts each rank in its bundle.
     """

@@ -5,7 +5,7 @@ This module is the second half of the contract (the first is
 lives in the driver process and usually drives Ray actors it owns. The core
 calls a backend only through the protocols below, so their docstrings fix every
 data format. ``rlcore.testing.BackendConformance`` holds a backend to them and
-the run loop checks what comes back (:mod:`rlcore.guards`).
+the run loop checks what comes back (:mod:`rlcore.app.guards`).
 
 Conventions every backend follows
 =================================
@@ -221,7 +221,7 @@ class RolloutRequest:
             OpenAI-compatible endpoint ignore it.
         tokenizer: the run's Hugging Face tokenizer (to encode prompts, decode
             completions): transformers' ``AutoTokenizer`` of the run's model
-            (:func:`rlcore.tokenizer.load`).
+            (:func:`rlcore.models.tokenizer.load`).
     """
 
     step: int
@@ -240,7 +240,7 @@ class EnvHandle(BackendHandle, Protocol):
 
     One interface for both kinds of env: a prompt-and-score env samples through
     ``request.generation`` and scores the texts (subclass
-    :class:`rlcore.envs.PromptAndScoreEnv`, which does this for you); an env that
+    :class:`rlcore.handles.PromptAndScoreEnv`, which does this for you); an env that
     drives the model itself (NeMo Gym, through the generation endpoint) ignores it.
     """
 
@@ -328,3 +328,53 @@ class RefitReceiver(Protocol):
         resolve once every worker has loaded every tensor. A failure leaves the
         engine refusing to sample until a refit succeeds, never serving mixed weights."""
         ...
+
+
+# A base for envs that make prompts and score completions (the simplest kind of env).
+class Prompt(Protocol):
+    """What :meth:`PromptAndScoreEnv.sample_prompts` returns: at least the prompt's text."""
+
+    text: str
+
+
+class PromptAndScoreEnv:
+    """An env that makes prompts and scores completion texts; the core samples."""
+
+    def sample_prompts(self, n: int, step: int) -> Sequence[Prompt]:
+        """``n`` prompts for ``step`` (the same step gives the same prompts)."""
+        raise NotImplementedError
+
+    def score(self, prompts: Sequence[Any], completions: Sequence[Sequence[str]]) -> list[list[float]]:
+        """One reward per completion text (special tokens removed), per prompt."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Nothing to release by default."""
+
+    def collect_rollouts(self, request: RolloutRequest) -> list[list[Rollout]]:
+        """Sample ``request.samples_per_prompt`` completions of each prompt through
+        ``request.generation``, then score their texts."""
+        tok = request.tokenizer
+        prompts = list(self.sample_prompts(request.prompts, request.step))
+        prompt_ids = [list(tok(p.text).input_ids) for p in prompts]
+        groups = request.generation.generate(
+            prompt_ids,
+            n=request.samples_per_prompt,
+            max_tokens=request.max_new_tokens,
+            temperature=request.temperature,
+            seed=request.seed,
+        )
+        texts = [[tok.decode(s["token_ids"], skip_special_tokens=True) for s in g] for g in groups]
+        rewards = self.score(prompts, texts)
+        return [
+            [
+                Rollout(
+                    prompt_ids=pid,
+                    token_ids=list(s["token_ids"]),
+                    logprobs=list(s["logprobs"]),
+                    reward=float(r),
+                )
+                for s, r in zip(group, group_rewards, strict=True)
+            ]
+            for pid, group, group_rewards in zip(prompt_ids, groups, rewards, strict=True)
+        ]

@@ -42,8 +42,8 @@ import pluggy
 if TYPE_CHECKING:
     from rlcore.context import InitContext
     from rlcore.declarations import BackendDeclaration
+    from rlcore.errors import CancelToken, Deadline
     from rlcore.handles import BackendHandle
-    from rlcore.waiting import CancelToken, Deadline
 
 PROJECT = "rlcore"
 

@@ -60,8 +60,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rlcore.errors import Cancelled, DeadlineExceeded, PublishError
-from rlcore.waiting import CancelToken, Deadline, wait_until
+from rlcore.errors import (
+    Cancelled,
+    CancelToken,
+    Deadline,
+    DeadlineExceeded,
+    PublishError,
+    wait_until,
+)
 
 log = logging.getLogger(__name__)
 

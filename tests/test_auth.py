@@ -6,12 +6,12 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from rlcore.config.placement import TOKEN_ENV, Network
 from rlcore.errors import RlcoreError
-from rlcore.placement import TOKEN_ENV, Network
+from rlcore.models.tiny import build_tokenizer
 from rlcore.serve.auth import BearerGuard, authorized
 from rlcore.serve.openai_endpoint import OpenAIEndpoint
 from rlcore.testing.fixtures import outward_address
-from rlcore.tinymodel import build_tokenizer
 
 
 class _Engine:

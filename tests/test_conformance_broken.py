@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from rlcore.declarations import BackendDeclaration, Role, Transport
-from rlcore.envs import PromptAndScoreEnv
+from rlcore.handles import PromptAndScoreEnv
 from rlcore.hookspecs import hookimpl
 from rlcore.testing.peers import (
     REFERENCE_TRANSPORTS,
@@ -402,9 +402,9 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     import ray
 
     from rlcore.config import ClusterConfig, ModelConfig
+    from rlcore.models.tiny import ensure_model
     from rlcore.runtime.cluster import Cluster
     from rlcore.runtime.workers import WorkerGroup
-    from rlcore.tinymodel import ensure_model
 
     ray_pickle = ray.cloudpickle
     ray_pickle.register_pickle_by_value(sys.modules[__name__])

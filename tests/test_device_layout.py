@@ -1,4 +1,4 @@
-"""GPU bundles (rlcore.placement.device_layout): counted as Ray counts them, refused in one
+"""GPU bundles (rlcore.config.placement.device_layout): counted as Ray counts them, refused in one
 line when they cannot fit, shown by ``rlcore plan``, and reserved for real: colocated
 ranks land in one bundle and share its GPU.
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from rlcore.config import load_config
+from rlcore.config.placement import device_layout, role_placement
 from rlcore.errors import ConfigError
-from rlcore.placement import device_layout, role_placement
 from rlcore.setup.preflight import check_resources
 
 REPO = Path(__file__).resolve().parents[1]

@@ -44,9 +44,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     import ray
 
     from rlcore.config import ClusterConfig, ModelConfig
+    from rlcore.models.tiny import ensure_model
     from rlcore.runtime.cluster import Cluster
     from rlcore.runtime.workers import WorkerGroup
-    from rlcore.tinymodel import ensure_model
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cluster = Cluster(ClusterConfig(num_cpus=2)).start()
@@ -71,9 +71,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
 
 def _diagnose(policy: Any, engine: Any, model: str, tmp_path: Path) -> str:
     from rlcore.config import load_config
+    from rlcore.errors import CancelToken
     from rlcore.refit.sessions import RefitSessions
     from rlcore.setup.runner import refit_context
-    from rlcore.waiting import CancelToken
 
     config = load_config(QUICKSTART, [f"setup.cache_dir={tmp_path}", "refit.timeout_s=30"])
     return diagnose_divergence(
@@ -92,10 +92,10 @@ def _diagnose(policy: Any, engine: Any, model: str, tmp_path: Path) -> str:
 
 def _refit(policy: Any, engine: Any, tmp_path: Path) -> None:
     from rlcore.config import load_config
+    from rlcore.errors import CancelToken
     from rlcore.refit.sessions import RefitSessions
     from rlcore.refit.sync import refit
     from rlcore.setup.runner import refit_context
-    from rlcore.waiting import CancelToken
 
     config = load_config(QUICKSTART, [f"setup.cache_dir={tmp_path}", "refit.timeout_s=30"])
     sessions = RefitSessions()

@@ -7,10 +7,17 @@ import time
 
 import pytest
 
-from rlcore.errors import Cancelled, DeadlineExceeded, PlanError, SetupError
-from rlcore.events import EventBoard
+from rlcore.errors import (
+    Cancelled,
+    CancelToken,
+    Deadline,
+    DeadlineExceeded,
+    PlanError,
+    SetupError,
+    wait_until,
+)
+from rlcore.setup.events import EventBoard
 from rlcore.setup.executor import ExecutionResult, TaskRun, TaskSpec, execute
-from rlcore.waiting import CancelToken, Deadline, wait_until
 
 
 class Boom(RuntimeError):

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from rlcore.config.placement import Network
 from rlcore.errors import RlcoreError
-from rlcore.placement import Network
 from rlcore.runtime.generation_group import EngineWorker, GroupGeneration, prompt_seed
 
 

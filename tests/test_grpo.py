@@ -14,12 +14,11 @@ from rlcore.app.grpo import (
     run_grpo,
     token_mult_prob_error,
 )
+from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.recovery import GenerationRecovery
 from rlcore.config import GRPOConfig, RefitConfig, load_config
-from rlcore.envs import PromptAndScoreEnv
 from rlcore.errors import DivergenceError, ProtocolError, WorkerLost
-from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
-from rlcore.handles import RefitReport
+from rlcore.handles import PromptAndScoreEnv, RefitReport
 
 QUICKSTART = str(Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml")
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.errors import ProtocolError
-from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.handles import RolloutRequest
 
 BATCH = [([1, 2], [3, 4, 5]), ([1], [6])]

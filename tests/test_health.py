@@ -11,10 +11,10 @@ from test_grpo import CharTokenizer, Model, Sevens
 
 from rlcore.app import cli
 from rlcore.app.grpo import probe_batch, run_grpo
+from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.health import TrainingHealthError, reward_trend, trend_line
 from rlcore.config import GRPOConfig
 from rlcore.errors import ConfigError, RefitError
-from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.handles import RefitReport
 
 

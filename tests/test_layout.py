@@ -1,7 +1,7 @@
 """The package layout is the architecture: each part of ``rlcore/`` imports only the parts
 below it, and the README's map names every module.
 
-Layers, lowest first: the contract (top-level modules), ``runtime/``, ``refit/``,
+Layers, lowest first: the contract (top-level modules) and ``config/``, ``models/`` and ``runtime/``, ``refit/``,
 ``setup/`` and ``serve/``, ``app/``, ``testing/``. Imports under ``TYPE_CHECKING`` do not
 count (they cost nothing at run time and cannot form cycles). The package's ``__init__``
 resolves the library's names (``rlcore.open``) from ``app/`` at their first use, by module
@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rlcore"
-LAYER = {"contract": 0, "runtime": 1, "refit": 2, "setup": 3, "serve": 3, "app": 4, "testing": 5}
+LAYER = {"contract": 0, "config": 0, "models": 1, "runtime": 1, "refit": 2, "setup": 3, "serve": 3, "app": 4, "testing": 5}
 
 
 def _part(module: str) -> str:
@@ -87,3 +87,10 @@ def test_the_layering_check_sees_an_upward_import() -> None:
     """The check above would pass vacuously if it parsed nothing: feed it a violation."""
     tree = ast.parse("from rlcore.app.run import main\nif TYPE_CHECKING:\n    from rlcore.app import cli\n")
     assert _runtime_imports(tree) == [(1, "rlcore.app.run")]
+
+
+def test_the_top_level_holds_only_the_contract() -> None:
+    """A newcomer sees the contract first: at most 8 modules beside the subpackages."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 8, f"rlcore/ holds {len(top)} modules: {top}"
+    assert {"hookspecs.py", "declarations.py", "handles.py", "context.py"} <= set(top)

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from rlcore.errors import NotServingError, RlcoreError
+from rlcore.models.tiny import build_tokenizer
 from rlcore.serve.openai_endpoint import OpenAIEndpoint, RequestBatcher
-from rlcore.tinymodel import build_tokenizer
 
 EOS = 2
 

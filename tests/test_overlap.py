@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from rlcore import tinymodel
 from rlcore.app import overlap
 from rlcore.config import ModelConfig
+from rlcore.models import tiny as tinymodel
 from rlcore.publish import is_complete
 
 

@@ -1,11 +1,11 @@
-"""rlcore.placement: a role's node selector in Ray's terms, and when a run spans nodes."""
+"""rlcore.config.placement: a role's node selector in Ray's terms, and when a run spans nodes."""
 
 from __future__ import annotations
 
 import pytest
 
 from rlcore.config import load_config
-from rlcore.placement import Network, NodeInfo, RolePlacement, role_placement, spans_nodes
+from rlcore.config.placement import Network, NodeInfo, RolePlacement, role_placement, spans_nodes
 
 BASE = ["policy.backend=fsdp", "generation.backend=vllm"]
 NODES = [

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from rlcore import publish
-from rlcore.errors import Cancelled, DeadlineExceeded, PublishError
+from rlcore.errors import Cancelled, CancelToken, Deadline, DeadlineExceeded, PublishError
 from rlcore.publish import (
     MARKER_NAME,
     STAGING_PREFIX,
@@ -30,7 +30,6 @@ from rlcore.publish import (
     read_marker,
     wait_for_artifact,
 )
-from rlcore.waiting import CancelToken, Deadline
 
 if TYPE_CHECKING:
     from conftest import LeakCheck

@@ -8,11 +8,10 @@ from typing import Any
 import pytest
 
 from rlcore.config import load_config
-from rlcore.errors import RefitError
+from rlcore.errors import CancelToken, RefitError
 from rlcore.refit import transports
 from rlcore.refit.sessions import RefitSessions
 from rlcore.setup.runner import refit_context
-from rlcore.waiting import CancelToken
 
 
 class Side:

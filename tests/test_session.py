@@ -18,11 +18,11 @@ from omegaconf import OmegaConf
 from test_grpo import CharTokenizer, Model, Sevens, Sleeper
 
 import rlcore
+from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.health import TrainingHealthError
 from rlcore.app.session import Handoff, Session, _load
 from rlcore.config import GRPOConfig, RefitConfig, RunConfig
 from rlcore.errors import ConfigError, DivergenceError, ProtocolError, WorkerLost
-from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.handles import RefitReport
 
 QUICKSTART = str(Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml")

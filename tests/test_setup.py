@@ -457,7 +457,7 @@ def test_env_that_never_gets_its_endpoint_times_out_in_its_wait(tmp_path: Path, 
 
 
 def test_external_cancel_stops_setup(tmp_path: Path, leaks) -> None:
-    from rlcore.waiting import CancelToken
+    from rlcore.errors import CancelToken
 
     journal = Journal()
     registry, _ = registry_with(journal)

@@ -1,4 +1,4 @@
-"""rlcore.tokenizer: the tiny model's tokenizer is transformers' own, chat template included."""
+"""rlcore.models.tokenizer: the tiny model's tokenizer is transformers' own, chat template included."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rlcore import tinymodel, tokenizer
 from rlcore.config import ModelConfig
+from rlcore.models import tiny as tinymodel
+from rlcore.models import tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import pytest
 from test_grpo import CharTokenizer, Model, Sevens
 
 from rlcore.app.grpo import probe_batch, run_grpo, token_mult_prob_error
+from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.recovery import (
     MAX_LOSSES_PER_PHASE,
     GenerationRecovery,
@@ -20,7 +21,6 @@ from rlcore.app.recovery import (
 )
 from rlcore.config import GRPOConfig, load_config
 from rlcore.errors import ConfigError, DivergenceError, WorkerError, WorkerLost
-from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.handles import RefitReport
 from rlcore.refit.sessions import RefitSessions, Session
 from rlcore.setup.executor import ExecutionResult, _Teardown

@@ -9,11 +9,10 @@ import time
 import pytest
 
 from rlcore.config import ClusterConfig
-from rlcore.errors import Cancelled, DeadlineExceeded
+from rlcore.errors import Cancelled, CancelToken, Deadline, DeadlineExceeded
 from rlcore.runtime import workers
 from rlcore.runtime.workers import DistributedWorker, WorkerError, WorkerGroup, actor_runtime_env
 from rlcore.testing.waits import wait_for
-from rlcore.waiting import CancelToken, Deadline
 
 ray = pytest.importorskip("ray")
 

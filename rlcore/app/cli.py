@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from rlcore.declarations import BackendDeclaration
     from rlcore.setup.registry import PluginFailure, Registry
 
-DEFAULT_EXAMPLE = "quickstart.yaml"
 #: Exit codes (README, "Exit codes"): bad input refused before anything started; a
 #: failure once the run had started (setup, a step, a refit, its check, training health).
 #: Interrupts exit 128 + the signal's number (130 for SIGINT, 143 for SIGTERM).
@@ -46,15 +45,6 @@ def _console(stderr: bool = False) -> Console:
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() else PIPE_WIDTH
     return Console(stderr=stderr, highlight=False, soft_wrap=True, width=width)
-
-
-def default_config_path() -> Path | None:
-    """The default example: ``examples/quickstart.yaml`` beside the package or in the cwd."""
-    for base in (Path.cwd(), Path(__file__).resolve().parent.parent):
-        candidate = base / "examples" / DEFAULT_EXAMPLE
-        if candidate.is_file():
-            return candidate
-    return None
 
 
 # ---------------------------------------------------------------- plugins
@@ -209,6 +199,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         signum_of,
     )
     from rlcore.app.run import run_job
+    from rlcore.config import DEFAULT_EXAMPLE, default_config_path
 
     config_path = args.config or default_config_path()
     if config_path is None:

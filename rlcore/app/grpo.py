@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.refit_check import (  # the refit check's helpers, where they were before
     PROBE_TEXTS,
     check_divergence,
@@ -25,7 +26,6 @@ from rlcore.app.refit_check import (  # the refit check's helpers, where they we
 from rlcore.app.session import Handoff, Session
 from rlcore.config import REFIT_CHECKS, GRPOConfig, RefitConfig, RunConfig
 from rlcore.errors import DivergenceError, ProtocolError
-from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.handles import Pair
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 The driver has work of its own that needs neither the cluster nor the started
 backends: the tiny model when it is not cached yet (torch and transformers imported,
-weights written), the tokenizer the GRPO loop encodes with (:func:`rlcore.tokenizer.load`:
+weights written), the tokenizer the GRPO loop encodes with (:func:`rlcore.models.tokenizer.load`:
 seconds, transformers imported), the setup timeline plot (matplotlib). Done in line, each adds its seconds to
 the time from command to first step. Here each runs in a daemon thread started as soon
 as its inputs exist, checks passed, and the run joins it where it needs the result:
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rlcore.config import ModelConfig
-from rlcore.waiting import CancelToken
+from rlcore.errors import CancelToken
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def _key(model: ModelConfig, cache_dir: Path) -> tuple[str, str]:
 def prefetch_tokenizer(model: ModelConfig, cache_dir: Path, cancel: CancelToken | None = None) -> Background:
     """Start making the run's model (when it is the tiny one) and loading its tokenizer;
     :func:`tokenizer` collects the result. A second call for the same model reuses the first."""
-    from rlcore.tinymodel import load_tokenizer
+    from rlcore.models.tiny import load_tokenizer
 
     with _tokenizers_lock:
         job = _tokenizers.get(_key(model, cache_dir))
@@ -111,7 +111,7 @@ def tokenizer(model: ModelConfig, cache_dir: Path) -> Any:
             return job.result()
         except Exception as err:  # noqa: BLE001 - retried below, where it raises for real
             log.debug("the tokenizer prefetch failed (%s); loading it again", err)
-    from rlcore.tinymodel import load_tokenizer
+    from rlcore.models.tiny import load_tokenizer
 
     return load_tokenizer(model, cache_dir)
 

@@ -5,7 +5,7 @@ crashed engine) makes the next call on it fail with
 :class:`~rlcore.errors.WorkerLost`, within one polling slice plus the settle
 time of :func:`rlcore.runtime.workers.ray_get` (about 2 s) once Ray sees the actor die.
 Whose worker it was is said by the caller that knows: the loop's generation
-(:class:`rlcore.guards.GuardedGeneration`) for ``generate`` and ``logprobs``, the core's refit
+(:class:`rlcore.app.guards.GuardedGeneration`) for ``generate`` and ``logprobs``, the core's refit
 (:mod:`rlcore.refit.sync`) for a refit. Only a loss known to be the generation's is
 replaced; a lost policy rank (or an env's worker) still aborts the run with the error
 that names it, as does every loss under the default ``abort``.
@@ -60,10 +60,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rlcore.errors import WorkerLost
-from rlcore.guards import GuardedGeneration
+from rlcore.app.guards import GuardedGeneration
+from rlcore.errors import CancelToken, WorkerLost
 from rlcore.runtime.liveness import WorkerHung
-from rlcore.waiting import CancelToken
 
 log = logging.getLogger(__name__)
 

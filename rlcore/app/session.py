@@ -52,6 +52,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from rlcore.app import overlap
+from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.health import check_train_health, reward_trend, trend_line
 from rlcore.app.interrupts import RunInterrupted, SignalGuard, signal_name, signum_of
 from rlcore.app.plots import plot_reward, plot_setup_timeline
@@ -60,10 +61,9 @@ from rlcore.app.recovery import GenerationRecovery, retry_on_generation_loss
 from rlcore.app.refit_check import check_divergence, probe_batch, token_mult_prob_error
 from rlcore.app.rundir import RunStatus, close_records, make_run_dir
 from rlcore.config import RunConfig, cache_dir, load_config
-from rlcore.errors import ConfigError, DivergenceError, RunDirError
-from rlcore.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
+from rlcore.config.placement import Network
+from rlcore.errors import CancelToken, ConfigError, DivergenceError, RunDirError
 from rlcore.handles import MemoryHandoff, Pair, RefitReport, Rollout, RolloutRequest, Sample
-from rlcore.placement import Network
 from rlcore.runtime.cluster import Cluster
 from rlcore.runtime.workers import forget_placed, placed_groups
 from rlcore.setup.metrics import MetricsWriter, write_atomic
@@ -71,7 +71,6 @@ from rlcore.setup.preflight import check_before_start
 from rlcore.setup.registry import load_registry
 from rlcore.setup.runner import SetupResult, run_setup
 from rlcore.setup.trace import TraceRecorder
-from rlcore.waiting import CancelToken
 
 if TYPE_CHECKING:
     from rlcore.errors import WorkerLost
@@ -192,7 +191,7 @@ def _load(config: ConfigLike, overrides: Sequence[str] | Mapping[str, Any]) -> R
         overrides = [f"{key}={json.dumps(value)}" for key, value in overrides.items()]
     overrides = list(overrides)
     if config is None:
-        from rlcore.app.cli import DEFAULT_EXAMPLE, default_config_path
+        from rlcore.config import DEFAULT_EXAMPLE, default_config_path
 
         config = default_config_path()
         if config is None:
@@ -221,15 +220,15 @@ class Session:
         setup_metrics: the setup's ``timing/setup/*`` metrics, as in ``metrics.jsonl``.
         run_dir: the run directory (``None`` over handles started otherwise).
         transport: the refit transport (``collective``, ``disk``, ``shared_memory``, ...).
-        policy: the policy (:class:`~rlcore.guards.GuardedPolicy`: ``logprobs(batch)``,
+        policy: the policy (:class:`~rlcore.app.guards.GuardedPolicy`: ``logprobs(batch)``,
             ``train_step(...)``; every result checked, naming the backend).
-        generation: the generation (:class:`~rlcore.guards.GuardedGeneration`:
+        generation: the generation (:class:`~rlcore.app.guards.GuardedGeneration`:
             ``generate(...)``, ``logprobs(batch)``).
-        env: the env (:class:`~rlcore.guards.GuardedEnv`: ``collect_rollouts(request)``,
+        env: the env (:class:`~rlcore.app.guards.GuardedEnv`: ``collect_rollouts(request)``,
             and for a prompt-and-score env ``sample_prompts(n, step)`` and
             ``score(prompts, texts)``), or ``None`` without ``env.backend``.
         tokenizer: the run's tokenizer (``tokenizer(text).input_ids``, ``encode``,
-            ``decode``, ``eos_token_id``: :func:`rlcore.tokenizer.load`).
+            ``decode``, ``eos_token_id``: :func:`rlcore.models.tokenizer.load`).
         probe: the fixed batch a probe refit check compares (``refit.probe_prompts`` pairs).
     """
 
@@ -600,11 +599,11 @@ class Session:
     def _diagnosis(self) -> str:
         """Whose bug a failed refit check is (:mod:`rlcore.app.diagnose`), in one sentence."""
         from rlcore.app.diagnose import diagnose_divergence
+        from rlcore.models.tiny import ensure_model
         from rlcore.refit.capture import file_transport_first
         from rlcore.refit.sessions import RefitSessions
         from rlcore.setup.planner import detect_accelerator
         from rlcore.setup.runner import refit_context
-        from rlcore.tinymodel import ensure_model
 
         run = self._run
         assert run is not None and run.setup is not None

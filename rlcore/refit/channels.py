@@ -347,8 +347,8 @@ def receive_weights(
         return
     from safetensors import safe_open
 
+    from rlcore.errors import Deadline
     from rlcore.publish import wait_for_artifact
-    from rlcore.waiting import Deadline
 
     directory = wait_for_artifact(step_dir(spec, step), deadline=Deadline(spec.timeout_s, "refit files"))
     for i, bucket in enumerate(buckets):
@@ -395,8 +395,8 @@ def ceiling(spec: ChannelSpec, rank: int, step: int, nbytes: int) -> float:
         if ch.device.type == "cuda":
             torch.cuda.synchronize()
         return time.monotonic() - t0
+    from rlcore.errors import Deadline
     from rlcore.publish import publish_dir, wait_for_artifact
-    from rlcore.waiting import Deadline
 
     directory = step_dir(spec, step)
     if rank == 0:

@@ -17,8 +17,8 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rlcore.errors import Deadline
 from rlcore.refit import transports
-from rlcore.waiting import Deadline
 
 if TYPE_CHECKING:
     from rlcore.context import RefitContext

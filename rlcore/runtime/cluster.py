@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from rlcore.config import ROLE_SECTIONS, ClusterConfig, RunConfig
-from rlcore.placement import (
+from rlcore.config.placement import (
     DeviceGroup,
     Network,
     NodeInfo,
@@ -237,11 +237,11 @@ class Cluster:
             return self
 
     def network(self, config: RunConfig) -> Network:
-        """Who reaches the run's servers (:class:`rlcore.placement.Network`), decided once.
+        """Who reaches the run's servers (:class:`rlcore.config.placement.Network`), decided once.
 
         The embedded cluster is one node: loopback, no token. On a joined cluster, the
         nodes each selected role may land on (``placement.nodes``) and the driver's node
-        are looked up (:func:`rlcore.placement.spans_nodes`): more than one node gives
+        are looked up (:func:`rlcore.config.placement.spans_nodes`): more than one node gives
         readers elsewhere and a fresh per-run token.
         """
         if self._network is None:
@@ -264,16 +264,15 @@ class Cluster:
 
     def reserve_devices(self, config: RunConfig, timeout_s: float = 120.0) -> DeviceGroup | None:
         """Reserve the GPU bundles of the policy and generation ranks as one Ray placement
-        group (:func:`rlcore.placement.device_layout`, the layout the preflight counted and
+        group (:func:`rlcore.config.placement.device_layout`, the layout the preflight counted and
         ``rlcore plan`` shows); ``None`` on a cluster without GPUs. Waits ``timeout_s`` for
         Ray to place it; a cluster that cannot hold it is refused naming both counts.
         Removed again by :meth:`shutdown`."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        from rlcore.errors import ConfigError
+        from rlcore.errors import ConfigError, Deadline
         from rlcore.runtime.workers import ray_get
-        from rlcore.waiting import Deadline
 
         with RAY_GATE.call("reserving the run's GPUs"):
             have = ray.cluster_resources().get("GPU", 0.0)

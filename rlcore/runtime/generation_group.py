@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from rlcore.context import InitContext
-    from rlcore.waiting import Deadline
+    from rlcore.errors import Deadline
 
 
 def prompt_seed(seed: int, index: int) -> int:
@@ -286,7 +286,7 @@ class EngineWorker(DistributedWorker):
         options: the backend's options (``port``, ``served_model_name`` where it serves).
         log_dir: where the engine's server writes its log.
         seed: the engine's seed.
-        network: the run's :class:`rlcore.placement.Network`: where a server binds, its token.
+        network: the run's :class:`rlcore.config.placement.Network`: where a server binds, its token.
         cuda: whether the engine runs on a GPU, as the handle decided from the cluster (Ray
             then gives the actor one); None (a worker built directly, a test) asks torch.
         specs_cache: the run's cache directory, where

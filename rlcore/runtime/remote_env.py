@@ -1,6 +1,6 @@
 """A prompt-and-score env run on the nodes ``placement.nodes.env`` picks.
 
-An env built on :class:`rlcore.envs.PromptAndScoreEnv` makes prompts and scores texts;
+An env built on :class:`rlcore.handles.PromptAndScoreEnv` makes prompts and scores texts;
 the core samples through the generation. Such an env is cheap and lives in the driver,
 unless the config pins the env role to some nodes: then :func:`placed_env` moves the env
 object into one Ray actor there (a :class:`~rlcore.runtime.workers.WorkerGroup` of one,
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rlcore.envs import PromptAndScoreEnv
+from rlcore.handles import PromptAndScoreEnv
 from rlcore.runtime.workers import DistributedWorker, WorkerGroup
 
 if TYPE_CHECKING:

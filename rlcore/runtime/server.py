@@ -131,7 +131,7 @@ class GuardedServer:
 
         Raises :class:`ServerError` with the end of the server's log if it exits or is
         not ready within ``timeout_s``; observes ``cancel`` (a
-        :class:`rlcore.waiting.CancelToken`) between polls.
+        :class:`rlcore.errors.CancelToken`) between polls.
         """
         t0 = time.monotonic()
         while True:

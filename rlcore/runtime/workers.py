@@ -18,10 +18,19 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from rlcore.config.placement import Network, RolePlacement
+
 # WorkerError and WorkerLost live in the contract (rlcore.errors); importing them from
 # here keeps working.
-from rlcore.errors import Cancelled, ConfigError, DeadlineExceeded, WorkerError, WorkerLost
-from rlcore.placement import Network, RolePlacement
+from rlcore.errors import (
+    Cancelled,
+    CancelToken,
+    ConfigError,
+    Deadline,
+    DeadlineExceeded,
+    WorkerError,
+    WorkerLost,
+)
 from rlcore.runtime.gate import RAY_GATE, RayGate  # noqa: F401  (re-exported: callers import them from here)
 from rlcore.runtime.liveness import (
     LIVENESS,
@@ -31,7 +40,6 @@ from rlcore.runtime.liveness import (
     is_stopped,
     liveness_answer,
 )
-from rlcore.waiting import CancelToken, Deadline
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +169,7 @@ def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout_s:
 
 def server_host(network: Network | None) -> str:
     """The address a server of this process binds: loopback when the run has no reader
-    on another node (:class:`rlcore.placement.Network`), else this node's address."""
+    on another node (:class:`rlcore.config.placement.Network`), else this node's address."""
     return node_ip() if network is not None and network.readers_elsewhere else "127.0.0.1"
 
 
@@ -219,7 +227,7 @@ def device_resources(
     ``device``, and each rank's torch threads (``threads_per_worker``, 0: the default).
 
     On ``cuda`` a rank holds ``devices_per_worker`` GPUs (a fraction of one GPU when
-    colocated ranks share it, as :func:`rlcore.placement.device_layout` bundles them) and one
+    colocated ranks share it, as :func:`rlcore.config.placement.device_layout` bundles them) and one
     CPU (NCCL, one thread by default); on ``cpu`` ``devices_per_worker`` CPUs (gloo, as many
     threads): the convention of ``<role>.devices_per_worker`` that the preflight checks.
     """

@@ -1,4 +1,4 @@
-"""The run's token check for HTTP servers bound beyond loopback (:class:`rlcore.placement.Network`).
+"""The run's token check for HTTP servers bound beyond loopback (:class:`rlcore.config.placement.Network`).
 
 :class:`BearerGuard` is plain ASGI middleware: every request but ``GET /health`` must
 carry ``Authorization: Bearer <token>``, else it is answered 401 before the app sees it.
@@ -6,7 +6,7 @@ Unlike vLLM's own ``--api-key`` (which guards ``/v1`` only), it guards every rou
 server started for refit also serves weight-update and RPC routes. rlcore's endpoint adds
 it itself; a server process started by a backend adds it by import path
 (``--middleware rlcore.serve.auth.BearerGuard`` for vLLM), and it then reads the token
-from :data:`rlcore.placement.TOKEN_ENV`.
+from :data:`rlcore.config.placement.TOKEN_ENV`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from rlcore.placement import TOKEN_ENV
+from rlcore.config.placement import TOKEN_ENV
 
 #: Routes answered without a token: liveness only, it reveals nothing.
 OPEN_PATHS = frozenset({"/health"})
@@ -39,7 +39,7 @@ class BearerGuard:
 
     Args:
         app: the ASGI app behind it.
-        token: the token; ``None`` reads :data:`rlcore.placement.TOKEN_ENV`, and a
+        token: the token; ``None`` reads :data:`rlcore.config.placement.TOKEN_ENV`, and a
             guard without any token refuses to start (a guard that lets all in is a bug).
     """
 

@@ -24,7 +24,7 @@ off the event loop. Unsupported parameters (stop strings, ``top_p`` < 1,
 ``top_logprobs`` > 0, ``echo``) are answered with a 400 naming the parameter
 rather than ignored.
 
-The tokenizer of a path is :func:`rlcore.tokenizer.load`'s (transformers', chat template
+The tokenizer of a path is :func:`rlcore.models.tokenizer.load`'s (transformers', chat template
 included). The server's imports (starlette, uvicorn) happen in
 :meth:`OpenAIEndpoint.start`, or ahead of it in a thread (:func:`prepare`): a backend that
 starts the endpoint once its engine is ready calls :func:`prepare` when the engine starts
@@ -269,7 +269,7 @@ class OpenAIEndpoint:
     Args:
         generator: the engine (a generation handle's ``generate``).
         tokenizer: a Hugging Face tokenizer,
-            the path of one (loaded at start by :func:`rlcore.tokenizer.load`) or the
+            the path of one (loaded at start by :func:`rlcore.models.tokenizer.load`) or the
             future :func:`prepare` returns.
         model_name: the name requests must use (``model``) and ``/v1/models`` lists.
         max_sequence_length: longest prompt + completion the engine takes; longer
@@ -279,7 +279,7 @@ class OpenAIEndpoint:
         batch_wait_s: how long a batch waits for requests on their way.
         seed: first sampling seed of requests without one.
         host, port: where to listen (port 0: a free port).
-        token: the run's token (:class:`rlcore.placement.Network`): every request but
+        token: the run's token (:class:`rlcore.config.placement.Network`): every request but
             ``/health`` must then carry ``Authorization: Bearer <token>`` (401 without),
             and ``endpoint.api_key`` is it. Required when ``host`` is not loopback.
 
@@ -725,14 +725,14 @@ class OpenAIEndpoint:
 def _load_tokenizer(path: str) -> Any:
     from pathlib import Path
 
-    from rlcore.tokenizer import load
+    from rlcore.models.tokenizer import load
 
     return load(Path(path))
 
 
 def prepare(tokenizer_path: str) -> Future[Any]:
     """Load what :meth:`OpenAIEndpoint.start` needs ahead of it, in a daemon thread: the
-    tokenizer of ``tokenizer_path`` (:func:`rlcore.tokenizer.load`, chat template included)
+    tokenizer of ``tokenizer_path`` (:func:`rlcore.models.tokenizer.load`, chat template included)
     and the server's imports (starlette, uvicorn). Returns the tokenizer's future; pass it as
     the endpoint's ``tokenizer``. Started with the engine, this overlaps the engine's start
     instead of following it (the endpoint is on the path every reader waits on).

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from rlcore.errors import CancelToken, Deadline
 from rlcore.hookspecs import hookimpl
-from rlcore.waiting import CancelToken, Deadline
 
 #: Name under which the registry registers this module.
 PLUGIN_NAME = "rlcore.setup.builtin"

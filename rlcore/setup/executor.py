@@ -8,7 +8,7 @@ completion, the nearest deadline, or the end of the cancellation grace period.
 The failure path is the point of this module:
 
 * the first failure (an exception, or a task past its deadline) sets the run's
-  :class:`~rlcore.waiting.CancelToken` with a reason naming the task, and calls
+  :class:`~rlcore.errors.CancelToken` with a reason naming the task, and calls
   ``on_cancel`` (so event boards wake their waiters at once);
 * tasks not yet started are never started (``not_started``); running tasks are
   expected to observe the token (their waits raise :class:`Cancelled`);
@@ -38,9 +38,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlcore.errors import Cancelled, DeadlineExceeded, PlanError, SetupError
+from rlcore.errors import Cancelled, CancelToken, Deadline, DeadlineExceeded, PlanError, SetupError
 from rlcore.setup.graph import topological_order
-from rlcore.waiting import CancelToken, Deadline
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from rlcore.setup.graph import topological_order
 
 if TYPE_CHECKING:
+    from rlcore.config.placement import DeviceLayout
     from rlcore.declarations import Role
-    from rlcore.placement import DeviceLayout
 
 #: The setup task that makes the first weight sync (step 0).
 REFIT_TASK = "refit:initial"
@@ -71,7 +71,7 @@ class Plan:
     #: this config (the init may skip producing the others: ``InitContext.artifact_needed``).
     consumed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     #: On a cluster with GPUs: which GPU bundle each policy and generation rank gets, and
-    #: which ranks share a GPU (:func:`rlcore.placement.device_layout`); None on CPUs.
+    #: which ranks share a GPU (:func:`rlcore.config.placement.device_layout`); None on CPUs.
     devices: DeviceLayout | None = None
 
     # Indexes built once per plan (a plan of 1,000 groups is walked task by task).

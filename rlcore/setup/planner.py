@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlcore.config import RunConfig, resolve_options
+from rlcore.config.placement import DeviceLayout, device_layout
 from rlcore.declarations import ENDPOINT_EVENT, BackendDeclaration, Role, Transport
 from rlcore.errors import ConfigError, PlanError
-from rlcore.placement import DeviceLayout, device_layout
 from rlcore.setup.graph import topological_order
 from rlcore.setup.plan import REFIT_TASK, Edge, Plan, Task, Wait, init_task, longest_path
 

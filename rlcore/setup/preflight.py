@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlcore.config import RunConfig, cache_dir
+from rlcore.config.placement import RESOURCE_ROLES, device_layout
 from rlcore.errors import ConfigError
-from rlcore.placement import RESOURCE_ROLES, device_layout
 from rlcore.setup.metrics import is_temp_file
 
 if TYPE_CHECKING:
@@ -348,7 +348,7 @@ def host_gpus() -> int:
 def check_resources(config: RunConfig) -> None:
     """The policy and generation workers fit the cluster, counted as Ray will count them.
 
-    On GPUs the count is the run's placement group (:func:`rlcore.placement.device_layout`):
+    On GPUs the count is the run's placement group (:func:`rlcore.config.placement.device_layout`):
     shares Ray cannot place are refused, and its GPUs are held against the embedded
     cluster's. On a CPU-only cluster each worker reserves ``devices_per_worker`` CPUs; the groups
     are up at the same time, so their needs add up. A joined cluster (``cluster.address``)

@@ -34,20 +34,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlcore.config import RunConfig, cache_dir, resolve_options
+from rlcore.config.placement import DeviceGroup, Network
 from rlcore.context import InitContext, RefitContext
 from rlcore.declarations import ENDPOINT_EVENT, Role
-from rlcore.errors import ConfigError, PlanError, PluginError, RefitError
-from rlcore.events import EventBoard
+from rlcore.errors import CancelToken, ConfigError, Deadline, PlanError, PluginError, RefitError
 from rlcore.hookspecs import hookimpl
-from rlcore.placement import DeviceGroup, Network
 from rlcore.refit.sessions import RefitSessions
+from rlcore.setup.events import EventBoard
 from rlcore.setup.executor import ExecutionResult, TaskRun, TaskSpec, call_bounded, execute
 from rlcore.setup.metrics import PREFIX, setup_metrics
 from rlcore.setup.plan import REFIT_TASK, Plan
 from rlcore.setup.plan import init_task as init_task_name
 from rlcore.setup.planner import build_plan, choose_transport, selected_roles
 from rlcore.setup.trace import TraceRecorder
-from rlcore.waiting import CancelToken, Deadline
 
 if TYPE_CHECKING:
     from rlcore.setup.registry import PluginInfo, Registry

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, name: str = "tiny-model") -> Path:
     """A new temporary directory ``name`` holding rlcore's tiny model (default config)."""
     from rlcore.config import TinyModelConfig
-    from rlcore.tinymodel import write_tiny_model
+    from rlcore.models.tiny import write_tiny_model
 
     path = tmp_path_factory.mktemp(name)
     write_tiny_model(path, TinyModelConfig())
@@ -58,8 +58,8 @@ def init_context(
     """
     from rlcore.config import resolve_options
     from rlcore.context import InitContext
-    from rlcore.events import EventBoard
-    from rlcore.waiting import CancelToken, Deadline
+    from rlcore.errors import CancelToken, Deadline
+    from rlcore.setup.events import EventBoard
 
     section = role.value
     if options is None:

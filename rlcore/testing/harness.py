@@ -29,11 +29,11 @@ from typing import Any
 from rlcore.config import RunConfig, load_config, resolve_options
 from rlcore.context import InitContext
 from rlcore.declarations import BackendDeclaration, Role
-from rlcore.events import EventBoard
+from rlcore.errors import CancelToken, Deadline
 from rlcore.hookspecs import hookimpl
+from rlcore.setup.events import EventBoard
 from rlcore.setup.planner import role_view
 from rlcore.setup.registry import PluginInfo, Registry, load_registry
-from rlcore.waiting import CancelToken, Deadline
 
 log = logging.getLogger(__name__)
 

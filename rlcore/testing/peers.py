@@ -3,7 +3,7 @@
 :data:`REFERENCE` is a plugin object (no entry point: register it yourself, or let
 :class:`rlcore.testing.BackendConformance` use it as the default ``peer_plugin``) that
 serves ``policy`` and ``generation`` with plain Hugging Face ``transformers`` on the
-run's model (``model.path``, or the tiny model of :func:`rlcore.tinymodel.ensure_model`).
+run's model (``model.path``, or the tiny model of :func:`rlcore.models.tiny.ensure_model`).
 Each role is one worker (a :class:`rlcore.runtime.workers.WorkerGroup` of one Ray actor) and
 follows every convention of :mod:`rlcore.handles`:
 
@@ -311,8 +311,8 @@ class ReferencePlugin:
     def _start(self, ctx: InitContext, worker: type, handle: type, empty: bool) -> Any:
         import ray
 
+        from rlcore.models.tiny import ensure_model
         from rlcore.runtime.workers import WorkerGroup
-        from rlcore.tinymodel import ensure_model
 
         if not ray.is_initialized():
             from rlcore.errors import ConfigError

@@ -29,11 +29,10 @@ from typing import Any, ClassVar
 
 import pytest
 
+from rlcore.app.guards import Caller, check_logprobs, check_rollouts, check_samples
 from rlcore.context import InitContext
 from rlcore.declarations import Role, Transport, validate_declaration
-from rlcore.errors import ProtocolError, RlcoreError
-from rlcore.events import EventBoard
-from rlcore.guards import Caller, check_logprobs, check_rollouts, check_samples
+from rlcore.errors import CancelToken, Deadline, ProtocolError, RlcoreError
 from rlcore.handles import (
     BackendHandle,
     Endpoint,
@@ -46,6 +45,7 @@ from rlcore.handles import (
     RolloutRequest,
 )
 from rlcore.publish import STAGING_PREFIX, TRASH_PREFIX, is_complete
+from rlcore.setup.events import EventBoard
 from rlcore.setup.planner import detect_accelerator, role_view
 from rlcore.setup.registry import load_registry
 from rlcore.testing.harness import (
@@ -62,7 +62,6 @@ from rlcore.testing.harness import (
     resolve_plugin,
     weight_differences,
 )
-from rlcore.waiting import CancelToken, Deadline
 
 ROLES = [r.value for r in Role]
 #: The compute dtypes the training test runs in (each skipped unless declared).
@@ -101,7 +100,7 @@ class Engines:
     cache: dict[str, Any] = field(default_factory=dict)
 
     def model_dir(self) -> Path:
-        from rlcore.tinymodel import ensure_model
+        from rlcore.models.tiny import ensure_model
 
         return ensure_model(self.config.model, self.harness.cache_dir)
 
@@ -967,9 +966,9 @@ class BackendConformance:
         gradient whatever came before; every reported metric is the contract's; the
         refit export is the checkpoint's Hugging Face weights in that dtype."""
         from rlcore.config import cache_dir
+        from rlcore.models.tiny import ensure_model
         from rlcore.refit.hf_specs import hf_weight_specs
         from rlcore.testing import training
-        from rlcore.tinymodel import ensure_model
 
         decl = harness.declaration
         self._role_or_skip(harness, Role.POLICY.value)
@@ -1034,7 +1033,7 @@ class BackendConformance:
 
     def _generate(self, e: Engines, *, n: int, max_tokens: int, temperature: float, seed: int) -> list:
         """``generate()`` of the generation under test on the probe prompts, checked by
-        :func:`rlcore.guards.check_samples` (cached per arguments)."""
+        :func:`rlcore.app.guards.check_samples` (cached per arguments)."""
         key = f"generate:{n}:{max_tokens}:{temperature}:{seed}"
         if key not in e.cache:
             gen = self._engine(e, Role.GENERATION)
@@ -1049,7 +1048,7 @@ class BackendConformance:
 
     def test_logprobs_shape(self, engines: Engines) -> None:
         """``logprobs()`` of the policy and generation it serves: one row per pair, one
-        finite logprob (<= 0) per completion token (:func:`rlcore.guards.check_logprobs`)."""
+        finite logprob (<= 0) per completion token (:func:`rlcore.app.guards.check_logprobs`)."""
         batch = [(list(p), list(c)) for p, c in self.probe_batch]
         for role in self._claimed(engines, Role.POLICY, Role.GENERATION):
             handle = self._engine(engines, role)
@@ -1180,7 +1179,7 @@ class BackendConformance:
     def test_env_collect_rollouts(self, engines: Engines) -> None:
         """``collect_rollouts()``: ``prompts`` groups of ``samples_per_prompt`` rollouts with
         prompt ids, token ids, one logprob per token and a finite reward
-        (:func:`rlcore.guards.check_rollouts`); the same step gives the same prompts."""
+        (:func:`rlcore.app.guards.check_rollouts`); the same step gives the same prompts."""
         self._claimed(engines, Role.ENV)
         name = engines.harness.declaration.name
         env = self._engine(engines, Role.ENV)

@@ -23,11 +23,11 @@ from rlcore.declarations import (
     OverlapSafety,
     Role,
 )
-from rlcore.events import EventBoard
+from rlcore.errors import CancelToken
+from rlcore.setup.events import EventBoard
 from rlcore.setup.executor import ExecutionResult, TaskRun, TaskSpec, execute
 from rlcore.setup.plan import Plan
 from rlcore.setup.planner import Group, plan_groups, role_view
-from rlcore.waiting import CancelToken
 
 P, G, E = Role.POLICY, Role.GENERATION, Role.ENV
 CHECKPOINT = "synthetic.checkpoint"

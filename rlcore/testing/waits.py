@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rlcore.errors import DeadlineExceeded
-from rlcore.waiting import Deadline, wait_until
+from rlcore.errors import Deadline, DeadlineExceeded, wait_until
 
 
 def wait_for(condition: Callable[[], object], timeout_s: float = 5.0, step_s: float = 0.01) -> bool:

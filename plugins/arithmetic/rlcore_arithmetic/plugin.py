@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rlcore.context import InitContext
 from rlcore.declarations import BackendDeclaration, OverlapSafety, Role
-from rlcore.envs import PromptAndScoreEnv
+from rlcore.handles import PromptAndScoreEnv
 from rlcore.hookspecs import hookimpl
 from rlcore_arithmetic.options import ArithmeticOptions
 from rlcore_arithmetic.task import Prompt, make_prompts, reward
@@ -13,7 +13,7 @@ from rlcore_arithmetic.task import Prompt, make_prompts, reward
 class ArithmeticEnv(PromptAndScoreEnv):
     """A prompt source and scorer; cheap, so it lives in the driver process (unless the
     env role is placed on other nodes). The core's
-    :class:`~rlcore.envs.PromptAndScoreEnv` samples through the run's generation."""
+    :class:`~rlcore.handles.PromptAndScoreEnv` samples through the run's generation."""
 
     def __init__(self, options: ArithmeticOptions) -> None:
         self.options = options

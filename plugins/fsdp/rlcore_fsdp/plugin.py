@@ -60,7 +60,7 @@ def rlcore_init_policy(ctx: InitContext) -> FSDPPolicy:
     )
 
     require_ray("fsdp", "policy")
-    from rlcore.tinymodel import ensure_model
+    from rlcore.models.tiny import ensure_model
     from rlcore_fsdp.handle import FSDPPolicy
     from rlcore_fsdp.worker import FSDPWorker
 

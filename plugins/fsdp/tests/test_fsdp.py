@@ -206,7 +206,7 @@ def policy(ray_cluster: None, policy_tmp: Path) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def policy_model_dir(policy: Any, policy_tmp: Path) -> Path:
-    from rlcore.tinymodel import ensure_model
+    from rlcore.models.tiny import ensure_model
 
     return ensure_model(init_context(policy_tmp).config.model, policy_tmp)
 

@@ -46,8 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlcore.errors import Cancelled
-from rlcore.waiting import CancelToken, Deadline
+from rlcore.errors import Cancelled, CancelToken, Deadline
 from rlcore_megatron.convert import RECIPE_VERSION, ConversionError
 from rlcore_megatron.options import CHECKPOINT_ARTIFACT, MegatronOptions
 

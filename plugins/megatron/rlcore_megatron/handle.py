@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.context import InitContext
-from rlcore.errors import ConfigError
+from rlcore.errors import CancelToken, ConfigError
 from rlcore.handles import Endpoint
 from rlcore.refit.specs import TensorSpec
 from rlcore.runtime.batches import put_rows
@@ -46,7 +46,6 @@ from rlcore.runtime.workers import (
     require_ray,
     resolve_worker_device,
 )
-from rlcore.waiting import CancelToken
 from rlcore_megatron.options import CHECKPOINT_ARTIFACT, MegatronOptions, resolve_engine
 
 log = logging.getLogger(__name__)
@@ -416,7 +415,7 @@ class _Start:
 def _prepare(ctx: InitContext, role: str) -> _Start:
     """Ray is up, the model is there, tensor parallelism fits it, the device is chosen."""
     require_ray(BACKEND, role)
-    from rlcore.tinymodel import ensure_model
+    from rlcore.models.tiny import ensure_model
     from rlcore_megatron import convert
 
     t0 = time.monotonic()
@@ -617,7 +616,7 @@ def _start_endpoint(
 ) -> Any:
     """The OpenAI-compatible endpoint over ``handle.generate`` (``serve_openai``);
     ``tokenizer``: what :func:`rlcore.serve.openai_endpoint.prepare` started loading."""
-    from rlcore.placement import Network
+    from rlcore.config.placement import Network
     from rlcore.runtime.workers import is_loopback, server_host
     from rlcore.serve.openai_endpoint import OpenAIEndpoint
     from rlcore_megatron.worker import eos_token_ids

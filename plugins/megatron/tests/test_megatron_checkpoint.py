@@ -62,8 +62,7 @@ def test_cancel_kills_the_converter_and_its_children(llama_dir: Path, tmp_path: 
 
     import psutil
 
-    from rlcore.errors import Cancelled
-    from rlcore.waiting import CancelToken
+    from rlcore.errors import Cancelled, CancelToken
 
     cancel = CancelToken()
     out = tmp_path / "out"
@@ -97,8 +96,7 @@ def test_cancel_kills_the_converter_and_its_children(llama_dir: Path, tmp_path: 
 def test_deadline_kills_the_converter(llama_dir: Path, tmp_path: Path) -> None:
     import psutil
 
-    from rlcore.errors import DeadlineExceeded
-    from rlcore.waiting import Deadline
+    from rlcore.errors import Deadline, DeadlineExceeded
 
     before = {p.pid for p in psutil.Process().children()}
     t0 = time.monotonic()

@@ -35,13 +35,12 @@ from _megatron_helpers import (
 from rlcore.config import cache_dir, load_config, resolve_options
 from rlcore.context import InitContext
 from rlcore.declarations import Role
-from rlcore.errors import DeadlineExceeded, RlcoreError
-from rlcore.events import EventBoard
+from rlcore.errors import CancelToken, Deadline, DeadlineExceeded, RlcoreError
 from rlcore.handles import RefitReceiver, RefitSender
 from rlcore.refit.sessions import RefitSessions
+from rlcore.setup.events import EventBoard
 from rlcore.testing.policy_checks import actor_pids, check_group_train_step, running_cluster
 from rlcore.testing.waits import wait_for
-from rlcore.waiting import CancelToken, Deadline
 from rlcore_megatron.options import MegatronOptions
 from rlcore_megatron.plugin import rlcore_init_generation, rlcore_init_policy
 

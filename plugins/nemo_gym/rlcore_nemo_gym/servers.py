@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlcore.errors import ConfigError, DeadlineExceeded, RlcoreError
+from rlcore.errors import CancelToken, ConfigError, Deadline, DeadlineExceeded, RlcoreError
 from rlcore.runtime.proc import group_members, log_tail, stop_group
 from rlcore.runtime.server import find_venv_python
-from rlcore.waiting import CancelToken, Deadline
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import pytest
 from gym_helpers import StubEndpoint, gym_python, make_ctx, rollout_request
 
 from rlcore.config import NodeSelector
+from rlcore.config.placement import Network
 from rlcore.errors import ConfigError
-from rlcore.placement import Network
 from rlcore.testing import LeakCheck
 from rlcore.testing.fixtures import outward_address
 from rlcore_nemo_gym.handle import start_env

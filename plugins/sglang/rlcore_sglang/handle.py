@@ -55,7 +55,7 @@ class SGLangGeneration(GroupGeneration):
 
 def start_generation(ctx: InitContext) -> SGLangGeneration:
     """Start ``generation.workers`` SGLang servers as configured by ``ctx``; see the module doc."""
-    from rlcore.tinymodel import ensure_model
+    from rlcore.models.tiny import ensure_model
     from rlcore_sglang.server import find_sglang_python
 
     options = ctx.options if isinstance(ctx.options, SGLangOptions) else SGLangOptions(**dict(ctx.options or {}))

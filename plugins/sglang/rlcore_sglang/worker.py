@@ -234,9 +234,9 @@ class SGLangWorker(HFWeightSpecs, EngineWorker):
         return time.monotonic() - t0
 
     def _receive_files(self, spec: Any, step: int, version: str) -> None:
+        from rlcore.errors import Deadline
         from rlcore.publish import wait_for_artifact
         from rlcore.refit import channels
-        from rlcore.waiting import Deadline
 
         directory = wait_for_artifact(
             channels.step_dir(spec, step), deadline=Deadline(spec.timeout_s, "refit files")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from sglang_helpers import PROMPTS, init_context, make_config
 
-from rlcore.placement import Network
+from rlcore.config.placement import Network
 
 
 def _status(url: str, body: dict | None = None, token: str | None = None) -> int:

@@ -39,7 +39,7 @@ def _options(raw: Any) -> VLLMOptions:
 def start_generation(ctx: InitContext) -> VLLMGeneration:
     """Start ``generation.workers`` vLLM engines as configured by ``ctx``; see the module doc."""
     from rlcore.errors import ConfigError
-    from rlcore.tinymodel import ensure_model
+    from rlcore.models.tiny import ensure_model
 
     options = _options(ctx.options)
     section = ctx.config.generation

@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from rlcore.placement import TOKEN_ENV
+from rlcore.config.placement import TOKEN_ENV
 from rlcore.runtime.server import GuardedServer, ServerError
 
 __all__ = ["ServerError", "ServerProcess"]

@@ -18,11 +18,11 @@ import pytest
 import ray
 from vllm_helpers import PROMPTS, init_context, make_config, max_abs_diff
 
+from rlcore.errors import CancelToken
 from rlcore.refit.sessions import RefitSessions
 from rlcore.refit.sync import refit
 from rlcore.runtime.workers import WorkerError
 from rlcore.setup.runner import refit_context
-from rlcore.waiting import CancelToken
 from rlcore_vllm.plugin import rlcore_init_generation
 
 #: The refit channels of this module's handles (a run owns its sessions; so does this module).

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcore.placement import Network
+from rlcore.config.placement import Network
 from rlcore.runtime.workers import free_port
 from rlcore.testing.fixtures import outward_address
 from rlcore_vllm.server import ServerError, ServerProcess

@@ -108,7 +108,7 @@ class ModelConfig:
 
 
 #: ``model.preset`` values: shapes of real model families for the locally made model
-#: (random weights, the character-level tokenizer of :mod:`rlcore.tinymodel`).
+#: (random weights, the character-level tokenizer of :mod:`rlcore.models.tiny`).
 MODEL_PRESETS: dict[str, dict[str, int]] = {
     "tiny": {},  # the default shape of model.tiny
     # Llama 3.2 1B's decoder (16 layers, hidden 2048, 32 heads of 64, 8 KV heads, MLP 8192):
@@ -570,3 +570,16 @@ def cache_dir(cfg: RunConfig) -> Path:
         return Path(cfg.setup.cache_dir).expanduser()
     env = os.environ.get("RLCORE_CACHE_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "rlcore"
+
+
+#: The example `rlcore run` and `rlcore.open()` use when given no config.
+DEFAULT_EXAMPLE = "quickstart.yaml"
+
+
+def default_config_path() -> Path | None:
+    """The default example: ``examples/quickstart.yaml`` beside the package or in the cwd."""
+    for base in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        candidate = base / "examples" / DEFAULT_EXAMPLE
+        if candidate.is_file():
+            return candidate
+    return None

@@ -9,8 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from rlcore.errors import Cancelled, DeadlineExceeded
-from rlcore.waiting import CancelToken, Deadline
+from rlcore.errors import Cancelled, CancelToken, Deadline, DeadlineExceeded
 
 
 class EventBoard:

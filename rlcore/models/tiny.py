@@ -20,14 +20,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from rlcore.config import ModelConfig, TinyModelConfig
-from rlcore.tokenizer import TRANSFORMERS_LOCK
-from rlcore.waiting import CancelToken, Deadline
+from rlcore.errors import CancelToken, Deadline
+from rlcore.models.tokenizer import TRANSFORMERS_LOCK
 
 log = logging.getLogger(__name__)
 
 #: transformers' lazy imports are not thread-safe (two threads importing LlamaConfig
 #: at once get ImportError), and concurrent inits in one process ask for the same model:
-#: the one lock of :mod:`rlcore.tokenizer`, under which the driver imports transformers.
+#: the one lock of :mod:`rlcore.models.tokenizer`, under which the driver imports transformers.
 _WRITE_LOCK = TRANSFORMERS_LOCK
 
 #: Bump when the recipe below changes, so old cached models are not reused.
@@ -162,7 +162,7 @@ def load_tokenizer(
     deadline: Deadline | None = None,
 ):  # -> transformers.PreTrainedTokenizerBase
     """The tokenizer of the run's model (made first if it is the tiny model), through
-    :func:`rlcore.tokenizer.load`."""
-    from rlcore import tokenizer
+    :func:`rlcore.models.tokenizer.load`."""
+    from rlcore.models import tokenizer
 
     return tokenizer.load(ensure_model(model, cache_dir, cancel=cancel, deadline=deadline))

@@ -272,7 +272,7 @@ class GuardedEnv:
     """The env handle with every result checked (see the module doc).
 
     Every env makes scored rollouts (``collect_rollouts``). A prompt-and-score env
-    (:class:`rlcore.envs.PromptAndScoreEnv`) also lends a loop its two halves, for loops that
+    (:class:`rlcore.handles.PromptAndScoreEnv`) also lends a loop its two halves, for loops that
     sample themselves (several turns, say): ``sample_prompts`` and ``score``."""
 
     def __init__(self, handle: EnvHandle, backend: str) -> None:
@@ -289,7 +289,7 @@ class GuardedEnv:
             raise ConfigError(
                 f"env backend '{self.backend}' makes its own rollouts (collect_rollouts) and has no "
                 f"{method}(): a loop that samples itself needs a prompt-and-score env "
-                "(rlcore.envs.PromptAndScoreEnv, e.g. env.backend=arithmetic)",
+                "(rlcore.handles.PromptAndScoreEnv, e.g. env.backend=arithmetic)",
                 key="env.backend",
             )
         return fn
