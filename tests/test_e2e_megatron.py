@@ -25,7 +25,7 @@ pytest.importorskip("rlcore_megatron")
 from rlcore.app.grpo import token_mult_prob_error  # noqa: E402
 from rlcore.app.run import run_job  # noqa: E402
 from rlcore.hookspecs import hookimpl  # noqa: E402
-from rlcore.setup.metrics import read_metrics  # noqa: E402
+from rlcore.app.records import read_metrics  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 

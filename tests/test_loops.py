@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 import pytest
 
-from rlcore.setup.metrics import read_metrics
+from rlcore.app.records import read_metrics
 from rlcore.testing.harness import LeakCheck
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from rlcore.app.records import MetricsWriter, read_metrics
+from rlcore.app.trace import TraceRecorder
 from rlcore.setup.executor import ExecutionResult, TaskRecord, TaskSpec, execute
-from rlcore.setup.metrics import MetricsWriter, read_metrics, setup_metrics
+from rlcore.setup.metrics import setup_metrics
 from rlcore.setup.plan import Edge, Plan, Task, Wait
-from rlcore.setup.trace import TraceRecorder
 
 T0 = 1000.0
 

@@ -289,7 +289,7 @@ def test_truncation_is_found_by_size_not_by_loading(tmp_path: Path) -> None:
 
 
 def test_resume_accepts_a_non_empty_out_dir(tmp_path: Path, monkeypatch) -> None:
-    from rlcore.setup.preflight import check_run_dir
+    from rlcore.app.rundir import check_run_dir
 
     used = _non_empty_dir(tmp_path)
     with pytest.raises(ConfigError, match="--resume"):

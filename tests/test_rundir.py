@@ -31,17 +31,13 @@ import rlcore.app.session as session_module
 from rlcore.app import overlap
 from rlcore.app.cli import EXIT_BAD_INPUT, EXIT_RUN_FAILED, main
 from rlcore.app.plots import plot_reward
+from rlcore.app.records import MetricsWriter, is_temp_file, read_metrics, write_atomic
+from rlcore.app.rundir import check_run_dir, no_step_leftovers
+from rlcore.app.trace import TraceRecorder
 from rlcore.errors import ConfigError, RunDirError
 from rlcore.setup.executor import TaskSpec, execute
-from rlcore.setup.metrics import (
-    MetricsWriter,
-    is_temp_file,
-    read_metrics,
-    setup_metrics,
-    write_atomic,
-)
-from rlcore.setup.preflight import check_run_dir, check_writable_dir, no_step_leftovers
-from rlcore.setup.trace import TraceRecorder
+from rlcore.setup.metrics import setup_metrics
+from rlcore.setup.preflight import check_writable_dir
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
@@ -161,7 +157,7 @@ def test_write_atomic_names_the_file_for_any_os_error(tmp_path: Path) -> None:
 
 _WRITER = """
 import sys
-from rlcore.setup.metrics import MetricsWriter
+from rlcore.app.records import MetricsWriter
 
 writer = MetricsWriter(sys.argv[1])
 tag, pad = sys.argv[2], "x" * 30000
@@ -256,6 +252,7 @@ class FakeSetup:
     metrics: dict[str, float]
     handles: dict[str, Any] = field(default_factory=dict)
     shutdowns: int = 0
+    prepared: Any = None
 
     def shutdown(self, timeout_s: float | None = None) -> list[str]:
         self.shutdowns += 1
@@ -296,14 +293,15 @@ def faked(monkeypatch: pytest.MonkeyPatch) -> list[FakeSetup]:
     returns at once (a :class:`FakeSetup`, collected in the returned list)."""
     setups: list[FakeSetup] = []
 
-    def fake_run_setup(config: Any, registry: Any, *, plan: Any, **_: Any) -> FakeSetup:
+    def fake_run_prepared(prepared: Any, **_: Any) -> FakeSetup:
+        plan = prepared.plan
         ex = execute([TaskSpec(t.name, [], lambda r: None) for t in plan.tasks])
-        setups.append(FakeSetup(plan, ex, setup_metrics(plan, ex)))
+        setups.append(FakeSetup(plan, ex, setup_metrics(plan, ex), prepared=prepared))
         return setups[-1]
 
     FakeCluster.made, FakeCluster.fail = [], None
     monkeypatch.setattr(session_module, "Cluster", FakeCluster)
-    monkeypatch.setattr(session_module, "run_setup", fake_run_setup)
+    monkeypatch.setattr(session_module, "run_prepared", fake_run_prepared)
     monkeypatch.setattr(overlap, "prefetch_tokenizer", lambda *a, **k: None)
     return setups
 
@@ -313,6 +311,25 @@ def _one_error_line(err: str) -> str:
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert "Traceback" not in err
     return lines[0]
+
+
+def test_open_prepares_the_run_once_and_sets_up_exactly_that_run(tmp_path: Path, faked, monkeypatch) -> None:
+    """The preflight's preparation is the one the setup gets: one selection of the
+    backends, one resolution of their options, no second plan."""
+    import rlcore.setup.preflight as preflight_module
+    import rlcore.setup.prepared as prepared_module
+
+    made: list[Any] = []
+    selections: list[Any] = []
+    real_prepare, real_select = prepared_module.prepare, prepared_module.selected_backends
+    monkeypatch.setattr(preflight_module, "prepare", lambda *a, **k: made.append(real_prepare(*a, **k)) or made[-1])
+    monkeypatch.setattr(
+        prepared_module, "selected_backends", lambda *a, **k: selections.append(1) or real_select(*a, **k)
+    )
+    with session_module.open(QUICKSTART, out=tmp_path / "run", quiet=True, handle_signals=False) as s:
+        assert len(made) == 1 and len(selections) == 1
+        assert faked[0].prepared is made[0] and s.plan is made[0].plan
+    assert len(made) == 1 and len(selections) == 1
 
 
 def test_a_full_disk_during_the_run_is_one_line_and_exit_3(tmp_path: Path, faked, monkeypatch, capsys) -> None:
@@ -484,8 +501,8 @@ _WRITERS_ON_A_FULL_DISK = """
 import json, os, sys
 from rlcore.app.plots import plot_reward
 from rlcore.errors import RunDirError
-from rlcore.setup.metrics import MetricsWriter
-from rlcore.setup.trace import TraceRecorder
+from rlcore.app.records import MetricsWriter
+from rlcore.app.trace import TraceRecorder
 
 mnt = sys.argv[1]
 out, report = os.path.join(mnt, "run"), {}

@@ -6,6 +6,7 @@ as a live child; every test checks that no thread or child process is left.
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from rlcore.app.trace import TraceRecorder
 from rlcore.config import GenerationConfig, RefitConfig, RoleConfig, RunConfig, SetupConfig
 from rlcore.context import InitContext
 from rlcore.declarations import Artifact, BackendDeclaration, Condition, Need
@@ -30,8 +32,9 @@ from rlcore.errors import (
 from rlcore.handles import Endpoint, RefitReport
 from rlcore.hookspecs import hookimpl
 from rlcore.setup.planner import role_view
+from rlcore.setup.prepared import prepare
 from rlcore.setup.registry import load_registry
-from rlcore.setup.runner import SetupResult, run_setup
+from rlcore.setup.runner import SetupResult, run_prepared, run_setup
 
 # -- fake backends ----------------------------------------------------------------
 
@@ -295,7 +298,8 @@ def test_setup_starts_everything_posts_the_endpoint_and_shuts_down_in_reverse(
         assert m[f"timing/setup/{task}_time_s"] > 0
     assert m["timing/setup/weight_sync_time_s"] == pytest.approx(0.05)
     assert 0 < m["timing/setup/critical_path_s"] <= m["timing/setup/total_setup_time_s"]
-    assert len([e for e in result.trace_events if e.get("cat") == "setup.task"]) == 4
+    trace = TraceRecorder.from_execution(result.execution, result.plan).events
+    assert len([e for e in trace if e.get("cat") == "setup.task"]) == 4
     assert ("refit:initial", "end") in events and ("init:env", "start") in events
     assert (tmp_path / "run").is_dir()
 
@@ -515,6 +519,37 @@ def test_deadline_for_unknown_task_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="init:polcy"):
         run_setup(config, registry, run_dir=tmp_path)
     assert journal.entries == []
+
+
+def test_the_runner_runs_the_prepared_run_and_prepares_nothing_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, leaks
+) -> None:
+    """Backends are selected, options resolved, the plan built and the deadlines validated
+    once, by ``prepare``; the runner takes only the prepared run and calls none of them."""
+    import rlcore.setup.planner as planner_module
+    import rlcore.setup.prepared as prepared_module
+    import rlcore.setup.runner as runner_module
+
+    journal = Journal()
+    registry, _ = registry_with(journal)
+    prepared = prepare(make_config(tmp_path, task_deadline_s={"init:env": 7.0}), registry)
+
+    def again(*_: Any, **__: Any) -> Any:
+        raise AssertionError("the run was prepared a second time")
+
+    monkeypatch.setattr(registry, "backend_for", again)
+    for module in (prepared_module, planner_module, runner_module):
+        # (The fake backends resolve their own options in their init: planner.role_view.)
+        for name in ("prepare", "selected_backends", "resolve_options", "task_deadlines", "build_plan",
+                     "choose_transport", "check_dtype"):
+            if hasattr(module, name) and not (module is planner_module and name == "resolve_options"):
+                monkeypatch.setattr(module, name, again)
+    with run_prepared(prepared, run_dir=tmp_path / "run") as result:
+        assert result.plan is prepared.plan and result.transport == prepared.transport
+        assert set(result.handles) == {"policy", "generation", "env"}
+    assert prepared.deadlines["init:env"] == 7.0 and prepared.deadlines["init:policy"] == 30.0
+    assert list(inspect.signature(run_prepared).parameters)[0] == "prepared"
+    assert not {"config", "registry", "plan"} & set(inspect.signature(run_prepared).parameters)
 
 
 def test_setup_leaves_no_capture_plugin_behind(tmp_path: Path, leaks) -> None:

@@ -139,7 +139,8 @@ def _endpoint_cell(d: BackendDeclaration) -> str:
 
 def build_plan_from_args(config_path: str | None, overrides: Sequence[str]) -> tuple[Any, Any]:
     """Load the config and the plugins it allows; run every check ``rlcore run`` makes
-    before it starts anything (:func:`rlcore.setup.preflight.check_before_start`); plan."""
+    before it starts anything (:func:`rlcore.setup.preflight.check_before_start`); the
+    config and the run prepared as ``rlcore run`` would run it (its ``plan`` printed)."""
     from rlcore.config import load_config
     from rlcore.setup.preflight import check_before_start
     from rlcore.setup.registry import load_registry
@@ -177,7 +178,8 @@ def render_plan(plan: Any, con: Console) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    _, plan = build_plan_from_args(args.config, args.overrides)
+    _, prepared = build_plan_from_args(args.config, args.overrides)
+    plan = prepared.plan
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:

@@ -1,6 +1,6 @@
 """PNG plots of a run: the setup timeline and the reward curve (matplotlib, headless).
 
-Each PNG is drawn in memory and written whole (:func:`rlcore.setup.metrics.write_atomic`):
+Each PNG is drawn in memory and written whole (:func:`rlcore.app.records.write_atomic`):
 a full disk leaves the previous file or none, never a truncated or empty one.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlcore.setup.metrics import write_atomic
+from rlcore.app.records import write_atomic
 
 
 def _pyplot() -> Any:

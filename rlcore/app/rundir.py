@@ -1,5 +1,6 @@
-"""A run's directory: created empty (or resumed), its ``run.json``, its records closed.
+"""A run's directory: checked, created empty (or resumed), its ``run.json``, its records closed.
 
+:func:`check_run_dir` refuses an ``--out`` that holds another run's results;
 :func:`make_run_dir` makes the directory the preflight checked; :class:`RunStatus` writes
 ``run.json`` (how far the run got); :func:`close_records` closes ``metrics.jsonl`` and
 writes ``trace.json`` and the final ``run.json`` at the end of a run, whatever it ended with.
@@ -16,13 +17,119 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from rlcore.app.records import MetricsWriter, is_temp_file, write_atomic
+from rlcore.app.trace import TraceRecorder
 from rlcore.config import RunConfig
-from rlcore.errors import RunDirError
-from rlcore.setup.metrics import MetricsWriter, write_atomic
-from rlcore.setup.preflight import RUN_STATUS_FILE, no_step_leftovers, read_run_status, run_dir_for
-from rlcore.setup.trace import TraceRecorder
+from rlcore.errors import ConfigError, RunDirError
+from rlcore.setup.preflight import PROBE_PREFIX, check_writable_dir
 
 log = logging.getLogger(__name__)
+
+#: The run's own record of how far it got, written whole by ``rlcore run`` at its start,
+#: before its first step's metrics line and at its end (``rlcore.app.rundir.RunStatus``):
+#: ``{"status": "setting-up" | "running" | "finished" | "failed" | "interrupted",
+#: "steps_done": N, "pid": ..., "host": ..., "error": ...}``.
+RUN_STATUS_FILE = "run.json"
+#: Everything a run writes into its directory (besides the temporary files of
+#: :func:`rlcore.app.records.write_atomic`, left only by a kill).
+RUN_FILES = (
+    RUN_STATUS_FILE, "config.yaml", "metrics.jsonl", "trace.json", "placement.json",
+    "setup_timeline.png", "reward.png",
+)
+
+
+def run_dir_for(config: RunConfig, out: str | None, *, now: datetime | None = None) -> Path:
+    """The run directory a run writes: ``out``, else ``<output_dir>/<name>-<timestamp>``."""
+    if out:
+        return Path(out).expanduser()
+    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
+    return Path(config.output_dir).expanduser() / f"{config.name}-{stamp}"
+
+
+def check_run_dir(path: Path, *, resume: bool, key: str = "--out") -> None:
+    """The run directory can be written, and is new or empty unless ``resume``.
+
+    A directory that holds only what a run that completed no step left (its
+    ``run.json`` says so, see :func:`no_step_leftovers`) counts as empty: a run that
+    failed in setup never blocks the same ``--out``, and the next run replaces its files.
+    """
+    check_writable_dir(path, key=key)
+    if resume or not path.is_dir() or all(_a_probe(p.name) for p in path.iterdir()):
+        return
+    why = _why_not_reusable(path)
+    if why is None:
+        return
+    raise ConfigError(
+        f"run directory '{path}' ({key}) is not empty{why}; choose a new one, or pass --resume "
+        "to append to it",
+        key=key,
+    )
+
+
+def read_run_status(path: Path) -> dict[str, object] | None:
+    """The run directory's ``run.json``, or ``None`` when it is missing or unreadable."""
+    try:
+        status = json.loads((path / RUN_STATUS_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return status if isinstance(status, dict) else None
+
+
+def no_step_leftovers(path: Path) -> list[Path] | None:
+    """What a run that completed no step left in ``path`` (files to replace), or ``None``
+    when ``path`` holds anything else: a run that completed a step or finished, a run
+    still in its setup, a file no run wrote, or no ``run.json`` at all."""
+    if _why_not_reusable(path) is not None:
+        return None
+    return sorted(p for p in path.iterdir() if _a_run_wrote(p.name) or _a_probe(p.name))
+
+
+def _why_not_reusable(path: Path) -> str | None:
+    """``None`` when ``path`` holds only what a run that completed no step left; else a
+    clause for the refusal (empty when there is nothing more to say than "not empty")."""
+    status = read_run_status(path)
+    if status is None:
+        return ""
+    foreign = sorted(p.name for p in path.iterdir() if not (_a_run_wrote(p.name) or _a_probe(p.name)))
+    if foreign:
+        return f" (it holds '{foreign[0]}', which no run wrote)"
+    steps, state = status.get("steps_done"), status.get("status")
+    if steps != 0 or state == "finished":
+        done = f"{steps} step(s)" if isinstance(steps, int) else "an unknown number of steps"
+        if state == "running":  # its end was never written: killed, or its disk filled
+            done = f"at least {done}"
+        return f": it holds a run that completed {done} (run.json status '{state}')"
+    pid = status.get("pid")
+    if (
+        state == "setting-up"
+        and isinstance(pid, int)
+        and pid != os.getpid()
+        and status.get("host") == socket.gethostname()
+        and _alive(pid)
+    ):
+        return f": a run (pid {pid}) is setting up in it"
+    return None
+
+
+def _a_run_wrote(name: str) -> bool:
+    return name in RUN_FILES or is_temp_file(name, RUN_FILES)
+
+
+def _a_probe(name: str) -> bool:
+    """A directory :func:`check_writable_dir` made (in ``--out`` when it exists) and a kill
+    kept it from removing: it never makes a directory not empty."""
+    return name.startswith(PROBE_PREFIX)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
 
 
 def make_run_dir(config: RunConfig, out: str | None, *, resume: bool = False) -> Path:
@@ -57,7 +164,7 @@ class RunStatus:
     before the first step's metrics line (``running``) and at its end (``finished``,
     ``failed`` or ``interrupted``, with the error). ``steps_done`` is exact once the run has
     ended; while it runs (or if it was killed) it says only that steps were done. A rerun into
-    the same ``--out`` reads it (:func:`rlcore.setup.preflight.check_run_dir`): a run that
+    the same ``--out`` reads it (:func:`check_run_dir`): a run that
     completed no step (failed, interrupted or killed in setup) does not block it.
 
     A resumed run counts on from the ``steps_done`` of the run it appends to (unknown, and

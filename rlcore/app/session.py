@@ -44,6 +44,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,28 +58,29 @@ from rlcore.app.health import check_train_health, reward_trend, trend_line
 from rlcore.app.interrupts import RunInterrupted, SignalGuard, signal_name, signum_of
 from rlcore.app.plots import plot_reward, plot_setup_timeline
 from rlcore.app.progress import RunPhase, SetupProgress, setup_display
+from rlcore.app.records import MetricsWriter, write_atomic
 from rlcore.app.recovery import GenerationRecovery, retry_on_generation_loss
 from rlcore.app.refit_check import check_divergence, probe_batch, token_mult_prob_error
-from rlcore.app.rundir import RunStatus, close_records, make_run_dir
+from rlcore.app.rundir import RunStatus, check_run_dir, close_records, make_run_dir
+from rlcore.app.trace import TraceRecorder
 from rlcore.config import RunConfig, cache_dir, load_config
 from rlcore.config.placement import Network
 from rlcore.errors import CancelToken, ConfigError, DivergenceError, RunDirError
 from rlcore.handles import MemoryHandoff, Pair, RefitReport, Rollout, RolloutRequest, Sample
 from rlcore.runtime.cluster import Cluster
 from rlcore.runtime.workers import forget_placed, placed_groups
-from rlcore.setup.metrics import MetricsWriter, write_atomic
 from rlcore.setup.preflight import check_before_start
 from rlcore.setup.registry import load_registry
-from rlcore.setup.runner import SetupResult, run_setup
-from rlcore.setup.trace import TraceRecorder
+from rlcore.setup.runner import SetupResult, run_prepared
 
 if TYPE_CHECKING:
     from rlcore.errors import WorkerLost
     from rlcore.setup.plan import Plan
+    from rlcore.setup.prepared import PreparedRun
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ConfigLike", "Handoff", "Session", "open"]
+__all__ = ["ConfigLike", "Handoff", "OpenOptions", "Session", "open"]
 
 #: What :func:`open` takes as the config: a YAML path, a mapping or an OmegaConf config of
 #: the same keys, a :class:`~rlcore.config.RunConfig`, or ``None`` (``examples/quickstart.yaml``).
@@ -112,20 +114,24 @@ class Handoff:
             self.policy.wake()
 
 
-def open(
-    config: ConfigLike = None,
-    overrides: Sequence[str] | Mapping[str, Any] = (),
-    *,
-    out: str | os.PathLike[str] | None = None,
-    resume: bool = False,
-    needs_env: bool = False,
-    console: Console | None = None,
-    quiet: bool = False,
-    extra_plugins: Sequence[tuple[str, Any]] = (),
-    handle_signals: bool = True,
-) -> Session:
+@dataclass(frozen=True)
+class OpenOptions:
+    """How :func:`open` starts a run: its keyword arguments, documented there."""
+
+    out: str | os.PathLike[str] | None = None
+    resume: bool = False
+    needs_env: bool = False
+    console: Console | None = None
+    quiet: bool = False
+    extra_plugins: Sequence[tuple[str, Any]] = ()
+    handle_signals: bool = True
+
+
+def open(config: ConfigLike = None, overrides: Sequence[str] | Mapping[str, Any] = (), **options: Any) -> Session:
     """Check, set up and start a run; the :class:`Session` a loop runs on. Use it as a
     context manager (or call :meth:`Session.close`).
+
+    Keyword arguments (``options``, each optional: :class:`OpenOptions`):
 
     Args:
         config: a YAML path, a mapping or OmegaConf config of the same keys, a
@@ -154,27 +160,16 @@ def open(
         RunInterrupted: SIGINT/SIGTERM during setup; what had started was torn down.
         RlcoreError: setup failed (a backend's init, the first refit); torn down.
     """
+    opts = OpenOptions(**options)  # an unknown keyword is a TypeError, as for any call
+    console = opts.console
     if console is None:
-        console = Console(quiet=quiet, highlight=False, soft_wrap=True)
-    guard = SignalGuard() if handle_signals else None
+        console = Console(quiet=opts.quiet, highlight=False, soft_wrap=True)
+    guard = SignalGuard() if opts.handle_signals else None
     if guard is not None:
         guard.__enter__()
     try:
-        run_config = _load(config, overrides)
-        registry = load_registry(run_config.plugins.allow, extra=extra_plugins)
-        for f in registry.failures:
-            console.print(f"[yellow]skipped plugin {f.name} ({f.distribution}): {f.message}[/yellow]")
-        out_str = None if out is None else os.fspath(out)
-        plan = check_before_start(run_config, registry, out=out_str, resume=resume)
-        if needs_env and not run_config.env.backend:
-            raise ConfigError(
-                "the loop needs an env: set env.backend (e.g. env.backend=arithmetic)", key="env.backend"
-            )
-        run_dir = make_run_dir(run_config, out_str, resume=resume)
-        status = RunStatus(run_dir, resume=resume)  # first: what follows is a run's to replace
-        write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(run_config)))
-        run = _Run(run_config, registry, plan, run_dir, status, console, guard)
-        session = Session(config=run_config)
+        run = _prepared_run(_load(config, overrides), opts, console, guard)
+        session = Session(config=run.config)
         run.start()
         session._attach(run)
         return session
@@ -182,6 +177,24 @@ def open(
         if guard is not None:
             guard.__exit__(None, None, None)
         raise
+
+
+def _prepared_run(config: RunConfig, opts: OpenOptions, console: Console, guard: SignalGuard | None) -> _Run:
+    """Every check before anything starts (the run prepared once: the plugins, the
+    preflight, ``--out``), then the run directory with its ``run.json`` and ``config.yaml``."""
+    registry = load_registry(config.plugins.allow, extra=opts.extra_plugins)
+    for f in registry.failures:
+        console.print(f"[yellow]skipped plugin {f.name} ({f.distribution}): {f.message}[/yellow]")
+    out = None if opts.out is None else os.fspath(opts.out)
+    prepared = check_before_start(config, registry, output_dir=out is None)
+    if out:
+        check_run_dir(Path(out).expanduser(), resume=opts.resume)
+    if opts.needs_env and not config.env.backend:
+        raise ConfigError("the loop needs an env: set env.backend (e.g. env.backend=arithmetic)", key="env.backend")
+    run_dir = make_run_dir(config, out, resume=opts.resume)
+    status = RunStatus(run_dir, resume=opts.resume)  # first: what follows is a run's to replace
+    write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
+    return _Run(prepared, run_dir, status, console, guard)
 
 
 def _load(config: ConfigLike, overrides: Sequence[str] | Mapping[str, Any]) -> RunConfig:
@@ -642,16 +655,10 @@ class _Run:
     the setup. ``start`` and ``finish`` are ``rlcore run``'s before and after its loop."""
 
     def __init__(
-        self,
-        config: RunConfig,
-        registry: Any,
-        plan: Plan,
-        run_dir: Path,
-        status: RunStatus,
-        console: Console,
-        guard: SignalGuard | None,
+        self, prepared: PreparedRun, run_dir: Path, status: RunStatus, console: Console, guard: SignalGuard | None
     ) -> None:
-        self.config, self.registry, self.plan, self.run_dir = config, registry, plan, run_dir
+        config = prepared.config
+        self.prepared, self.config, self.plan, self.run_dir = prepared, config, prepared.plan, run_dir
         self.status, self.console, self.guard = status, console, guard
         self.trace = TraceRecorder()
         self.writer = MetricsWriter(run_dir / "metrics.jsonl")
@@ -679,8 +686,8 @@ class _Run:
                 self.trace.add_span("cluster start", t0, time.monotonic(), cat="setup", lane="cluster")
             progress = SetupProgress([t.name for t in self.plan.tasks])
             with setup_display(progress, console):
-                self.setup = run_setup(
-                    config, self.registry, run_dir=self.run_dir, plan=self.plan, cancel=self.cancel,
+                self.setup = run_prepared(
+                    self.prepared, run_dir=self.run_dir, cancel=self.cancel,
                     progress=self.phase.watch(progress, None if console.is_terminal else console.print),
                     network=self.cluster.network(config),
                     devices=devices,

@@ -26,6 +26,19 @@ def init_task(role: Role) -> str:
     return f"init:{role.value}"
 
 
+def role_of_task(name: str) -> Role | None:
+    """``init:policy`` -> ``Role.POLICY``; ``None`` for tasks that are not inits."""
+    from rlcore.declarations import Role
+
+    kind, _, role = name.partition(":")
+    if kind != "init":
+        return None
+    try:
+        return Role(role)
+    except ValueError:
+        return None
+
+
 @dataclass(frozen=True)
 class Task:
     """One unit of setup work: ``init:policy``, ``init:generation``, ``init:env``, ``refit:initial``."""

@@ -49,15 +49,18 @@ def selected_roles(config: RunConfig) -> list[Role]:
 
 
 def role_view(
-    config: RunConfig, role: Role, decl: BackendDeclaration | None = None
+    config: RunConfig, role: Role, decl: BackendDeclaration | None = None, *, resolved: Any = None
 ) -> dict[str, Any]:
-    """The view of the config that declaration conditions are evaluated against."""
+    """The view of the config that declaration conditions are evaluated against.
+
+    ``resolved``: ``role``'s options already resolved against ``decl``'s options
+    dataclass (:func:`rlcore.setup.prepared.prepare`); ``None`` resolves them here.
+    """
     section = getattr(config, role.value)
     options: Any = dict(section.options)
     if decl is not None and decl.options is not None:
-        resolved = resolve_options(
-            section.options, decl.options, section=role.value, backend=decl.name
-        )
+        if resolved is None:
+            resolved = resolve_options(section.options, decl.options, section=role.value, backend=decl.name)
         options = dataclasses.asdict(resolved)
     return {
         "role": role.value,
@@ -164,16 +167,19 @@ def groups_for(
     config: RunConfig,
     declarations: Mapping[Role, BackendDeclaration],
     replicas: Mapping[Role, int] | None = None,
+    *,
+    options: Mapping[Role, Any] | None = None,
 ) -> list[Group]:
     """The groups of a run: ``replicas[role]`` groups per selected role (default one).
 
     One group keeps the role's task name (``init:policy``); several are numbered
     (``init:generation/0``...). Replicas of a role share its declaration and view.
+    ``options``: each role's resolved options (resolved here when not given).
     """
     groups = []
     for role in selected_roles(config):
         decl = declarations[role]
-        view = role_view(config, role, decl)  # once per role: it resolves options
+        view = role_view(config, role, decl, resolved=(options or {}).get(role))  # once per role
         count = (replicas or {}).get(role, 1)
         base = init_task(role)
         names = [base] if count == 1 else [f"{base}/{i}" for i in range(count)]
@@ -480,16 +486,19 @@ def build_plan(
     config: RunConfig,
     declarations: Mapping[Role, BackendDeclaration],
     *,
+    options: Mapping[Role, Any] | None = None,
     accelerator: str | None = None,
 ) -> Plan:
     """Turn the config and the selected backends' declarations into a setup plan.
 
-    ``declarations`` maps each role the config selects to its backend's declaration.
+    ``declarations`` maps each role the config selects to its backend's declaration;
+    ``options`` each role's resolved options (resolved here when not given).
     Raises :class:`ConfigError` for a config the declarations cannot serve and
     :class:`PlanError` for needs nobody meets.
     """
     _check_roles(config, declarations)
-    return plan_groups(config, groups_for(config, declarations), accelerator=accelerator)
+    groups = groups_for(config, declarations, options=options)
+    return plan_groups(config, groups, accelerator=accelerator)
 
 
 def plan_groups(

@@ -6,20 +6,22 @@ after loading the config (which already checked keys, types and ranges, see
 heavy dependency and reads only small files, so a bad input fails in well under
 a second with one line that names the key and the fix:
 
-1. the selected backends exist and serve their roles, their options are valid,
-   and the declarations make a plan (refit transport included) — the same
-   :func:`rlcore.setup.registry.plan_for` that setup runs;
-2. ``setup.task_deadline_s`` names tasks of that plan, and ``generation.on_worker_loss:
-   replace`` is not asked of a run whose env holds the generation's endpoint;
+1. the selected backends exist and serve their roles, their options are valid, the
+   declarations make a plan (refit transport included) and ``setup.task_deadline_s``
+   names tasks of that plan: the run is prepared once (:func:`rlcore.setup.prepared.prepare`),
+   and what this returns is what setup runs;
+2. ``generation.on_worker_loss: replace`` is not asked of a run whose env holds the
+   generation's endpoint;
 3. ``model.path`` is a loadable Hugging Face checkpoint: ``config.json`` parses,
    a tokenizer is there, and every safetensors file's header is read and its
    size compared with what the header says (a truncated file is named);
 4. the policy and generation workers fit the embedded cluster's CPUs (or GPUs)
    when no ``cluster.address`` is given (Ray would otherwise wait forever), and
    ``placement.nodes`` is asked only of a joined cluster, in Ray's terms;
-5. the run directory and the cache directory can be created and written (a few KiB are
-   written and removed, so a full disk is found here), and a ``--out`` is empty unless
-   the run resumes, or holds only what a run that completed no step left.
+5. the output directory and the cache directory can be created and written (a few KiB are
+   written and removed, so a full disk is found here); a given ``--out`` is checked by the
+   app (:func:`rlcore.app.rundir.check_run_dir`, the same write check and whether it holds
+   another run's results).
 
 Every failure is a :class:`~rlcore.errors.ConfigError` with a one-line message.
 """
@@ -32,19 +34,16 @@ import math
 import os
 import re
 import shutil
-import socket
 import tempfile
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlcore.config import RunConfig, cache_dir
 from rlcore.config.placement import RESOURCE_ROLES, device_layout
 from rlcore.errors import ConfigError
-from rlcore.setup.metrics import is_temp_file
+from rlcore.setup.prepared import PreparedRun, prepare
 
 if TYPE_CHECKING:
-    from rlcore.declarations import BackendDeclaration, Role
     from rlcore.setup.plan import Plan
     from rlcore.setup.registry import Registry
 
@@ -64,65 +63,53 @@ def one_line(message: str) -> str:
     return out
 
 
-def run_dir_for(config: RunConfig, out: str | None, *, now: datetime | None = None) -> Path:
-    """The run directory a run writes: ``out``, else ``<output_dir>/<name>-<timestamp>``."""
-    if out:
-        return Path(out).expanduser()
-    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
-    return Path(config.output_dir).expanduser() / f"{config.name}-{stamp}"
-
-
 def check_before_start(
     config: RunConfig,
     registry: Registry,
     *,
-    out: str | None = None,
-    resume: bool = False,
+    output_dir: bool = True,
     accelerator: str | None = None,
-) -> Plan:
-    """Run every check that needs no cluster; return the setup plan.
+) -> PreparedRun:
+    """Run every check that needs no cluster; return the run, prepared once.
 
     Args:
         config: the loaded config (keys, types and ranges already checked).
         registry: the loaded plugins.
-        out: the run directory asked for (``rlcore run --out``); ``None``: a new
-            timestamped directory under ``output_dir``.
-        resume: a non-empty ``out`` is accepted (the run appends to it).
+        output_dir: check that ``output_dir`` can be written (a run that writes a new
+            timestamped directory there); ``False`` when the run directory is a given
+            ``--out``, which the app checks (:func:`rlcore.app.rundir.check_run_dir`).
         accelerator: ``cuda`` or ``cpu``; ``None`` detects it (without torch).
 
     Raises:
         ConfigError: one line naming the key at fault and what to do.
     """
-    plan = check_plan(config, registry, accelerator=accelerator)
-    check_task_deadlines(config, plan)
-    check_worker_loss(config, plan)
+    prepared = prepare_checked(config, registry, accelerator=accelerator)
+    check_worker_loss(config, prepared.plan)
     check_model(config)
     check_resources(config)
     check_placement(config)
-    if out:
-        check_run_dir(Path(out).expanduser(), resume=resume)
-    else:
+    if output_dir:
         check_writable_dir(Path(config.output_dir).expanduser(), key="output_dir")
     check_writable_dir(cache_dir(config), key="setup.cache_dir (or $RLCORE_CACHE_DIR)")
-    return plan
+    return prepared
 
 
 # ---------------------------------------------------------------- plan
 
 
 def check_plan(config: RunConfig, registry: Registry, *, accelerator: str | None = None) -> Plan:
-    """The plan setup would run, with every backend, option and transport error as one line."""
+    """The plan of the run :func:`prepare_checked` prepares."""
+    return prepare_checked(config, registry, accelerator=accelerator).plan
+
+
+def prepare_checked(config: RunConfig, registry: Registry, *, accelerator: str | None = None) -> PreparedRun:
+    """The run prepared (:func:`rlcore.setup.prepared.prepare`: backends, options, plan,
+    task deadlines), with every backend, option and transport error as one line."""
     from rlcore.errors import BackendNotFoundError, PlanError
-    from rlcore.setup.planner import build_plan, selected_roles
-    from rlcore.setup.registry import selected_backends
+    from rlcore.setup.planner import selected_roles
 
     try:
-        selected = selected_backends(registry, config)
-        check_dtype(config, {r: i.declaration for r, i in selected.items()})  # type: ignore[misc]
-        return build_plan(
-            config, {r: i.declaration for r, i in selected.items()},  # type: ignore[misc]
-            accelerator=accelerator,
-        )
+        return prepare(config, registry, accelerator=accelerator)
     except BackendNotFoundError as err:
         key = next(
             (f"{r.value}.backend" for r in selected_roles(config) if f"'{r.value}.backend'" in str(err)),
@@ -141,37 +128,6 @@ def check_plan(config: RunConfig, registry: Registry, *, accelerator: str | None
             f"the backends the config selects ({chosen}) cannot run together: {one_line(str(err))}",
             key=None,
         ) from err
-
-
-def check_dtype(config: RunConfig, declarations: dict[Role, BackendDeclaration]) -> None:
-    """``model.dtype`` is one that the policy and generation backends declare (a backend
-    that declares no ``dtypes`` accepts any)."""
-    from rlcore.declarations import Role
-
-    want = config.model.dtype
-    for role in (Role.POLICY, Role.GENERATION):
-        decl = declarations.get(role)
-        if decl is None or not decl.dtypes or want in decl.dtypes:
-            continue
-        runs = ", ".join(sorted(decl.dtypes))
-        raise ConfigError(
-            f"config key 'model.dtype' is {want}, but {role.value} backend '{decl.name}' runs "
-            f"in {runs} only (its declaration's dtypes); set model.dtype to one of them or pick "
-            f"another {role.value}.backend",
-            key="model.dtype",
-        )
-
-
-def check_task_deadlines(config: RunConfig, plan: Plan) -> None:
-    """``setup.task_deadline_s`` may name only tasks of the plan."""
-    names = [t.name for t in plan.tasks]
-    for task in config.setup.task_deadline_s:
-        if task not in names:
-            raise ConfigError(
-                f"config key 'setup.task_deadline_s.{task}' names no task of this run's plan; "
-                f"its tasks are {', '.join(names)}",
-                key=f"setup.task_deadline_s.{task}",
-            )
 
 
 def check_worker_loss(config: RunConfig, plan: Plan) -> None:
@@ -474,19 +430,6 @@ PROBE_BYTES = 64 * 1024
 #: Prefix of the directory the checks write in (removed again; left only by a kill).
 PROBE_PREFIX = ".rlcore-write-check-"
 
-#: The run's own record of how far it got, written whole by ``rlcore run`` at its start,
-#: before its first step's metrics line and at its end (``rlcore.app.rundir.RunStatus``):
-#: ``{"status": "setting-up" | "running" | "finished" | "failed" | "interrupted",
-#: "steps_done": N, "pid": ..., "host": ..., "error": ...}``.
-RUN_STATUS_FILE = "run.json"
-#: Everything a run writes into its directory (besides the temporary files of
-#: :func:`rlcore.setup.metrics.write_atomic`, left only by a kill).
-RUN_FILES = (
-    RUN_STATUS_FILE, "config.yaml", "metrics.jsonl", "trace.json", "placement.json",
-    "setup_timeline.png", "reward.png",
-)
-
-
 def check_writable_dir(path: Path, *, key: str) -> None:
     """``path`` is a directory that exists or can be created, and can be written.
 
@@ -528,88 +471,3 @@ def _write_fix(code: int | None) -> str:
     if code in (errno.EACCES, errno.EPERM):
         return "choose a directory you may write, or give yourself write permission there"
     return "choose a writable directory"
-
-
-def check_run_dir(path: Path, *, resume: bool, key: str = "--out") -> None:
-    """The run directory can be written, and is new or empty unless ``resume``.
-
-    A directory that holds only what a run that completed no step left (its
-    ``run.json`` says so, see :func:`no_step_leftovers`) counts as empty: a run that
-    failed in setup never blocks the same ``--out``, and the next run replaces its files.
-    """
-    check_writable_dir(path, key=key)
-    if resume or not path.is_dir() or all(_a_probe(p.name) for p in path.iterdir()):
-        return
-    why = _why_not_reusable(path)
-    if why is None:
-        return
-    raise ConfigError(
-        f"run directory '{path}' ({key}) is not empty{why}; choose a new one, or pass --resume "
-        "to append to it",
-        key=key,
-    )
-
-
-def read_run_status(path: Path) -> dict[str, object] | None:
-    """The run directory's ``run.json``, or ``None`` when it is missing or unreadable."""
-    try:
-        status = json.loads((path / RUN_STATUS_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return status if isinstance(status, dict) else None
-
-
-def no_step_leftovers(path: Path) -> list[Path] | None:
-    """What a run that completed no step left in ``path`` (files to replace), or ``None``
-    when ``path`` holds anything else: a run that completed a step or finished, a run
-    still in its setup, a file no run wrote, or no ``run.json`` at all."""
-    if _why_not_reusable(path) is not None:
-        return None
-    return sorted(p for p in path.iterdir() if _a_run_wrote(p.name) or _a_probe(p.name))
-
-
-def _why_not_reusable(path: Path) -> str | None:
-    """``None`` when ``path`` holds only what a run that completed no step left; else a
-    clause for the refusal (empty when there is nothing more to say than "not empty")."""
-    status = read_run_status(path)
-    if status is None:
-        return ""
-    foreign = sorted(p.name for p in path.iterdir() if not (_a_run_wrote(p.name) or _a_probe(p.name)))
-    if foreign:
-        return f" (it holds '{foreign[0]}', which no run wrote)"
-    steps, state = status.get("steps_done"), status.get("status")
-    if steps != 0 or state == "finished":
-        done = f"{steps} step(s)" if isinstance(steps, int) else "an unknown number of steps"
-        if state == "running":  # its end was never written: killed, or its disk filled
-            done = f"at least {done}"
-        return f": it holds a run that completed {done} (run.json status '{state}')"
-    pid = status.get("pid")
-    if (
-        state == "setting-up"
-        and isinstance(pid, int)
-        and pid != os.getpid()
-        and status.get("host") == socket.gethostname()
-        and _alive(pid)
-    ):
-        return f": a run (pid {pid}) is setting up in it"
-    return None
-
-
-def _a_run_wrote(name: str) -> bool:
-    return name in RUN_FILES or is_temp_file(name, RUN_FILES)
-
-
-def _a_probe(name: str) -> bool:
-    """A directory :func:`check_writable_dir` made (in ``--out`` when it exists) and a kill
-    kept it from removing: it never makes a directory not empty."""
-    return name.startswith(PROBE_PREFIX)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: alive, another user's
-        return True
-    return True

@@ -815,28 +815,8 @@ def _warn_unknown_allowed(allowed: set[str], names: Sequence[str]) -> None:
         )
 
 
-def selected_backends(registry: Registry, config: Any) -> dict[Role, PluginInfo]:
-    """The backend each role of ``config`` selects (env only when ``env.backend`` is set).
-
-    Raises :class:`BackendNotFoundError` naming the config key for a missing backend.
-    """
-    from rlcore.setup.planner import selected_roles
-
-    found: dict[Role, PluginInfo] = {}
-    problems: list[str] = []
-    for role in selected_roles(config):  # report every bad key at once, not one per run
-        try:
-            found[role] = registry.backend_for(role, getattr(config, role.value).backend)
-        except BackendNotFoundError as err:
-            problems.append(str(err))
-    if problems:
-        raise BackendNotFoundError("\n".join(problems))
-    return found
-
-
 def plan_for(registry: Registry, config: Any) -> Any:
-    """The setup plan of ``config`` with the declarations of its selected backends."""
-    from rlcore.setup.planner import build_plan
+    """The setup plan of ``config``: the plan of the run :func:`rlcore.setup.prepared.prepare` makes."""
+    from rlcore.setup.prepared import prepare
 
-    decls = {r: i.declaration for r, i in selected_backends(registry, config).items()}
-    return build_plan(config, decls)  # type: ignore[arg-type]
+    return prepare(config, registry).plan

@@ -1,20 +1,22 @@
 """rlcore's setup: the plan's tasks as hook calls, run by the executor.
 
-:func:`run_setup` reads top to bottom:
+:func:`run_prepared` runs a :class:`~rlcore.setup.prepared.PreparedRun` (the backends,
+their resolved options, the plan, the task deadlines and the refit transport, decided
+once by :func:`rlcore.setup.prepared.prepare`) and reads top to bottom:
 
-1. resolve the backend of each role (``env`` only when ``env.backend`` is set)
-   and check its ``<role>.options`` against the backend's options dataclass;
-2. build the plan (:func:`rlcore.setup.planner.build_plan`) unless one is given;
-3. turn each task into an executor task: ``init:<role>`` calls
+1. turn each task into an executor task: ``init:<role>`` calls
    ``rlcore_init_<role>`` of the selected backend (plus wrapper plugins and the
    core's own), ``refit:initial`` calls ``rlcore_refit`` for the policy and
    generation backends; after a task, post the core events the plan says it
    makes available (``generation.endpoint``);
-4. run them (:func:`rlcore.setup.executor.execute`): each starts the moment its
+2. run them (:func:`rlcore.setup.executor.execute`): each starts the moment its
    dependencies are done; the first failure cancels the rest, started backends
    are shut down in reverse order and :class:`~rlcore.errors.SetupError` names
    the task, backend, role and root cause;
-5. measure: ``timing/setup/*`` metrics and Chrome-trace events.
+3. measure: ``timing/setup/*`` metrics; the execution's records are in the result, from
+   which the app draws the trace (:mod:`rlcore.app.trace`).
+
+:func:`run_setup` prepares and runs in one call (scripts, tests, benches).
 
 Handles a backend returns are captured by a core wrapper innermost in the hook
 chain, so a wrapper plugin that fails *after* the backend's init returned (fault
@@ -33,28 +35,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlcore.config import RunConfig, cache_dir, resolve_options
+from rlcore.config import RunConfig, cache_dir
 from rlcore.config.placement import DeviceGroup, Network
 from rlcore.context import InitContext, RefitContext
 from rlcore.declarations import ENDPOINT_EVENT, Role
-from rlcore.errors import CancelToken, ConfigError, Deadline, PlanError, PluginError, RefitError
+from rlcore.errors import CancelToken, Deadline, PluginError, RefitError
 from rlcore.hookspecs import hookimpl
 from rlcore.refit.sessions import RefitSessions
 from rlcore.setup.events import EventBoard
 from rlcore.setup.executor import ExecutionResult, TaskRun, TaskSpec, call_bounded, execute
 from rlcore.setup.metrics import PREFIX, setup_metrics
-from rlcore.setup.plan import REFIT_TASK, Plan
+from rlcore.setup.plan import REFIT_TASK, Plan, role_of_task
 from rlcore.setup.plan import init_task as init_task_name
-from rlcore.setup.planner import build_plan, choose_transport, selected_roles
-from rlcore.setup.trace import TraceRecorder
+from rlcore.setup.planner import choose_transport
+from rlcore.setup.prepared import PreparedRun, prepare
 
 if TYPE_CHECKING:
     from rlcore.setup.registry import PluginInfo, Registry
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SetupResult", "choose_transport", "refit_context", "role_of_task", "run_setup"]
-
+__all__ = ["SetupResult", "choose_transport", "refit_context", "role_of_task", "run_prepared", "run_setup"]
 
 
 @dataclass
@@ -64,10 +65,10 @@ class SetupResult:
     Attributes:
         plan: the plan that ran.
         handles: started backends by role (``policy``, ``generation``, ``env``).
-        execution: per-task records and results (times for metrics and traces).
+        execution: per-task records and results (times for metrics and traces:
+            :meth:`rlcore.app.trace.TraceRecorder.from_execution`).
         metrics: ``timing/setup/*`` (see :mod:`rlcore.setup.metrics`), plus
             ``weight_sync_time_s`` and ``collective_init_time_s`` of the first refit.
-        trace_events: Chrome-trace events of the setup (origin: its first start).
         plugins: the selected backends' plugins by role (for later hook calls).
         transport: the refit transport chosen for the run.
         refit_report: what ``refit:initial`` returned.
@@ -80,7 +81,6 @@ class SetupResult:
     handles: dict[str, Any]
     execution: ExecutionResult
     metrics: dict[str, float]
-    trace_events: list[dict[str, Any]]
     plugins: dict[str, PluginInfo] = field(default_factory=dict)
     transport: str | None = None
     refit_report: Any = None
@@ -180,17 +180,6 @@ class SetupResult:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def role_of_task(name: str) -> Role | None:
-    """``init:policy`` -> ``Role.POLICY``; ``None`` for tasks that are not inits."""
-    kind, _, role = name.partition(":")
-    if kind != "init":
-        return None
-    try:
-        return Role(role)
-    except ValueError:
-        return None
 
 
 def refit_context(
@@ -301,60 +290,20 @@ def _registered(registry: Registry, plugin: object) -> Iterator[None]:
         registry.pm.unregister(plugin, name=name)
 
 
-def _check_plan(plan: Plan, roles: list[Role]) -> None:
-    for task in plan.tasks:
-        role = role_of_task(task.name)
-        if task.name == REFIT_TASK:
-            for r in (Role.POLICY, Role.GENERATION):
-                init = f"init:{r.value}"
-                if not plan.has_path(init, REFIT_TASK):
-                    raise PlanError(f"the plan runs {REFIT_TASK} without waiting for {init}")
-        elif role is None or role not in roles:
-            raise PlanError(
-                f"the plan has task '{task.name}', which setup cannot run (it runs "
-                f"{', '.join(f'init:{r.value}' for r in roles)} and {REFIT_TASK})"
-            )
-
-
-def _task_deadlines(config: RunConfig, plan: Plan) -> dict[str, float]:
-    per_task = dict(config.setup.task_deadline_s)
-    for name in per_task:
-        if name not in plan.names:
-            raise ConfigError(
-                f"config key 'setup.task_deadline_s' names task '{name}', which is not in "
-                f"the plan; tasks: {', '.join(plan.names)}",
-                key=f"setup.task_deadline_s.{name}",
-            )
-    return {t: float(per_task.get(t, config.setup.deadline_s)) for t in plan.names}
-
-
 class _SetupRun:
     """One setup's state: the selected backends, the event board, the handles started so
     far, the run's refit channels; it turns the plan's tasks into executor tasks."""
 
-    def __init__(
-        self, config: RunConfig, registry: Registry, plan: Plan | None, run_dir: Path, cancel: CancelToken
-    ) -> None:
-        from rlcore.setup.registry import selected_backends
-
-        self.config, self.registry, self.run_dir = config, registry, Path(run_dir)
-        self.infos = selected_backends(registry, config)
-        self.declarations = {r: i.declaration for r, i in self.infos.items() if i.declaration is not None}
-        self.options = {
-            role: resolve_options(
-                getattr(config, role.value).options, decl.options, section=role.value, backend=decl.name
-            )
-            for role, decl in self.declarations.items()
-        }
-        self.plan = plan if plan is not None else build_plan(config, self.declarations)
-        _check_plan(self.plan, selected_roles(config))
-        self.deadlines = _task_deadlines(config, self.plan)
-        self.transport = self.plan.refit_transport or choose_transport(
-            config, self.declarations[Role.POLICY], self.declarations[Role.GENERATION]
-        )
+    def __init__(self, prepared: PreparedRun, run_dir: Path, cancel: CancelToken) -> None:
+        # The prepared run's choices, used as they are: nothing is selected or resolved here.
+        self.prepared = prepared
+        self.config, self.registry, self.run_dir = prepared.config, prepared.registry, Path(run_dir)
+        self.infos, self.declarations = prepared.backends, prepared.declarations
+        self.options, self.plan = prepared.options, prepared.plan
+        self.deadlines, self.transport = prepared.deadlines, prepared.transport
         self.cancel = cancel
-        self.network = Network()  # who reaches the run's servers (run_setup's ``network``)
-        self.devices: DeviceGroup | None = None  # the run's GPU bundles (run_setup's ``devices``)
+        self.network = Network()  # who reaches the run's servers (run_prepared's ``network``)
+        self.devices: DeviceGroup | None = None  # the run's GPU bundles (run_prepared's ``devices``)
         self.board = EventBoard(cancel)
         self.handles: dict[str, Any] = {}
         self.capture = _StartedCapture()
@@ -483,7 +432,6 @@ class _SetupRun:
             handles=self.handles,
             execution=execution,
             metrics=metrics,
-            trace_events=TraceRecorder.from_execution(execution, self.plan).events,
             plugins=self.plugins,
             transport=self.transport,
             refit_report=report,
@@ -494,25 +442,23 @@ class _SetupRun:
         )
 
 
-def run_setup(
-    config: RunConfig,
-    registry: Registry,
+def run_prepared(
+    prepared: PreparedRun,
     *,
     run_dir: Path,
-    plan: Plan | None = None,
     cancel: CancelToken | None = None,
     progress: Callable[[str, str], None] | None = None,
     grace_s: float = 5.0,
     network: Network | None = None,
     devices: DeviceGroup | None = None,
 ) -> SetupResult:
-    """Start every backend the config selects, as the plan allows, and do the first refit.
+    """Start the prepared run's backends, as its plan allows, and do the first refit.
 
     Args:
-        config: the run config.
-        registry: the loaded plugins (:func:`rlcore.setup.registry.load_registry`).
+        prepared: the run, prepared once (:func:`rlcore.setup.preflight.check_before_start`
+            or :func:`rlcore.setup.prepared.prepare`): its backends, options, plan, task
+            deadlines and transport are used as they are.
         run_dir: the run's output directory (passed to backends).
-        plan: a plan to run instead of building one from the declarations.
         cancel: the run's cancellation token (e.g. set on Ctrl-C); a new one if omitted.
         progress: ``progress(task, what)`` for each task event (``start``, ``end``,
             ``failed``, ``cancelled``, ``timed_out``, ``not_started``).
@@ -529,14 +475,14 @@ def run_setup(
     Raises:
         SetupError: a task failed, timed out or setup was cancelled; started
             backends have been shut down. It carries ``.execution`` and ``.plan``.
-        BackendNotFoundError, ConfigError, PlanError: before anything started.
     """
-    run = _SetupRun(config, registry, plan, run_dir, cancel or CancelToken())
+    config = prepared.config
+    run = _SetupRun(prepared, run_dir, cancel or CancelToken())
     run.network = network or run.network
     run.devices = devices
     run.run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        with _registered(registry, run.capture):
+        with _registered(prepared.registry, run.capture):
             execution = execute(
                 run.task_specs(),
                 cancel=run.cancel,
@@ -551,3 +497,25 @@ def run_setup(
         err.plan = run.plan  # type: ignore[attr-defined]
         raise
     return run.result(execution)
+
+
+def run_setup(
+    config: RunConfig,
+    registry: Registry,
+    *,
+    run_dir: Path,
+    plan: Plan | None = None,
+    cancel: CancelToken | None = None,
+    progress: Callable[[str, str], None] | None = None,
+    grace_s: float = 5.0,
+) -> SetupResult:
+    """Prepare the run (:func:`rlcore.setup.prepared.prepare`, with ``plan`` instead of the
+    declarations' own when given) and run it (:func:`run_prepared`): for scripts, tests
+    and benches that need no preflight, cluster network or device bundles.
+
+    Raises:
+        BackendNotFoundError, ConfigError, PlanError: before anything started.
+        SetupError: as :func:`run_prepared`.
+    """
+    prepared = prepare(config, registry, plan=plan)
+    return run_prepared(prepared, run_dir=run_dir, cancel=cancel, progress=progress, grace_s=grace_s)

@@ -21,8 +21,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rlcore.app.records import write_atomic
 from rlcore.errors import RunDirError
 from rlcore.setup.executor import ExecutionResult
+from rlcore.setup.metrics import measured_critical_path
 from rlcore.setup.plan import Plan
 
 
@@ -117,8 +119,6 @@ class TraceRecorder:
         measured critical path."""
         critical: set[str] = set()
         if plan is not None:
-            from rlcore.setup.metrics import measured_critical_path
-
             critical = set(measured_critical_path(plan, execution)[1])
         names = list(execution.records)
         if plan is not None:
@@ -169,14 +169,12 @@ class TraceRecorder:
 
     def write(self, path: str | Path) -> Path:
         """Write the Chrome trace JSON to ``path`` whole or not at all
-        (:func:`~rlcore.setup.metrics.write_atomic`): a failure leaves the previous
+        (:func:`~rlcore.app.records.write_atomic`): a failure leaves the previous
         ``path`` (or none) and no temporary file.
 
         Raises:
             RunDirError: naming ``path`` and the cause (a full disk, a read-only mount).
         """
-        from rlcore.setup.metrics import write_atomic
-
         path = Path(path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
