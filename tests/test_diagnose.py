@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from rlcore.app.diagnose import diagnose_divergence, verdict
+from rlcore.app.diagnose import FailedCheck, diagnose_divergence, verdict
 from rlcore.testing.peers import (
     ReferenceGeneration,
     ReferenceGenerationWorker,
@@ -77,16 +77,12 @@ def _diagnose(policy: Any, engine: Any, model: str, tmp_path: Path) -> str:
 
     config = load_config(QUICKSTART, [f"setup.cache_dir={tmp_path}", "refit.timeout_s=30"])
     return diagnose_divergence(
+        FailedCheck(PROBE, policy.logprobs, engine.logprobs, limit=1.05, names=("pol", "gen")),
         policy=policy,
-        policy_logprobs=policy.logprobs,
-        generation_logprobs=engine.logprobs,
         make_context=lambda t: refit_context(config, step=0, transport=t, cancel=CancelToken(),
                                              sessions=RefitSessions()),
         transport="disk",
         model_dir=model,
-        probe=PROBE,
-        limit=1.05,
-        names=("pol", "gen"),
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -57,41 +58,52 @@ def verdict(policy_err: float, engine_err: float, limit: float, *, policy: str, 
     )
 
 
+@dataclass(frozen=True)
+class FailedCheck:
+    """The refit check that failed: what it compared, and against what limit.
+
+    Attributes:
+        probe: the probe batch.
+        policy_logprobs: the policy's ``logprobs`` (a checked one).
+        generation_logprobs: the generation's ``logprobs`` (a checked one).
+        limit: ``refit.max_mult_prob_error``.
+        names: the policy and generation backends' names.
+    """
+
+    probe: Sequence[Any]
+    policy_logprobs: Callable[[Sequence[Any]], list[list[float]]]
+    generation_logprobs: Callable[[Sequence[Any]], list[list[float]]]
+    limit: float
+    names: tuple[str, str]
+
+
 def diagnose_divergence(
+    check: FailedCheck,
     *,
     policy: Any,
-    policy_logprobs: Callable[[Sequence[Any]], list[list[float]]],
-    generation_logprobs: Callable[[Sequence[Any]], list[list[float]]],
     make_context: Callable[[str], Any],
     transport: str | None,
     model_dir: str,
-    probe: Sequence[Any],
-    limit: float,
-    names: tuple[str, str],
 ) -> str:
     """One sentence (see :func:`verdict`), never raising.
 
     Args:
+        check: the failed check's sides, probe batch and limit.
         policy: the policy handle (:class:`rlcore.handles.RefitSender`).
-        policy_logprobs, generation_logprobs: the two sides' ``logprobs`` (checked ones).
         make_context: a :class:`rlcore.context.RefitContext` for ``transport`` with
             sessions of its own.
         transport: the capture's transport (:func:`rlcore.refit.capture.file_transport_first`).
         model_dir: the checkpoint whose ``config.json`` builds the reference model.
-        probe: the probe batch.
-        limit: ``refit.max_mult_prob_error``.
-        names: the policy and generation backends' names.
     """
     try:
-        return _diagnose(policy, policy_logprobs, generation_logprobs, make_context(transport)
-                         if transport is not None else None, model_dir, probe, limit, names)
+        ctx = make_context(transport) if transport is not None else None
+        return _diagnose(check, policy, ctx, model_dir)
     except Exception as err:  # noqa: BLE001 - a diagnosis must not hide the failure it explains
         log.warning("refit check diagnosis failed", exc_info=True)
         return f"Not diagnosed: capturing or replaying the policy's export failed ({type(err).__name__}: {err})."
 
 
-def _diagnose(policy: Any, policy_lp: Any, engine_lp: Any, ctx: Any, model_dir: str,
-              probe: Sequence[Any], limit: float, names: tuple[str, str]) -> str:
+def _diagnose(check: FailedCheck, policy: Any, ctx: Any, model_dir: str) -> str:
     from rlcore.app.refit_check import token_mult_prob_error
     from rlcore.handles import RefitSender
     from rlcore.refit.capture import capture_export
@@ -111,11 +123,11 @@ def _diagnose(policy: Any, policy_lp: Any, engine_lp: Any, ctx: Any, model_dir: 
         return reference
     from rlcore.runtime.losses import model_logprobs
 
-    batch = [(list(p), list(c)) for p, c in probe]
+    batch = [(list(p), list(c)) for p, c in check.probe]
     ref = model_logprobs(reference, batch)
-    policy_err = token_mult_prob_error(ref, policy_lp(batch))
-    engine_err = token_mult_prob_error(ref, engine_lp(batch))
-    return verdict(policy_err, engine_err, limit, policy=names[0], generation=names[1])
+    policy_err = token_mult_prob_error(ref, check.policy_logprobs(batch))
+    engine_err = token_mult_prob_error(ref, check.generation_logprobs(batch))
+    return verdict(policy_err, engine_err, check.limit, policy=check.names[0], generation=check.names[1])
 
 
 def _reference_model(model_dir: str, exported: dict[str, Any]) -> Any:

@@ -6,6 +6,27 @@ the session's handles do the work in their workers, its methods bring the run's 
 trace). Policy and generation exchange token ids and per-token logprobs as plain lists,
 so nothing here imports torch. :func:`run_grpo` runs the same loop over handles started
 otherwise (the loop's tests).
+
+Every refit is checked (:meth:`Session.check_refit`): generation and policy logprobs of
+the same tokens compared (``refit/token_mult_prob_error``; above
+``refit.max_mult_prob_error`` :class:`DivergenceError`). ``refit.check`` says how:
+
+* ``sampled``: the refit of step t is checked by step t+1 with what that step has
+  anyway: the generation's logprobs of its samples (``gen_lp``, returned with the
+  rollouts, always at temperature 1: :mod:`rlcore.handles`) against the policy's of
+  the same tokens (``old_lp``, computed before its train step). No engine call is
+  added; ``refit_check_time_s`` is the comparison. Step 1 checks the refit before the
+  loop (``refit:initial``, step 0). So step t's line carries the check of the refit of
+  step t-1 (``refit/checked_step``) beside its own refit's figures, and equals its
+  ``train/gen_vs_policy_mult_prob_error``. A failed check stops step t before its
+  train step, after ``on_check`` has the check's record. The last step's refit has no
+  next rollout: it is checked once with the probe batch after the loop, its record
+  (``refit/checked_step`` = the last step) given to ``on_check`` (default: recorded,
+  not as a step done).
+* ``probe``: after each refit the generation (handed the devices first) and the policy
+  compute logprobs of the fixed probe batch; step t's line carries the check of its
+  own refit (``refit/checked_step`` t), written before a failed check raises.
+  ``on_check`` is not called.
 """
 
 from __future__ import annotations
@@ -14,9 +35,9 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.refit_check import (  # the refit check's helpers, where they were before
     PROBE_TEXTS,
     check_divergence,
@@ -119,26 +140,8 @@ def run_grpo_on(
     the policy while it trains. ``on_step(metrics)`` gets each step's line (default:
     :meth:`Session.record`); each phase (:data:`PHASES`) is a span of the trace.
 
-    Every refit is checked (:meth:`Session.check_refit`): generation and policy logprobs of
-    the same tokens compared (``refit/token_mult_prob_error``; above
-    ``refit.max_mult_prob_error`` :class:`DivergenceError`). ``refit.check`` says how:
-
-    * ``sampled``: the refit of step t is checked by step t+1 with what that step has
-      anyway: the generation's logprobs of its samples (``gen_lp``, returned with the
-      rollouts, always at temperature 1: :mod:`rlcore.handles`) against the policy's of
-      the same tokens (``old_lp``, computed before its train step). No engine call is
-      added; ``refit_check_time_s`` is the comparison. Step 1 checks the refit before the
-      loop (``refit:initial``, step 0). So step t's line carries the check of the refit of
-      step t-1 (``refit/checked_step``) beside its own refit's figures, and equals its
-      ``train/gen_vs_policy_mult_prob_error``. A failed check stops step t before its
-      train step, after ``on_check`` has the check's record. The last step's refit has no
-      next rollout: it is checked once with the probe batch after the loop, its record
-      (``refit/checked_step`` = the last step) given to ``on_check`` (default: recorded,
-      not as a step done).
-    * ``probe``: after each refit the generation (handed the devices first) and the policy
-      compute logprobs of the fixed probe batch; step t's line carries the check of its
-      own refit (``refit/checked_step`` t), written before a failed check raises.
-      ``on_check`` is not called.
+    Every refit is checked (:meth:`Session.check_refit`), as ``refit.check`` says (the
+    module's docstring: ``on_check`` gets the records of checks that are not a step's line).
 
     Every step line times :data:`PHASES` (``timing/<phase>_time_s``), the whole step
     (``timing/step_time_s``) and ``timing/refit_check_share`` (refit check / step).
@@ -147,143 +150,167 @@ def run_grpo_on(
     (rollout, refit, probe) is run again with the same request and seed once the session
     has put a new engine with the policy's current weights in place.
     """
-    cfg, how = s.config.grpo, s.config.refit.check
+    how = s.config.refit.check
     if how not in REFIT_CHECKS:
         raise ValueError(f"refit_check is {how!r}; expected one of {list(REFIT_CHECKS)}")
     sampled = how == "sampled"
     record_step = on_step or (lambda m: s.record(m, m["step"]))
     record_check = on_check or (lambda m: s.record(m, m["step"], step_done=False))
     history: list[dict[str, Any]] = []
-
     step = 0
     try:
-        for step in range(1, cfg.steps + 1):
+        for step in range(1, s.config.grpo.steps + 1):
             if s.cancelled:
                 break
-            t_step = time.monotonic()
-            clock = _StepClock(step, s)
-
-            with clock("handoff"):
-                s.to_generation()
-            with clock("generate"):
-                groups = s.rollouts(step)
-            with clock("reward"):
-                rewards = [[r["reward"] for r in g] for g in groups]
-                advantages = group_advantages(rewards)
-            with clock("handoff"):
-                s.to_policy()
-            batch: list[Pair] = [(r["prompt_ids"], r["token_ids"]) for g in groups for r in g]
-            flat_adv = [a for g in advantages for a in g]
-            gen_lp = [r["logprobs"] for g in groups for r in g]
-            with clock("train"):
-                old_lp = s.policy.logprobs(batch)
-                if not sampled:
-                    train = s.train(step, batch, flat_adv, old_lp)
-            if sampled:
-                # The check sits between the policy's logprobs and its train step (two train
-                # spans in the trace): a failed check stops the step before it trains.
-                check: dict[str, Any] = {"refit/check": "sampled", "refit/checked_step": step - 1}
-                try:
-                    with clock("refit_check"):
-                        gen_vs_policy = s.check_refit(
-                            step - 1, generation_logprobs=gen_lp, policy_logprobs=old_lp, sampled_by=step
-                        )
-                except DivergenceError as failed:
-                    err = failed.mult_prob_error
-                    record_check({
-                        "step": step, **check, "refit/token_mult_prob_error": err,
-                        "train/gen_vs_policy_mult_prob_error": err, **clock.metrics(),
-                    })
-                    raise
-                check["refit/token_mult_prob_error"] = gen_vs_policy
-                with clock("train"):
-                    train = s.train(step, batch, flat_adv, old_lp)
-            else:
-                gen_vs_policy = token_mult_prob_error(gen_lp, old_lp)
-            with clock("refit"):
-                report = s.refit(step)
-            failure: DivergenceError | None = None
-            if not sampled:
-                with clock("handoff"):
-                    s.to_generation()
-                try:
-                    with clock("refit_check"):
-                        probe_err = s.check_refit(step)
-                except DivergenceError as failed:  # the step's line is written first
-                    probe_err, failure = failed.mult_prob_error, failed
-                check = {"refit/check": "probe", "refit/checked_step": step, "refit/token_mult_prob_error": probe_err}
-
-            tokens = sum(len(completion) for _, completion in batch)
-            metrics = _step_metrics(step, rewards, train, gen_vs_policy, report, check, tokens)
-            step_time = time.monotonic() - t_step
-            metrics.update(clock.metrics())
-            metrics["timing/step_time_s"] = step_time
-            metrics["timing/refit_check_share"] = clock.times["refit_check"] / step_time if step_time > 0 else 0.0
+            metrics, failure = _step(s, step, sampled, record_check)
             history.append(metrics)
             record_step(metrics)
             if failure is not None:
                 raise failure
-
     except ProtocolError as err:
         # The guards name backend, role and method; the step is the loop's to say.
         raise ProtocolError(
             f"at step {step}: {err}", backend=err.backend, role=err.role, method=err.method
         ) from err
-
     if sampled and history and not s.cancelled:
-        # The last refit: no rollout follows, so the probe batch checks it, once per run.
-        last = history[-1]["step"]
-        clock = _StepClock(last, s)
-        with clock("handoff"):
-            s.to_generation()
-        failure = None
-        try:
-            with clock("refit_check"):
-                err = s.check_refit(last)
-        except DivergenceError as failed:
-            err, failure = failed.mult_prob_error, failed
-        record_check({
-            "step": last,
-            "refit/check": "probe",
-            "refit/checked_step": last,
-            "refit/token_mult_prob_error": err,
-            "timing/handoff_time_s": clock.times["handoff"],
-            "timing/refit_check_time_s": clock.times["refit_check"],
-        })
-        if failure is not None:
-            raise failure
+        _check_last_refit(s, history[-1]["step"], record_check)
     return history
+
+
+def _check_last_refit(s: Session, last: int, record_check: Callable[[dict[str, Any]], None]) -> None:
+    """``refit.check: sampled``'s last refit: no rollout follows, so the probe batch checks
+    it, once per run; its record goes to ``record_check`` before a failure is raised."""
+    clock = _StepClock(last, s)
+    check, failure = _probe_check(s, last, clock)
+    record_check({
+        "step": last, **check,
+        "timing/handoff_time_s": clock.times["handoff"],
+        "timing/refit_check_time_s": clock.times["refit_check"],
+    })
+    if failure is not None:
+        raise failure
+
+
+@dataclass
+class _Samples:
+    """One step's scored rollouts as the train step takes them."""
+
+    rewards: list[list[float]]
+    batch: list[Pair]
+    advantages: list[float]
+    logprobs: list[list[float]]  # the generation's, at temperature 1
+
+
+def _sample(s: Session, step: int, clock: _StepClock) -> _Samples:
+    """The env's scored rollouts (the generation handed the devices first) and their
+    group advantages; the policy has the devices back after."""
+    with clock("handoff"):
+        s.to_generation()
+    with clock("generate"):
+        groups = s.rollouts(step)
+    with clock("reward"):
+        rewards = [[r["reward"] for r in g] for g in groups]
+        advantages = group_advantages(rewards)
+    with clock("handoff"):
+        s.to_policy()
+    return _Samples(
+        rewards=rewards,
+        batch=[(r["prompt_ids"], r["token_ids"]) for g in groups for r in g],
+        advantages=[a for g in advantages for a in g],
+        logprobs=[r["logprobs"] for g in groups for r in g],
+    )
+
+
+def _train_checked_by_samples(
+    s: Session, step: int, clock: _StepClock, got: _Samples, record_check: Callable[[dict[str, Any]], None]
+) -> tuple[dict[str, float], float, dict[str, Any]]:
+    """``refit.check: sampled``: the refit of step - 1 checked with the samples' logprobs
+    against the policy's, between the policy's logprobs and its train step (two train
+    spans in the trace), so a failed check stops the step before it trains. Returns the
+    train step's metrics, the generation-vs-policy error and the check's record."""
+    with clock("train"):
+        old_lp = s.policy.logprobs(got.batch)
+    check: dict[str, Any] = {"refit/check": "sampled", "refit/checked_step": step - 1}
+    try:
+        with clock("refit_check"):
+            gen_vs_policy = s.check_refit(
+                step - 1, generation_logprobs=got.logprobs, policy_logprobs=old_lp, sampled_by=step
+            )
+    except DivergenceError as failed:
+        err = failed.mult_prob_error
+        record_check({
+            "step": step, **check, "refit/token_mult_prob_error": err,
+            "train/gen_vs_policy_mult_prob_error": err, **clock.metrics(),
+        })
+        raise
+    check["refit/token_mult_prob_error"] = gen_vs_policy
+    with clock("train"):
+        train = s.train(step, got.batch, got.advantages, old_lp)
+    return train, gen_vs_policy, check
+
+
+def _probe_check(s: Session, step: int, clock: _StepClock) -> tuple[dict[str, Any], DivergenceError | None]:
+    """The refit of ``step`` checked with the probe batch (the generation handed the
+    devices first): the check's record, and the failure to raise once it is written."""
+    with clock("handoff"):
+        s.to_generation()
+    failure: DivergenceError | None = None
+    try:
+        with clock("refit_check"):
+            err = s.check_refit(step)
+    except DivergenceError as failed:
+        err, failure = failed.mult_prob_error, failed
+    return {"refit/check": "probe", "refit/checked_step": step, "refit/token_mult_prob_error": err}, failure
+
+
+def _step(
+    s: Session, step: int, sampled: bool, record_check: Callable[[dict[str, Any]], None]
+) -> tuple[dict[str, Any], DivergenceError | None]:
+    """One GRPO step: its metrics line, and a failed probe check to raise once it is written."""
+    t_step = time.monotonic()
+    clock = _StepClock(step, s)
+    got = _sample(s, step, clock)
+    if sampled:
+        train, gen_vs_policy, check = _train_checked_by_samples(s, step, clock, got, record_check)
+    else:
+        with clock("train"):
+            old_lp = s.policy.logprobs(got.batch)
+            train = s.train(step, got.batch, got.advantages, old_lp)
+        gen_vs_policy = token_mult_prob_error(got.logprobs, old_lp)
+    with clock("refit"):
+        report = s.refit(step)
+    failure: DivergenceError | None = None
+    if not sampled:
+        check, failure = _probe_check(s, step, clock)
+    tokens = sum(len(completion) for _, completion in got.batch)
+    metrics = _step_metrics(step, got.rewards, train, gen_vs_policy, report, check, tokens)
+    step_time = time.monotonic() - t_step
+    metrics.update(clock.metrics())
+    metrics["timing/step_time_s"] = step_time
+    metrics["timing/refit_check_share"] = clock.times["refit_check"] / step_time if step_time > 0 else 0.0
+    return metrics, failure
 
 
 def run_grpo(
     *,
     cfg: GRPOConfig,
-    tokenizer: Any,
-    policy: GuardedPolicy,
-    generation: GuardedGeneration,
-    env: GuardedEnv,
-    refit: Callable[[int], Any],
-    probe: Sequence[Pair],
     on_step: Callable[[dict[str, Any]], None],
     max_mult_prob_error: float | None = None,
-    handoff: Handoff | None = None,
-    trace: Callable[[str, float, float, int], None] | None = None,
-    cancelled: Callable[[], bool] = lambda: False,
-    on_generation_loss: Callable[[Any, int, str], None] | None = None,
     refit_check: str = "probe",
     on_check: Callable[[dict[str, Any]], None] | None = None,
+    trace: Callable[[str, float, float, int], None] | None = None,
+    **handles: Any,
 ) -> list[dict[str, Any]]:
-    """:func:`run_grpo_on` over handles started otherwise: ``refit(step)`` copies the
-    weights and returns a :class:`rlcore.handles.RefitReport`, ``trace(name, start, end,
-    step)`` records each phase, ``on_generation_loss(error, step, phase)`` replaces a lost
-    generation (:class:`rlcore.app.recovery.GenerationRecovery`). ``refit_check`` defaults
-    to ``probe``, the loop's behaviour before ``sampled`` existed; ``on_check`` is called
-    only when given."""
+    """:func:`run_grpo_on` over handles started otherwise: ``handles`` are those of a
+    :class:`Session` made over them (:class:`rlcore.app.session.OverHandles`: ``policy``,
+    ``generation``, ``env``, ``tokenizer``, ``probe``, ``refit``, ``handoff``, ``cancelled``,
+    ``on_generation_loss``): ``refit(step)`` copies the weights and returns a
+    :class:`rlcore.handles.RefitReport`, ``on_generation_loss(error, step, phase)`` replaces
+    a lost generation (:class:`rlcore.app.recovery.GenerationRecovery`). ``trace(name,
+    start, end, step)`` records each phase. ``refit_check`` defaults to ``probe``, the
+    loop's behaviour before ``sampled`` existed; ``on_check`` is called only when given."""
     if refit_check not in REFIT_CHECKS:
         raise ValueError(f"refit_check is {refit_check!r}; expected one of {list(REFIT_CHECKS)}")
     config = RunConfig(grpo=cfg, refit=RefitConfig(check=refit_check, max_mult_prob_error=max_mult_prob_error))
-    session = Session(
-        config=config, policy=policy, generation=generation, env=env, tokenizer=tokenizer, probe=probe,
-        refit=refit, handoff=handoff, on_generation_loss=on_generation_loss, span=trace, cancelled=cancelled,
-    )
+    session = Session(config=config, span=trace, **handles)
     return run_grpo_on(session, on_step=on_step, on_check=on_check or (lambda m: None))

@@ -80,7 +80,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ConfigLike", "Handoff", "OpenOptions", "Session", "open"]
+__all__ = ["ConfigLike", "Handoff", "OpenOptions", "OverHandles", "Session", "open"]
 
 #: What :func:`open` takes as the config: a YAML path, a mapping or an OmegaConf config of
 #: the same keys, a :class:`~rlcore.config.RunConfig`, or ``None`` (``examples/quickstart.yaml``).
@@ -218,12 +218,43 @@ def _load(config: ConfigLike, overrides: Sequence[str] | Mapping[str, Any]) -> R
     return load_config(os.fspath(config), overrides)
 
 
+@dataclass(frozen=True)
+class OverHandles:
+    """What a :class:`Session` made over handles started otherwise works with (its
+    constructor's keyword arguments; each one left out is built from a run, or absent).
+
+    Attributes:
+        policy, generation, env: the checked handles.
+        tokenizer: the run's tokenizer.
+        probe: the probe batch of the refit check.
+        refit: ``refit(step)`` copies the weights and returns a :class:`~rlcore.handles.RefitReport`.
+        handoff: the colocated roles' memory handoff.
+        on_generation_loss: ``(error, step, phase)`` replaces a lost generation
+            (:class:`rlcore.app.recovery.GenerationRecovery`).
+        record: ``record(metrics, step)`` for :meth:`Session.record`.
+        span: ``span(name, start, end, step)`` for :meth:`Session.span`.
+        cancelled: whether the run is being stopped.
+    """
+
+    policy: GuardedPolicy | None = None
+    generation: GuardedGeneration | None = None
+    env: GuardedEnv | None = None
+    tokenizer: Any = None
+    probe: Sequence[Pair] | None = None
+    refit: Callable[[int], RefitReport] | None = None
+    handoff: Handoff | None = None
+    on_generation_loss: Callable[[WorkerLost, int, str], None] | None = None
+    record: Callable[[dict[str, Any], int], None] | None = None
+    span: Callable[[str, float, float, int | None], None] | None = None
+    cancelled: Callable[[], bool] | None = None
+
+
 class Session:
     """A started run: its handles and the services a training loop needs (module doc).
 
     Made by :func:`open`. It can also be made over handles started otherwise (keyword
-    arguments below; no cluster, no run directory, ``close`` does nothing): how the GRPO
-    loop's own tests drive it with scripted handles. That constructor is provisional; what
+    arguments: :class:`OverHandles`; no cluster, no run directory, ``close`` does nothing):
+    how the GRPO loop's own tests drive it with scripted handles. That constructor is provisional; what
     is stable is :func:`open` and the attributes and methods documented here.
 
     Attributes:
@@ -245,22 +276,8 @@ class Session:
         probe: the fixed batch a probe refit check compares (``refit.probe_prompts`` pairs).
     """
 
-    def __init__(
-        self,
-        *,
-        config: RunConfig,
-        policy: GuardedPolicy | None = None,
-        generation: GuardedGeneration | None = None,
-        env: GuardedEnv | None = None,
-        tokenizer: Any = None,
-        probe: Sequence[Pair] | None = None,
-        refit: Callable[[int], RefitReport] | None = None,
-        handoff: Handoff | None = None,
-        on_generation_loss: Callable[[WorkerLost, int, str], None] | None = None,
-        record: Callable[[dict[str, Any], int], None] | None = None,
-        span: Callable[[str, float, float, int | None], None] | None = None,
-        cancelled: Callable[[], bool] | None = None,
-    ) -> None:
+    def __init__(self, *, config: RunConfig, **over_handles: Any) -> None:
+        given = OverHandles(**over_handles)  # an unknown keyword is a TypeError
         self.config = config
         self.plan: Plan | None = None
         self.setup_metrics: dict[str, float] = {}
@@ -269,13 +286,15 @@ class Session:
         self._run: _Run | None = None
         self._closed = False
         self._phase = RunPhase()
-        self._handoff = handoff or Handoff()
+        self._handoff = given.handoff or Handoff()
         self._holder: str | None = None  # which role the handoff last gave the devices to
-        self._refit, self._record, self._span, self._cancelled = refit, record, span, cancelled
+        self._refit, self._record, self._span, self._cancelled = given.refit, given.record, given.span, given.cancelled
         # Given handles take the place of the cached properties that build them from a run.
-        given = {"policy": policy, "generation": generation, "tokenizer": tokenizer, "probe": probe}
-        self.__dict__.update({name: value for name, value in given.items() if value is not None})
-        self.__dict__.update(env=env, _recovery=on_generation_loss)
+        handles = {
+            "policy": given.policy, "generation": given.generation, "tokenizer": given.tokenizer, "probe": given.probe,
+        }
+        self.__dict__.update({name: value for name, value in handles.items() if value is not None})
+        self.__dict__.update(env=given.env, _recovery=given.on_generation_loss)
 
     def _attach(self, run: _Run) -> None:
         """Take a started run's state (:func:`open`): the handles are built on first use."""
@@ -611,7 +630,7 @@ class Session:
 
     def _diagnosis(self) -> str:
         """Whose bug a failed refit check is (:mod:`rlcore.app.diagnose`), in one sentence."""
-        from rlcore.app.diagnose import diagnose_divergence
+        from rlcore.app.diagnose import FailedCheck, diagnose_divergence
         from rlcore.models.tiny import ensure_model
         from rlcore.refit.capture import file_transport_first
         from rlcore.refit.sessions import RefitSessions
@@ -622,18 +641,21 @@ class Session:
         assert run is not None and run.setup is not None
         config, setup = self.config, run.setup
         decl = setup.plugins["policy"].declaration
-        return diagnose_divergence(
-            policy=setup.handles["policy"],
+        check = FailedCheck(
+            probe=self.probe,
             policy_logprobs=self.policy.logprobs,
             generation_logprobs=self.generation.logprobs,
+            limit=config.refit.max_mult_prob_error or 1.05,
+            names=(config.policy.backend, config.generation.backend),
+        )
+        return diagnose_divergence(
+            check,
+            policy=setup.handles["policy"],
             make_context=lambda transport: refit_context(
                 config, step=0, transport=transport, cancel=run.cancel, sessions=RefitSessions()
             ),
             transport=file_transport_first(decl.send_transports if decl else (), detect_accelerator()),
             model_dir=str(ensure_model(config.model, cache_dir(config))),
-            probe=self.probe,
-            limit=config.refit.max_mult_prob_error or 1.05,
-            names=(config.policy.backend, config.generation.backend),
         )
 
 

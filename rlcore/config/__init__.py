@@ -462,6 +462,14 @@ def validate_run_config(cfg: RunConfig) -> None:
             )
     check_bounds(cfg)
     apply_model_preset(cfg)
+    _check_model(cfg)
+    _check_choices(cfg)
+    _check_names(cfg)
+
+
+def _check_model(cfg: RunConfig) -> None:
+    """``model.dtype`` is one rlcore runs; ``model.path`` is not blank; the tiny model's
+    heads divide its hidden size and its key-value heads divide its heads."""
     if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(
             f"config key 'model.dtype' is {cfg.model.dtype!r}; expected float32, bfloat16 or float16",
@@ -486,6 +494,10 @@ def validate_run_config(cfg: RunConfig) -> None:
             f"model.tiny.num_heads={tiny.num_heads}; pick a divisor of it",
             key="model.tiny.num_kv_heads",
         )
+
+
+def _check_choices(cfg: RunConfig) -> None:
+    """``refit.transport``, ``generation.on_worker_loss`` and ``refit.check`` are among their choices."""
     from rlcore.declarations import Transport
 
     allowed_transports = {"auto", *(t.value for t in Transport)}
@@ -509,6 +521,10 @@ def validate_run_config(cfg: RunConfig) -> None:
             "batch after every refit)",
             key="refit.check",
         )
+
+
+def _check_names(cfg: RunConfig) -> None:
+    """``name`` and ``output_dir`` are set; ``name`` can name a directory."""
     for key in ("name", "output_dir"):
         if not str(getattr(cfg, key)).strip():
             raise ConfigError(f"config key '{key}' is empty; give it a value", key=key)

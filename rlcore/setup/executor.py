@@ -646,26 +646,28 @@ def execute(
     """
     cancel = cancel or CancelToken()
     ex = _Executor(
-        tasks,
-        cancel=cancel,
-        deadline=deadline or Deadline.never("execution"),
-        grace_s=grace_s,
-        shutdown_timeout_s=shutdown_timeout_s,
-        on_event=on_event,
-        on_cancel=on_cancel,
+        tasks, cancel=cancel, deadline=deadline or Deadline.never("execution"), grace_s=grace_s,
+        shutdown_timeout_s=shutdown_timeout_s, on_event=on_event, on_cancel=on_cancel,
     )
-    try:
-        ex.loop()
-    except BaseException as err:  # KeyboardInterrupt in the scheduler: cancel, tear down, re-raise
-        cancel.cancel(f"interrupted ({type(err).__name__}: {err})")
-        ex.observe_cancel()
-        ex.abandon_all(time.monotonic())
-        execution = ex.result()
-        execution.shutdown(min(shutdown_timeout_s, interrupt_shutdown_s))
-        err.execution = execution  # type: ignore[attr-defined]
-        raise
-    execution = ex.result()
+    execution = _scheduled(ex, cancel, min(shutdown_timeout_s, interrupt_shutdown_s))
     if ex.failure is None and not cancel.cancelled:
         return execution
     execution.shutdown()
     raise ex.error(execution)
+
+
+def _scheduled(ex: _Executor, cancel: CancelToken, interrupt_shutdown_s: float) -> ExecutionResult:
+    """``ex``'s scheduling loop to its end. A ``KeyboardInterrupt`` in the scheduler cancels,
+    abandons the running tasks, shuts down what started (each bounded by
+    ``interrupt_shutdown_s``) and is re-raised carrying the execution."""
+    try:
+        ex.loop()
+    except BaseException as err:
+        cancel.cancel(f"interrupted ({type(err).__name__}: {err})")
+        ex.observe_cancel()
+        ex.abandon_all(time.monotonic())
+        execution = ex.result()
+        execution.shutdown(interrupt_shutdown_s)
+        err.execution = execution  # type: ignore[attr-defined]
+        raise
+    return ex.result()
