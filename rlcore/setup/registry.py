@@ -1,42 +1,30 @@
-"""Finding, validating and selecting plugins.
+"""The plugins of one process: found by ``importlib.metadata``, registered with pluggy.
 
-:func:`load_registry` builds a :class:`Registry`: a pluggy ``PluginManager`` with
-the hooks of :mod:`rlcore.hookspecs`, the core's own implementations
-(:mod:`rlcore.setup.builtin`), and every plugin installed under the entry-point group
-``rlcore.backends`` that the allowlist lets through.
+:func:`load_registry` builds a :class:`Registry`: a pluggy ``PluginManager`` with the
+hooks of :mod:`rlcore.hookspecs`, the core's own plugin (:mod:`rlcore.setup.builtin`),
+every entry point of group ``rlcore.backends`` the allowlist lets through, then plugins
+given in-process. pluggy validates each ``@hookimpl`` against its spec and calls the
+hooks; rlcore adds what pluggy leaves to its users: an unknown ``rlcore_*`` hook named
+with the closest real one, a backend's declaration checked (valid, a contract version
+this core implements, a backend name nobody else has), and a plugin that declares no
+backend kept from implementing an init hook plainly (it would run whatever backend the
+config selects). A plugin that fails is unregistered and recorded as a
+:class:`PluginFailure` (one line naming it, its distribution and the fix); every other
+plugin keeps working, and nothing here raises for a bad plugin.
 
-Each plugin is checked when it is registered:
-
-1. pluggy validates every ``@hookimpl`` against its spec (an argument the spec
-   lacks is rejected), and an implementation whose hook name rlcore does not
-   define (``rlcore_init_polcy``) is rejected too;
-2. a plugin that answers ``rlcore_declare_backend`` is a *backend*: its
-   declaration must pass :func:`rlcore.declarations.validate_declaration` and its
-   name must not already belong to another plugin;
-3. a plugin that declares nothing is a *wrapper* plugin; it may wrap any hook
-   but must not implement an init hook as a plain implementation (it would then
-   run whatever backend the config selects).
-
-A plugin that fails any step is unregistered and recorded as a
-:class:`PluginFailure` (with its distribution and what to do); a warning is
-logged and every other plugin keeps working. Nothing here raises on a bad
-plugin: only :meth:`Registry.backend_for` raises, when the config selects a
-backend that is not there.
-
-Loading is idempotent and cheap, because Ray worker processes load the plugins
-again: a plugin module must import its heavy dependencies inside its hooks.
+Loading is idempotent and cheap, because Ray workers load the plugins again: a plugin
+module imports its heavy dependencies inside its hooks.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib.metadata
-import inspect
 import logging
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import pluggy
 
@@ -65,18 +53,11 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "rlcore.backends"
 #: Environment variable: comma-separated entry-point names; only those plugins load.
 ALLOWLIST_ENV = "RLCORE_PLUGINS"
-
 #: Failure stages, in the order a plugin goes through them.
 STAGES = ("import", "validate", "declare", "contract", "duplicate")
 
-#: The init hook of each role. A wrapper plugin may only wrap these.
-_INIT_HOOKS: dict[Role, str] = {
-    Role.POLICY: "rlcore_init_policy",
-    Role.GENERATION: "rlcore_init_generation",
-    Role.ENV: "rlcore_init_env",
-}
-_DECLARE_HOOK = "rlcore_declare_backend"
-_HOOK_PREFIX = f"{hookspecs.PROJECT}_"
+#: The init hook of each role: a wrapper plugin may only wrap these.
+_INIT_HOOKS = {role: f"rlcore_init_{role.value}" for role in (Role.POLICY, Role.GENERATION, Role.ENV)}
 _ALLOW_HINT = f"plugins.allow in the config or ${ALLOWLIST_ENV}"
 
 
@@ -110,12 +91,11 @@ class PluginInfo:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form (``rlcore plugins --json``)."""
+        decl = self.declaration
         return {
-            "name": self.name,
-            "distribution": self.distribution,
-            "version": self.version,
-            "kind": "backend" if self.declaration is not None else "wrapper",
-            "declaration": self.declaration.to_dict() if self.declaration is not None else None,
+            "name": self.name, "distribution": self.distribution, "version": self.version,
+            "kind": "backend" if decl is not None else "wrapper",
+            "declaration": decl.to_dict() if decl is not None else None,
         }
 
 
@@ -159,26 +139,10 @@ class PluginFailure:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form (``rlcore plugins --json``)."""
         return {
-            "name": self.name,
-            "distribution": self.distribution,
-            "version": self.version,
-            "stage": self.stage,
-            "message": self.message,
-            "backend": self.backend,
-            "plugins": list(self.plugins),
-            "copies": [c.to_dict() for c in self.copies],
+            "name": self.name, "distribution": self.distribution, "version": self.version,
+            "stage": self.stage, "message": self.message, "backend": self.backend,
+            "plugins": list(self.plugins), "copies": [c.to_dict() for c in self.copies],
         }
-
-
-class _EntryPoint(Protocol):
-    """What :func:`load_registry` uses of an :class:`importlib.metadata.EntryPoint`."""
-
-    name: str
-
-    @property
-    def dist(self) -> Any: ...
-
-    def load(self) -> Any: ...
 
 
 def _origin(name: str, distribution: str | None, version: str | None = None) -> str:
@@ -196,11 +160,7 @@ class _Refused(Exception):
     """A registration stage refused a plugin (turned into a :class:`PluginFailure`)."""
 
     def __init__(
-        self,
-        stage: str,
-        message: str,
-        backend: str | None = None,
-        copies: tuple[InstalledCopy, ...] = (),
+        self, stage: str, message: str, backend: str | None = None, copies: tuple[InstalledCopy, ...] = ()
     ) -> None:
         super().__init__(message)
         self.stage, self.message, self.backend, self.copies = stage, message, backend, copies
@@ -234,23 +194,15 @@ class Registry:
         self.failures: list[PluginFailure] = []
         self.disabled: list[str] = []
         self.core: list[PluginInfo] = []
-        self._hook_names: tuple[str, ...] = tuple(
-            sorted(n for n, c in vars(self.pm.hook).items() if isinstance(c, pluggy.HookCaller))
-        )
+        callers = vars(self.pm.hook).items()
+        self._hook_names = tuple(sorted(n for n, c in callers if isinstance(c, pluggy.HookCaller)))
+        self._infos: dict[str, PluginInfo] = {}  # every registered plugin, by name
         self._disabled_reason: dict[str, str] = {}
-        #: entry-point name -> where the installed plugin of that name comes from
-        self._installed: dict[str, InstalledCopy] = {}
-        #: backend names refused because several installed plugins declare them
-        self._clashed: dict[str, PluginFailure] = {}
-
-    # -- registration ---------------------------------------------------------
+        self._installed: dict[str, InstalledCopy] = {}  # entry-point name -> its installed copy
+        self._clashed: dict[str, PluginFailure] = {}  # backend names several installed plugins declare
 
     def register(
-        self,
-        plugin: object,
-        name: str,
-        distribution: str | None = None,
-        version: str | None = None,
+        self, plugin: object, name: str, distribution: str | None = None, version: str | None = None
     ) -> PluginInfo | None:
         """Register, validate and classify one plugin.
 
@@ -259,167 +211,179 @@ class Registry:
         unregistered again). Registering an object that is already registered
         returns its existing info and changes nothing. Never raises.
         """
-        existing = self._info_of(plugin)
-        if existing is not None:
-            logger.debug(
-                "%s is already registered; registering again is a no-op", existing.origin()
-            )
-            return existing
+        if self.pm.is_registered(plugin):
+            return self._infos.get(self.pm.get_name(plugin) or "")
         who = _origin(name, distribution, version)
         try:
             self._admit(plugin, name, who)
-            decl_obj = self._declared(plugin, who)
-            if decl_obj is None:
-                problem = self._wrapper_problem(plugin)
-                if problem:
-                    raise _Refused("validate", f"{who}: {problem}")
-                info = PluginInfo(name, distribution, version, None, plugin)
-                self.wrappers.append(info)
-                logger.debug("registered wrapper %s", info.origin())
-                return info
-            decl = self._accepted(decl_obj, name, distribution, version, who)
-        except _Refused as refused:
-            return self._fail(
-                plugin,
-                name,
-                distribution,
-                refused.stage,
-                refused.message,
-                backend=refused.backend,
-                version=version,
-                copies=refused.copies,
-            )
-        info = PluginInfo(name, distribution, version, decl, plugin)
-        self.backends[decl.name] = info
-        self._warn_role_hooks(info)
-        logger.debug("registered backend '%s' from %s", decl.name, info.origin())
+            declared = self._declared(plugin, who)
+            decl = None if declared is None else self._accepted(declared, name, distribution, version)
+        except _Refused as no:
+            if self.pm.get_name(plugin) == name:
+                self.pm.unregister(plugin, name=name)
+            failure = PluginFailure(name, distribution, no.stage, no.message, no.backend, version, no.copies)
+            self._fail(failure)
+            return None
+        info = self._infos[name] = PluginInfo(name, distribution, version, decl, plugin)
+        if decl is None:
+            self.wrappers.append(info)
+        else:
+            self.backends[decl.name] = info
+            self._warn_role_hooks(info)
+        logger.debug("registered %s", info.origin())
         return info
 
     def _admit(self, plugin: object, name: str, who: str) -> None:
-        """Stages 'duplicate' (the plugin name) and 'validate': pluggy checks every
-        implementation against its spec; unknown ``rlcore_*`` hooks are refused."""
-        holder = self._info_named(name)
-        if holder is not None or self.pm.has_plugin(name):
-            other = holder.origin() if holder is not None else f"plugin '{name}'"
+        """Stages 'duplicate' (the plugin name) and 'validate': pluggy checks each
+        implementation against its spec; rlcore names an unknown hook's closest real one,
+        and a plugin that declares no backend may only wrap the init hooks."""
+        if self.pm.has_plugin(name):
+            other = self._infos[name].origin() if name in self._infos else f"plugin '{name}'"
             raise _Refused(
                 "duplicate",
-                f"{who}: the plugin name '{name}' is already taken by {other}, so this one "
-                "was skipped. Uninstall one of the two distributions, or load only one of "
-                f"them ({_ALLOW_HINT}).",
+                f"{who}: the plugin name '{name}' is already taken by {other}, so this one was "
+                f"skipped. Uninstall one of the two distributions, or load only one of them ({_ALLOW_HINT}).",
             )
         try:
             self.pm.register(plugin, name=name)
+            self.pm.check_pending()  # an implementation of a hook rlcore does not define
         except pluggy.PluginValidationError as err:
-            raise _Refused(
-                "validate",
+            unknown = self._unknown_hooks(plugin)
+            raise _Refused("validate", f"{who}: {unknown}" if unknown else (
                 f"{who}: a hook implementation does not match rlcore's hook specification: "
                 f"{'; '.join(str(err).splitlines())}. An implementation may take any subset "
-                "of its spec's arguments and no others; see the docstrings in rlcore.hookspecs.",
-            ) from None
+                "of its spec's arguments and no others; see the docstrings in rlcore.hookspecs."
+            )) from None
         except Exception as err:  # noqa: BLE001 - a plugin must never take the core down
-            raise _Refused(
-                "validate", f"{who}: pluggy could not register it: {type(err).__name__}: {err}"
-            ) from None
-        problem = self._unknown_hooks(plugin)
-        if problem:
-            raise _Refused("validate", f"{who}: {problem}")
-        self._warn_unmarked(plugin, who)
+            why = f"pluggy could not register it: {type(err).__name__}: {err}"
+            raise _Refused("validate", f"{who}: {why}") from None
+        for attr in dir(plugin):  # pluggy ignores a function named like a hook but not marked
+            if not attr.startswith(f"{hookspecs.PROJECT}_") or not callable(getattr(plugin, attr, None)):
+                continue
+            if self.pm.parse_hookimpl_opts(plugin, attr) is None:
+                logger.warning(
+                    "%s: function '%s' is not marked with @hookimpl (from rlcore.hookspecs) "
+                    "and will never be called", who, attr,
+                )
+
+    def _unknown_hooks(self, plugin: object) -> str | None:
+        """What pluggy's ``check_pending`` refused, with the closest real hook names."""
+        unknown = sorted(
+            c.name for c in self.pm.get_hookcallers(plugin) or []
+            if c.spec is None and any(i.plugin is plugin and not i.optionalhook for i in c.get_hookimpls())
+        )
+        if not unknown:
+            return None
+        hints = {n: _closest(n, self._hook_names) for n in unknown}
+        parts = [f"'{n}'" + (f" (did you mean '{h}'?)" if h else "") for n, h in hints.items()]
+        return (
+            f"implements {', '.join(parts)}, which rlcore does not define. "
+            f"rlcore's hooks are: {', '.join(self._hook_names)} (see rlcore.hookspecs). "
+            "Rename the function, or mark it @hookimpl(optionalhook=True) if that is intended."
+        )
+
+    def _plain_hooks(self, plugin: object) -> set[str]:
+        """The hooks ``plugin`` implements plainly (not as a wrapper)."""
+        return {
+            c.name for c in self.pm.get_hookcallers(plugin) or []
+            for i in c.get_hookimpls() if i.plugin is plugin and not (i.wrapper or i.hookwrapper)
+        }
 
     def _declared(self, plugin: object, who: str) -> object | None:
-        """Stage 'declare': what ``rlcore_declare_backend`` returns (None: a wrapper)."""
+        """Stage 'declare': what the plugin's ``rlcore_declare_backend`` returns (``None``:
+        a wrapper plugin, which may not implement an init hook plainly)."""
+        others = [p for p in self.pm.get_plugins() if p is not plugin]
         try:
-            return self._call_declare(plugin)
+            results = self.pm.subset_hook_caller("rlcore_declare_backend", remove_plugins=others)()
+            if len(results) > 1:
+                raise ValueError(
+                    f"{len(results)} implementations returned a declaration; "
+                    "a plugin provides exactly one backend"
+                )
         except Exception as err:  # noqa: BLE001
             raise _Refused(
                 "declare",
-                f"{who}: rlcore_declare_backend failed: {type(err).__name__}: {err}. "
-                "It must build and return a BackendDeclaration cheaply, without importing "
-                "the backend's engine.",
+                f"{who}: rlcore_declare_backend failed: {type(err).__name__}: {err}. It must build and "
+                "return a BackendDeclaration cheaply, without importing the backend's engine.",
             ) from None
+        if results:
+            return results[0]
+        plain = [h for h in _INIT_HOOKS.values() if h in self._plain_hooks(plugin)]
+        if plain:
+            raise _Refused(
+                "validate",
+                f"{who}: implements {', '.join(plain)} but declares no backend. Return a "
+                "BackendDeclaration from rlcore_declare_backend to make it a backend, or mark "
+                "the implementation @hookimpl(wrapper=True) to make it a wrapper plugin.",
+            )
+        return None
 
     def _accepted(
-        self,
-        decl_obj: object,
-        name: str,
-        distribution: str | None,
-        version: str | None,
-        who: str,
+        self, declared: object, name: str, distribution: str | None, version: str | None
     ) -> BackendDeclaration:
         """Stages 'declare' (a valid declaration), 'contract' (a contract version this
         core implements) and 'duplicate' (the backend name is free)."""
-        backend = getattr(decl_obj, "name", None)
+        who = _origin(name, distribution, version)
         try:
-            decl = validate_declaration(decl_obj, plugin=name, distribution=distribution)
+            decl = validate_declaration(declared, plugin=name, distribution=distribution)
         except DeclarationError as err:
             raise _Refused(
                 "declare",
                 f"{err}\nFix the declaration returned by rlcore_declare_backend "
                 "(see rlcore.declarations.BackendDeclaration).",
-                backend,
+                getattr(declared, "name", None),
             ) from None
         if not contract_compatible(decl.contract_version):
             from rlcore import __version__
 
             raise _Refused(
                 "contract",
-                f"{who} declares backend '{decl.name}' for rlcore contract "
-                f"{decl.contract_version}, but this rlcore ({__version__}) implements contract "
-                f"{CONTRACT_VERSION}: install a release of {distribution or 'the plugin'} built "
-                f"for contract {CONTRACT_VERSION.split('.')[0]}.x, or an rlcore whose contract "
-                "it targets.",
+                f"{who} declares backend '{decl.name}' for rlcore contract {decl.contract_version}, "
+                f"but this rlcore ({__version__}) implements contract {CONTRACT_VERSION}: install a "
+                f"release of {distribution or 'the plugin'} built for contract "
+                f"{CONTRACT_VERSION.split('.')[0]}.x, or an rlcore whose contract it targets.",
                 decl.name,
             )
         owner = self.backends.get(decl.name)
-        if decl.name in self._clashed or (
-            owner is not None and owner.name in self._installed and name in self._installed
-        ):
-            raise self._clash(decl.name, name, distribution, version)
+        both_installed = owner is not None and owner.name in self._installed and name in self._installed
+        if decl.name in self._clashed or both_installed:
+            raise self._clash(decl.name, self._copy_of(name, distribution, version))
         if owner is not None:
             raise _Refused(
                 "duplicate",
-                f"{who} declares backend '{decl.name}', which {owner.origin()} already "
-                f"provides; this one was skipped and '{decl.name}' stays with plugin "
-                f"'{owner.name}'. Uninstall one of the two distributions, or load only one "
-                f"of them ({_ALLOW_HINT}).",
+                f"{who} declares backend '{decl.name}', which {owner.origin()} already provides; "
+                f"this one was skipped and '{decl.name}' stays with plugin '{owner.name}'. Uninstall "
+                f"one of the two distributions, or load only one of them ({_ALLOW_HINT}).",
                 decl.name,
             )
         return decl
 
-    def _clash(
-        self, backend: str, name: str, distribution: str | None, version: str | None
-    ) -> _Refused:
-        """Refuse ``backend`` for every plugin that declares it: the one registered
-        under it is unregistered, an earlier clash record is replaced by one that names
-        every claimant, and the refusal of plugin ``name`` is returned (to raise)."""
+    def _clash(self, backend: str, claimant: InstalledCopy) -> _Refused:
+        """Refuse ``backend`` for every installed plugin that declares it: the one
+        registered under it is unregistered, an earlier clash record is replaced by one
+        that names every claimant, and the refusal of ``claimant`` is returned (to raise)."""
         claimants: list[InstalledCopy] = []
         owner = self.backends.pop(backend, None)
         if owner is not None:
             self.pm.unregister(owner.plugin, name=owner.name)
+            del self._infos[owner.name]
             claimants.append(self._copy_of(owner.name, owner.distribution, owner.version))
         earlier = self._clashed.pop(backend, None)
         if earlier is not None:
             self.failures.remove(earlier)
             claimants.extend(earlier.copies)
-        claimants.append(self._copy_of(name, distribution, version))
+        claimants.append(claimant)
         dists = list(dict.fromkeys(c.distribution for c in claimants if c.distribution))
         if len(dists) > 1:
-            fix = (
-                "uninstall the distribution you do not want ("
-                + ", or ".join(f"pip uninstall {d}" for d in dists)
-                + ")"
-            )
+            fix = ", or ".join(f"pip uninstall {d}" for d in dists)
+            fix = f"uninstall the distribution you do not want ({fix})"
         else:
-            fix = (
-                f"ask the maintainers of {dists[0] if dists else 'the plugins'} to declare it once"
-            )
-        named = " and ".join(
-            f"plugin '{c.plugin}' (distribution {c.describe()})" for c in claimants
-        )
+            fix = f"ask the maintainers of {dists[0] if dists else 'the plugins'} to declare it once"
+        named = " and ".join(f"plugin '{c.plugin}' (distribution {c.describe()})" for c in claimants)
         return _Refused(
             "duplicate",
             f"backend '{backend}' is declared by {named}, so none of them is used: rlcore does "
-            f"not pick one silently. Fix: {fix}, or load only one of them "
-            f"({_ALLOW_HINT}).",
+            f"not pick one silently. Fix: {fix}, or load only one of them ({_ALLOW_HINT}).",
             backend,
             tuple(claimants),
         )
@@ -431,159 +395,31 @@ class Registry:
             return found
         return InstalledCopy(name, distribution, version, None, True)
 
-    def _register_core(self, plugin: object, name: str) -> PluginInfo:
+    def _register_core(self, plugin: object, name: str) -> None:
         """Register one of the core's own plugins; a failure here is a bug in rlcore."""
         from rlcore import __version__
 
-        if (existing := self._info_of(plugin)) is not None:
-            return existing
-        self.pm.register(plugin, name=name)
-        info = PluginInfo(name, "rlcore", __version__, None, plugin)
-        self.core.append(info)
-        return info
+        if not self.pm.is_registered(plugin):
+            self.pm.register(plugin, name=name)
+            self.core.append(info := PluginInfo(name, "rlcore", __version__, None, plugin))
+            self._infos[name] = info
 
-    def _fail(
-        self,
-        plugin: object | None,
-        name: str,
-        distribution: str | None,
-        stage: str,
-        message: str,
-        *,
-        backend: str | None = None,
-        version: str | None = None,
-        copies: tuple[InstalledCopy, ...] = (),
-    ) -> None:
-        if plugin is not None and self.pm.get_name(plugin) == name:
-            self.pm.unregister(plugin, name=name)
-        failure = PluginFailure(name, distribution, stage, message, backend, version, copies)
+    def _fail(self, failure: PluginFailure) -> None:
         if failure not in self.failures:
             self.failures.append(failure)
-            logger.warning("skipping plugin (%s): %s", stage, message)
-        if backend is not None and len({c.plugin for c in copies}) > 1:
-            self._clashed[backend] = failure
-        return None
-
-    def _info_of(self, plugin: object) -> PluginInfo | None:
-        for info in self._all():
-            if info.plugin is plugin:
-                return info
-        return None
-
-    def _info_named(self, name: str) -> PluginInfo | None:
-        for info in self._all():
-            if info.name == name:
-                return info
-        return None
-
-    def _all(self) -> list[PluginInfo]:
-        return [*self.core, *self.backends.values(), *self.wrappers]
-
-    def _own_impls(self, plugin: object, hook_name: str) -> list[pluggy.HookImpl]:
-        caller = getattr(self.pm.hook, hook_name, None)
-        if caller is None:
-            return []
-        return [impl for impl in caller.get_hookimpls() if impl.plugin is plugin]
-
-    def _unknown_hooks(self, plugin: object) -> str | None:
-        """Implementations whose hook rlcore does not define (pluggy only flags them
-        in ``check_pending``; we check the one plugin here). ``optionalhook=True``
-        opts out, as in pluggy."""
-        unknown: list[str] = []
-        for caller in self.pm.get_hookcallers(plugin) or []:
-            if caller.spec is not None:
-                continue
-            if any(i.plugin is plugin and not i.optionalhook for i in caller.get_hookimpls()):
-                unknown.append(caller.name)
-        if not unknown:
-            return None
-        parts = []
-        for hook_name in sorted(unknown):
-            hint = _closest(hook_name, self._hook_names)
-            parts.append(f"'{hook_name}'" + (f" (did you mean '{hint}'?)" if hint else ""))
-        return (
-            f"implements {', '.join(parts)}, which rlcore does not define. "
-            f"rlcore's hooks are: {', '.join(self._hook_names)} (see rlcore.hookspecs). "
-            "Rename the function, or mark it @hookimpl(optionalhook=True) if that is intended."
-        )
-
-    def _warn_unmarked(self, plugin: object, who: str) -> None:
-        """Functions named like hooks but without ``@hookimpl`` are ignored by pluggy."""
-        for attr in dir(plugin):
-            if not attr.startswith(_HOOK_PREFIX):
-                continue
-            try:
-                value = inspect.getattr_static(plugin, attr)
-            except AttributeError:
-                continue
-            func = getattr(value, "__func__", value)
-            if not inspect.isfunction(func):
-                continue
-            marked = hasattr(func, f"{hookspecs.PROJECT}_impl") or hasattr(
-                func, f"{hookspecs.PROJECT}_spec"
-            )
-            if not marked:
-                logger.warning(
-                    "%s: function '%s' is not marked with @hookimpl (from rlcore.hookspecs) "
-                    "and will never be called",
-                    who,
-                    attr,
-                )
-
-    def _call_declare(self, plugin: object) -> object | None:
-        """Call this plugin's own ``rlcore_declare_backend`` implementation(s)."""
-        results = []
-        for impl in self._own_impls(plugin, _DECLARE_HOOK):
-            if impl.wrapper or impl.hookwrapper:
-                continue
-            result = impl.function()
-            if result is not None:
-                results.append(result)
-        if len(results) > 1:
-            raise ValueError(
-                f"{len(results)} implementations returned a declaration; "
-                "a plugin provides exactly one backend"
-            )
-        return results[0] if results else None
-
-    def _wrapper_problem(self, plugin: object) -> str | None:
-        plain = [
-            hook_name
-            for hook_name in _INIT_HOOKS.values()
-            if any(not (i.wrapper or i.hookwrapper) for i in self._own_impls(plugin, hook_name))
-        ]
-        if not plain:
-            return None
-        return (
-            f"implements {', '.join(plain)} but declares no backend. Return a "
-            "BackendDeclaration from rlcore_declare_backend to make it a backend, or mark "
-            "the implementation @hookimpl(wrapper=True) to make it a wrapper plugin."
-        )
+            logger.warning("skipping plugin (%s): %s", failure.stage, failure.message)
+        if failure.backend is not None and len({c.plugin for c in failure.copies}) > 1:
+            self._clashed[failure.backend] = failure
 
     def _warn_role_hooks(self, info: PluginInfo) -> None:
         assert info.declaration is not None
+        plain = self._plain_hooks(info.plugin)
         for role, hook_name in _INIT_HOOKS.items():
-            has = any(
-                not (i.wrapper or i.hookwrapper) for i in self._own_impls(info.plugin, hook_name)
-            )
-            if role in info.declaration.roles and not has:
+            if role in info.declaration.roles and hook_name not in plain:
                 logger.warning(
-                    "%s declares role '%s' but does not implement %s; selecting it for %s "
-                    "will fail",
-                    info.origin(),
-                    role,
-                    hook_name,
-                    role,
+                    "%s declares role '%s' but does not implement %s; selecting it for %s will fail",
+                    info.origin(), role, hook_name, role,
                 )
-            elif has and role not in info.declaration.roles:
-                logger.debug(
-                    "%s implements %s but does not declare role '%s'; it will never be called",
-                    info.origin(),
-                    hook_name,
-                    role,
-                )
-
-    # -- selection --------------------------------------------------------------
 
     def backend_for(self, role: Role | str, name: str | None) -> PluginInfo:
         """The backend called ``name`` that serves ``role``.
@@ -595,9 +431,7 @@ class Registry:
         """
         role = Role(role)
         key = f"{role.value}.backend"
-        serving = sorted(
-            n for n, i in self.backends.items() if i.declaration and role in i.declaration.roles
-        )
+        serving = sorted(n for n, i in self.backends.items() if i.declaration and role in i.declaration.roles)
         choices = ", ".join(serving) if serving else "(none loaded)"
         if not name:
             raise BackendNotFoundError(
@@ -614,16 +448,14 @@ class Registry:
                 f"serves {served}, not {role}. Backends that serve {role}: {choices}."
             )
         else:
-            msg = f"config key '{key}' is '{name}', but no loaded plugin provides a backend of that name."
             hint = _closest(name, serving)
-            if hint:
-                msg += f" Did you mean '{hint}'?"
-            msg += f" Backends that serve {role}: {choices}."
+            msg = (
+                f"config key '{key}' is '{name}', but no loaded plugin provides a backend of that "
+                f"name.{f' Did you mean {hint!r}?' if hint else ''} Backends that serve {role}: {choices}."
+            )
         for failure in self.failures:
             if name == failure.backend or name in failure.plugins:
-                msg += (
-                    f"\nA plugin of that name failed to load ({failure.stage}): {failure.message}"
-                )
+                msg += f"\nA plugin of that name failed to load ({failure.stage}): {failure.message}"
         if name in self._disabled_reason:
             msg += f"\nPlugin '{name}' is installed but {self._disabled_reason[name]}."
         msg += "\nRun `rlcore plugins` to list installed backends and plugins that failed."
@@ -639,18 +471,15 @@ class Registry:
             handle = registry.hook("rlcore_init_policy", [info])(ctx=ctx)
         """
         if hook_name not in self._hook_names:
-            raise ValueError(
-                f"'{hook_name}' is not an rlcore hook; hooks: {', '.join(self._hook_names)}"
-            )
+            hooks = ", ".join(self._hook_names)
+            raise ValueError(f"'{hook_name}' is not an rlcore hook; hooks: {hooks}")
         keep = {id(info.plugin) for info in selected}
         remove = [i.plugin for i in self.backends.values() if id(i.plugin) not in keep]
         return self.pm.subset_hook_caller(hook_name, remove_plugins=remove)
 
     def declarations(self) -> dict[str, BackendDeclaration]:
         """Every loaded backend's declaration, by backend name."""
-        return {
-            n: i.declaration for n, i in sorted(self.backends.items()) if i.declaration is not None
-        }
+        return {n: i.declaration for n, i in sorted(self.backends.items()) if i.declaration is not None}
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready summary: backends, wrappers, failures, disabled entry points."""
@@ -662,14 +491,8 @@ class Registry:
         }
 
 
-# -- loading --------------------------------------------------------------------
-
-
 def _env_allowlist() -> set[str] | None:
-    raw = os.environ.get(ALLOWLIST_ENV)
-    if raw is None:
-        return None
-    names = {part.strip() for part in raw.split(",") if part.strip()}
+    names = {part.strip() for part in os.environ.get(ALLOWLIST_ENV, "").split(",") if part.strip()}
     return names or None
 
 
@@ -681,37 +504,29 @@ def allowlist(config_allow: Sequence[str] | None) -> set[str] | None:
     (unset, empty or only commas and spaces: unset). When both are given a
     plugin must be in both: each one only narrows the set.
     """
-    allowed: set[str] | None = None
-    if config_allow is not None:
-        allowed = {str(n).strip() for n in config_allow if str(n).strip()}
+    allowed = None if config_allow is None else {str(n).strip() for n in config_allow if str(n).strip()}
     env = _env_allowlist()
     if env is not None:
         allowed = env if allowed is None else allowed & env
     return allowed
 
 
-def _iter_entry_points() -> list[_EntryPoint]:
-    """Installed entry points of :data:`ENTRY_POINT_GROUP`, in a stable order.
-
-    Sorted by name then distribution, so that every process (Ray workers load
-    plugins again) resolves a name clash the same way.
-    """
-    eps = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
-    return sorted(eps, key=_entry_point_order)
+def _iter_entry_points() -> list[importlib.metadata.EntryPoint]:
+    """Installed entry points of :data:`ENTRY_POINT_GROUP`, sorted by name then
+    distribution, so every process (Ray workers load plugins again) resolves a name
+    clash the same way."""
+    return sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=_entry_point_order)
 
 
-def _entry_point_order(ep: _EntryPoint) -> tuple[str, str]:
-    """The sort key of entry points: name, then distribution name."""
+def _entry_point_order(ep: Any) -> tuple[str, str]:
     return ep.name, _dist_of(ep)[0] or ""
 
 
-def _dist_of(ep: _EntryPoint) -> tuple[str | None, str | None]:
-    dist = getattr(ep, "dist", None)
-    if dist is None:
-        return None, None
+def _dist_of(ep: Any) -> tuple[str | None, str | None]:
+    """The name and version of the distribution of ``ep`` (unknown: ``None``)."""
     try:
-        return dist.name, dist.version
-    except Exception:  # noqa: BLE001 - broken metadata must not stop loading
+        return ep.dist.name, ep.dist.version
+    except Exception:  # noqa: BLE001 - no or broken metadata must not stop loading
         return None, None
 
 
@@ -726,10 +541,7 @@ def _why_disabled(name: str, config_allow: Sequence[str] | None) -> str:
 
 
 def load_registry(
-    allow: Sequence[str] | None = None,
-    *,
-    entry_points: bool = True,
-    extra: Iterable[tuple[str, object]] = (),
+    allow: Sequence[str] | None = None, *, entry_points: bool = True, extra: Iterable[tuple[str, object]] = ()
 ) -> Registry:
     """Build the registry of this process.
 
@@ -766,53 +578,44 @@ def _load_entry_points(registry: Registry, allow: Sequence[str] | None) -> None:
     if hidden:
         found = sorted([*found, *hidden], key=_entry_point_order)
     if allowed is not None:
-        _warn_unknown_allowed(allowed, [ep.name for ep in found])
+        for name in sorted(allowed - {ep.name for ep in found}):
+            hint = _closest(name, [ep.name for ep in found])
+            logger.warning(
+                "the plugin allowlist (%s) names '%s', but no installed plugin has that "
+                "entry-point name%s",
+                _ALLOW_HINT, name, f"; did you mean '{hint}'?" if hint else "",
+            )
     for ep in found:
         dist, version = _dist_of(ep)
         if allowed is not None and ep.name not in allowed:
             registry.disabled.append(ep.name)
             registry._disabled_reason[ep.name] = _why_disabled(ep.name, allow)
             logger.info("plugin '%s' (%s) %s", ep.name, dist, registry._disabled_reason[ep.name])
-            continue
-        copies = twice.get(normalized_name(getattr(ep, "dist", None)) or "")
-        if copies:
+        elif copies := twice.get(normalized_name(getattr(ep, "dist", None)) or ""):
             message, imported, found_copies = refuse_copies(ep, copies)
-            registry._fail(
-                None, ep.name, dist, "duplicate", message, version=imported, copies=found_copies
-            )
-            continue
-        try:
-            plugin = ep.load()
-        except (Exception, SystemExit) as err:  # noqa: BLE001 - incl. SyntaxError
-            logger.debug("import of plugin '%s' failed", ep.name, exc_info=True)
-            registry._fail(
-                None,
-                ep.name,
-                dist,
-                "import",
-                f"{_origin(ep.name, dist, version)} failed to import "
-                f"'{getattr(ep, 'value', ep.name)}': {type(err).__name__}: {err}. "
-                "Fix the error or uninstall the distribution; to skip it, leave it out "
-                f"of the plugin allowlist ({_ALLOW_HINT}).",
-                version=version,
-            )
-            continue
-        location = dist_location(getattr(ep, "dist", None))
-        registry._installed[ep.name] = InstalledCopy(ep.name, dist, version, location, True)
-        registry.register(plugin, ep.name, dist, version)
+            failure = PluginFailure(ep.name, dist, "duplicate", message, None, imported, found_copies)
+            registry._fail(failure)
+        else:
+            _load_one(registry, ep, dist, version)
 
 
-def _warn_unknown_allowed(allowed: set[str], names: Sequence[str]) -> None:
-    """Warn about allowlist names that no installed plugin has."""
-    for name in sorted(allowed - set(names)):
-        hint = _closest(name, names)
-        logger.warning(
-            "the plugin allowlist (%s) names '%s', but no installed plugin has that "
-            "entry-point name%s",
-            _ALLOW_HINT,
-            name,
-            f"; did you mean '{hint}'?" if hint else "",
-        )
+def _load_one(registry: Registry, ep: Any, dist: str | None, version: str | None) -> None:
+    """Import one entry point and register its plugin; an import that fails is reported."""
+    try:
+        plugin = ep.load()
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - incl. SyntaxError
+        logger.debug("import of plugin '%s' failed", ep.name, exc_info=True)
+        registry._fail(PluginFailure(
+            ep.name, dist, "import",
+            f"{_origin(ep.name, dist, version)} failed to import '{getattr(ep, 'value', ep.name)}': "
+            f"{type(err).__name__}: {err}. Fix the error or uninstall the distribution; to skip it, "
+            f"leave it out of the plugin allowlist ({_ALLOW_HINT}).",
+            version=version,
+        ))
+        return
+    location = dist_location(getattr(ep, "dist", None))
+    registry._installed[ep.name] = InstalledCopy(ep.name, dist, version, location, True)
+    registry.register(plugin, ep.name, dist, version)
 
 
 def plan_for(registry: Registry, config: Any) -> Any:
