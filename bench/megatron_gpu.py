@@ -126,11 +126,12 @@ def legacy_send_weights(spec: Any, step: int, named: Any, buckets: Any) -> int:
     bucket (``torch.cat``) and a stream wait on each broadcast before the next export."""
     import torch
 
-    from rlcore.refit import channels
+    from rlcore.refit.specs import buckets_in_order
+    from rlcore.refit.transports import collective as channels
 
     ch = channels._open[spec.key]
     sent = 0
-    for _, tensors in channels._buckets_in_order(named, buckets):
+    for _, tensors in buckets_in_order(named, buckets):
         flat = [
             t.to(ch.device).detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors
         ]
@@ -145,7 +146,7 @@ def legacy_receive_weights(spec: Any, rank: int, step: int, buckets: Any, *, dev
     while the previous one is unpacked and copied."""
     import torch
 
-    from rlcore.refit import channels
+    from rlcore.refit.transports import collective as channels
 
     ch = channels._open[spec.key]
     for bucket in buckets:
@@ -372,8 +373,8 @@ class Proc:
         """
         import torch
 
-        from rlcore.refit import channels
-        from rlcore.refit.specs import plan_buckets
+        from rlcore.refit.specs import buckets_in_order, plan_buckets
+        from rlcore.refit.transports import collective as channels
         from rlcore_megatron import convert
 
         w = self.worker
@@ -387,11 +388,11 @@ class Proc:
 
             def export_pack() -> None:
                 slots = [torch.empty(max(sizes), dtype=torch.uint8, device=dev) for _ in sizes[:2]]
-                # what RefitSenderWorker.send_weights streams (channels._buckets_in_order
+                # what RefitSenderWorker.send_weights streams (buckets_in_order
                 # checks each tensor against the plan, as the send does)
                 stream = w.export_stream()
                 if self.index == 0:
-                    for i, tensors in channels._buckets_in_order(stream, buckets):
+                    for i, tensors in buckets_in_order(stream, buckets):
                         channels._pack(tensors, slots[i % len(slots)][: sizes[i]])
                 for _ in stream:
                     pass

@@ -41,9 +41,15 @@ from typing import Any
 
 import torch
 
-from rlcore.refit import channels
-from rlcore.refit.channels import ChannelSpec, open_channel, receive_weights, send_weights
+from rlcore.refit.channels import (
+    ChannelSpec,
+    close_channel,
+    open_channel,
+    receive_weights,
+    send_weights,
+)
 from rlcore.refit.specs import plan_buckets, spec_of
+from rlcore.refit.transports import collective
 from rlcore.runtime.workers import free_port
 
 _TIMEOUT_S = 300
@@ -72,7 +78,7 @@ def _seq_recv(ch: Any, buckets: list[Any]) -> None:
 def _seq_send(ch: Any, weights: dict[str, torch.Tensor], buckets: list[Any], n: int) -> None:
     """Each bucket to receiver 1, then 2, ... then n: what a fan-out must not be."""
     for bucket in buckets:
-        buf = channels._pack([weights[s.name] for s in bucket], torch.empty(sum(s.nbytes for s in bucket), dtype=torch.uint8))
+        buf = collective._pack([weights[s.name] for s in bucket], torch.empty(sum(s.nbytes for s in bucket), dtype=torch.uint8))
         for rank in range(1, n + 1):
             ch.pg.send([buf], rank, 0).wait()
 
@@ -91,7 +97,7 @@ def _receiver(rank: int, specs: dict[int, ChannelSpec], large_mib: int, cmds: An
                     for _ in receive_weights(specs[n], rank, step + rep, buckets[payload]):
                         pass
                 else:
-                    _seq_recv(channels._open[specs[n].key], buckets[payload])
+                    _seq_recv(collective._open[specs[n].key], buckets[payload])
             out.put(("done", rank, time.monotonic()))
     except BaseException as err:  # report, never leave the sender waiting
         out.put(("error", rank, repr(err)))
@@ -141,7 +147,7 @@ class Fanout:
             if mode == "tree":
                 send_weights(self.specs[n], self.step + rep, iter(self.weights[payload].items()), self.buckets[payload])
             else:
-                _seq_send(channels._open[self.specs[n].key], self.weights[payload], self.buckets[payload], n)
+                _seq_send(collective._open[self.specs[n].key], self.weights[payload], self.buckets[payload], n)
         root = time.monotonic() - t0
         done = max(self._collect("done", n))
         return (done - t0) / reps, root / reps
@@ -154,7 +160,7 @@ class Fanout:
             if p.is_alive():
                 p.kill()
         for spec in self.specs.values():
-            channels.close_channel(spec)
+            close_channel(spec)
 
 
 def run(max_n: int, rounds: int, large_mib: int) -> dict[tuple[str, str, int], tuple[float, float]]:

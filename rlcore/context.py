@@ -15,7 +15,6 @@ from rlcore.errors import CancelToken, Deadline
 
 if TYPE_CHECKING:
     from rlcore.config import RunConfig
-    from rlcore.refit.sessions import RefitSessions
     from rlcore.setup.events import EventBoard
 
 _KEY_RE = re.compile(r"[^A-Za-z0-9_.\-]+")
@@ -141,9 +140,11 @@ class RefitContext:
         deadline: deadline of the whole refit.
         config: the run config.
         cache_dir: where the disk transport publishes.
-        sessions: the run's open refit channels (:class:`rlcore.refit.sessions.RefitSessions`):
-            a channel is opened at the first refit of a pair and reused after. The
-            run owns it; a backend's own ``rlcore_refit`` may keep its state there too.
+        sessions: the run's open refit channels (a
+            :class:`rlcore.refit.sessions.RefitSessions`, not named here: the refit
+            imports this module): a channel is opened at the first refit of a pair and
+            reused after. The run owns it; a backend's own ``rlcore_refit`` may keep its
+            state there too.
     """
 
     step: int
@@ -154,4 +155,4 @@ class RefitContext:
     deadline: Deadline
     config: RunConfig
     cache_dir: Path
-    sessions: RefitSessions
+    sessions: Any

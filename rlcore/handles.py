@@ -51,8 +51,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
 if TYPE_CHECKING:
-    from rlcore.refit.channels import ChannelSpec
-    from rlcore.refit.specs import TensorSpec
+    from rlcore.refit.specs import ChannelSpec, TensorSpec
 
 #: ``(prompt_ids, completion_ids)``: one sequence of a batch.
 Pair = tuple[Sequence[int], Sequence[int]]
@@ -112,7 +111,7 @@ class RefitReport:
     channel_init_time_s: float = 0.0
     #: What moved: ``hf``, the plan's Hugging Face tensors (each backend converts), or
     #: ``native``, the backends' own tensors, copied as they are where both hold the same
-    #: layout (agreed when the channel opened: :func:`rlcore.refit.cuda_ipc.offer_layout`).
+    #: layout (agreed when the channel opened: :func:`rlcore.refit.transports.cuda_ipc.offer_layout`).
     path: str = "hf"
 
     @property

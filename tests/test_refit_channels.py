@@ -10,7 +10,13 @@ import os
 import pytest
 
 from rlcore.errors import RefitError
-from rlcore.refit.channels import ChannelSpec, open_channel, receive_weights, send_weights
+from rlcore.refit.channels import (
+    ChannelSpec,
+    close_channel,
+    open_channel,
+    receive_weights,
+    send_weights,
+)
 from rlcore.refit.specs import TensorSpec, check_specs, plan_buckets, spec_of
 from rlcore.runtime.workers import free_port
 
@@ -131,9 +137,9 @@ def test_announced_collective_with_a_tiny_in_flight_budget(monkeypatch) -> None:
     most one bucket in flight, for two steps on one channel: bit-exact, in order."""
     import io
 
-    from rlcore.refit import channels
+    from rlcore.refit.transports import collective
 
-    monkeypatch.setattr(channels, "IN_FLIGHT_BYTES", 1)
+    monkeypatch.setattr(collective, "IN_FLIGHT_BYTES", 1)
     steps = [_weights(1), _weights(2)]
     specs = [spec_of(n, t) for n, t in steps[0].items()]
     buckets = plan_buckets(specs, 1024)
@@ -145,12 +151,12 @@ def test_announced_collective_with_a_tiny_in_flight_budget(monkeypatch) -> None:
     with _receivers(_receiver_steps, (1, 2), spec, buckets, len(steps)) as out:
         try:
             open_channel(spec, 0)
-            assert channels._open[spec.key].ready is not None
+            assert collective._open[spec.key].ready is not None
             for step, weights in enumerate(steps, 1):
                 assert send_weights(spec, step, iter(weights.items()), buckets) == sum(s.nbytes for s in specs)
             results = [out.get(timeout=60) for _ in range(2 * len(steps))]
         finally:
-            channels.close_channel(spec)
+            close_channel(spec)
     for rank, step, payload in results:
         assert not isinstance(payload, str), payload
         got = torch.load(io.BytesIO(payload))
@@ -187,16 +193,16 @@ def test_three_replicas_receive_bit_identical_weights_through_one_fan_out(monkey
     every replica holds the sender's exact bytes. ``bench/refit_fanout.py`` times it."""
     import io
 
-    from rlcore.refit import channels
+    from rlcore.refit.transports import collective
 
     calls: list[int] = []
-    broadcast = channels._Collective.broadcast
+    broadcast = collective._Collective.broadcast
 
     def counting(self, buf):  # noqa: ANN001, ANN202
         calls.append(buf.numel())
         return broadcast(self, buf)
 
-    monkeypatch.setattr(channels._Collective, "broadcast", counting)
+    monkeypatch.setattr(collective._Collective, "broadcast", counting)
     weights = _weights(3)
     specs = [spec_of(n, t) for n, t in weights.items()]
     buckets = plan_buckets(specs, 1024)
@@ -212,7 +218,7 @@ def test_three_replicas_receive_bit_identical_weights_through_one_fan_out(monkey
             assert send_weights(spec, 1, iter(weights.items()), buckets) == sum(s.nbytes for s in specs)
             results = dict(out.get(timeout=60) for _ in replicas)
         finally:
-            channels.close_channel(spec)
+            close_channel(spec)
     # One fan-out: one broadcast per bucket, of the bucket's bytes, whatever the replicas.
     assert calls == [sum(s.nbytes for s in b) for b in buckets]
     assert sorted(results) == list(replicas)

@@ -23,9 +23,9 @@ import torch
 
 from rlcore.declarations import Transport
 from rlcore.errors import ConfigError, RefitError
-from rlcore.refit import channels, cuda_ipc
-from rlcore.refit.channels import ChannelSpec
-from rlcore.refit.specs import plan_buckets, spec_of
+from rlcore.refit import channels
+from rlcore.refit.specs import ChannelSpec, plan_buckets, spec_of
+from rlcore.refit.transports import cuda_ipc
 from rlcore.runtime.workers import free_port
 
 

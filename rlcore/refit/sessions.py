@@ -23,7 +23,7 @@ from rlcore.refit import transports
 if TYPE_CHECKING:
     from rlcore.context import RefitContext
     from rlcore.handles import RefitReceiver, RefitSender
-    from rlcore.refit.channels import ChannelSpec
+    from rlcore.refit.specs import ChannelSpec
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,13 @@
-"""Tensor specs and bucket plans: what both sides of a refit agree on before any byte moves."""
+"""Tensor specs, bucket plans and channel specs: what both sides of a refit agree on
+before any byte moves.
+
+This module imports nothing of rlcore above :mod:`rlcore.errors`: the contract
+(:mod:`rlcore.handles`) names its types, and every transport builds on it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,3 +93,49 @@ def plan_buckets(specs: Iterable[TensorSpec], bucket_bytes: int) -> list[list[Te
     if current:
         buckets.append(current)
     return buckets
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """Everything a worker needs to open its end of a refit channel (built on the driver by
+    the transport's :meth:`~rlcore.refit.transports.RefitTransport.channel`)."""
+
+    transport: str  # the registered transport's name: collective | cuda_ipc | disk | shared_memory
+    key: str  # unique per policy/generation pair
+    world_size: int  # 1 sender + N receivers
+    addr: str | None = None  # collective, cuda_ipc: rendezvous host (the sender's node)
+    port: int | None = None  # collective, cuda_ipc: rendezvous port
+    backend: str = "gloo"  # collective: gloo or nccl
+    root: str | None = None  # file transports: parent directory of per-step dirs
+    timeout_s: float = 300.0
+    # collective: receivers post a bucket's broadcast only once the sender announces it
+    # packed (None: on NCCL, where an early post spins on the receiver's GPU)
+    announce: bool | None = None
+
+
+def buckets_in_order(
+    named: Iterable[tuple[str, Any]], buckets: Sequence[Sequence[TensorSpec]]
+) -> Iterator[tuple[int, list[Any]]]:
+    """Regroup a (name, tensor) stream into the planned buckets, checking each tensor on the way.
+
+    Names, shapes and dtypes must be the plan's: receivers size their buffers from the
+    plan alone, so a tensor of another dtype would shift every byte after it (NCCL does
+    not notice; gloo aborts the receiving process).
+    """
+    it = iter(named)
+    for i, bucket in enumerate(buckets):
+        tensors = []
+        for s in bucket:
+            try:
+                name, t = next(it)
+            except StopIteration:
+                raise RefitError(f"sender stream ended before '{s.name}' (bucket {i})") from None
+            if name != s.name:
+                raise RefitError(f"sender stream out of plan: got '{name}', expected '{s.name}' (bucket {i})")
+            got = (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+            if got != (tuple(s.shape), s.dtype):
+                raise RefitError(
+                    f"sender stream: '{name}' is {got[0]} {got[1]}, the plan says {tuple(s.shape)} {s.dtype} (bucket {i})"
+                )
+            tensors.append(t)
+        yield i, tensors

@@ -13,7 +13,7 @@ from typing import Any
 from rlcore.context import RefitContext
 from rlcore.errors import RefitError
 from rlcore.handles import RefitReceiver, RefitReport, RefitSender
-from rlcore.refit.channels import remove_step
+from rlcore.refit import transports
 from rlcore.refit.specs import check_specs, plan_buckets
 from rlcore.runtime.workers import WorkerLost, ray_get
 
@@ -64,7 +64,7 @@ def refit(policy: Any, generation: Any, ctx: RefitContext) -> RefitReport:
         ctx.sessions.forget(policy, generation, ctx.transport)
         raise
     finally:
-        remove_step(session.spec, ctx.step)
+        transports.get(session.spec.transport).remove_step(session.spec, ctx.step)
     total = sum(s.nbytes for s in sent)
     return RefitReport(
         step=ctx.step,

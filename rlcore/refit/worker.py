@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING
 from rlcore.runtime.workers import listening_address
 
 if TYPE_CHECKING:
-    from rlcore.refit.channels import ChannelSpec
-    from rlcore.refit.specs import TensorSpec
+    from rlcore.refit.specs import ChannelSpec, TensorSpec
 
 log = logging.getLogger(__name__)
 

@@ -128,11 +128,7 @@ def choose_transport(
                 key="refit.transport",
             )
         return requested
-    if config.placement.colocated:
-        order = [Transport.CUDA_IPC, Transport.SHARED_MEMORY, Transport.COLLECTIVE, Transport.DISK]
-    else:
-        order = [Transport.COLLECTIVE, Transport.DISK, Transport.SHARED_MEMORY]
-    for t in order:
+    for t in transports.preferred(config.placement.colocated):
         if t in common and t in usable:
             return t.value
     raise PlanError(

@@ -213,7 +213,7 @@ class MegatronWorker(LogprobWorker, RefitChannels, DistributedWorker):
 
         Two workers built from the same model hold their native tensors at the same
         offsets of their buffers, so a native refit's copies, adjacent on both sides,
-        merge into one copy per buffer (:func:`rlcore.refit.cuda_ipc.copy_views`). Loading
+        merge into one copy per buffer (:func:`rlcore.refit.transports.cuda_ipc.copy_views`). Loading
         and training write the parameters in place and keep them views. Parameters that
         megatron-core built on the GPU go to host memory first: the device never holds
         two copies of the model (a colocated policy starts beside a generation's KV cache).
@@ -278,7 +278,7 @@ class MegatronWorker(LogprobWorker, RefitChannels, DistributedWorker):
         sender holds the whole model, so only then can a receiver copy its tensors as
         they are). A channel that agrees on it at open runs the native path."""
         if spec.transport == "cuda_ipc" and self.native_refit and self.tp_size == 1:
-            from rlcore.refit import cuda_ipc
+            from rlcore.refit.transports import cuda_ipc
 
             self._require_model()
             cuda_ipc.offer_layout(spec, self.layout_fingerprint())
@@ -288,7 +288,7 @@ class MegatronWorker(LogprobWorker, RefitChannels, DistributedWorker):
         at open, else ``("hf", why not)``."""
         if spec.transport != "cuda_ipc":
             return "hf", f"{spec.transport} moves the plan's Hugging Face tensors"
-        from rlcore.refit import cuda_ipc
+        from rlcore.refit.transports import cuda_ipc
 
         layout, why = cuda_ipc.agreed_layout(spec)
         return ("native", layout) if layout else ("hf", why)
@@ -537,7 +537,7 @@ class MegatronPolicyWorker(PolicyGradientWorker, RefitSenderWorker, MegatronWork
             self._offer_native_layout(spec)
         super().open_refit_channel(spec)
         if spec.transport == "cuda_ipc" and self.rank == 0:
-            from rlcore.refit import cuda_ipc
+            from rlcore.refit.transports import cuda_ipc
 
             self._require_model()
             cuda_ipc.register_persistent(spec, self.model.parameters())
@@ -551,7 +551,7 @@ class MegatronPolicyWorker(PolicyGradientWorker, RefitSenderWorker, MegatronWork
         if self.rank == 0 and spec.transport == "cuda_ipc":
             path, layout = self.refit_path(spec)
             if path == "native":
-                from rlcore.refit import cuda_ipc
+                from rlcore.refit.transports import cuda_ipc
 
                 sent = cuda_ipc.send_weights(spec, self.native_stream(), self._native_plan, layout)
                 return {"bytes": sent, "path": "native"}
@@ -916,7 +916,7 @@ class MegatronGenerationWorker(MegatronWorker):
         on either side before that leaves the old weights serving."""
         import torch
 
-        from rlcore.refit import cuda_ipc
+        from rlcore.refit.transports import cuda_ipc
 
         stream = cuda_ipc.receive_weights(spec, self._native_plan, layout)
         dsts = [p for _, p in self._native]

@@ -157,7 +157,7 @@ class Host:
     def channel_state(self, key: str) -> dict[str, int]:
         """This process's cuda_ipc end of channel ``key``: storages shared (sender) or
         opened (receiver), staging buffer bytes; all 0 once closed."""
-        from rlcore.refit import cuda_ipc
+        from rlcore.refit.transports import cuda_ipc
 
         end = cuda_ipc._ends.get(key)
         if end is None:
@@ -225,7 +225,8 @@ class Host:
         allocation per tensor, or (``flat``) views of one buffer in plan order on both sides."""
         import torch
 
-        from rlcore.refit import channels, cuda_ipc
+        from rlcore.refit import channels
+        from rlcore.refit.transports import cuda_ipc
 
         if flat:
             dtype = getattr(torch, specs[0].dtype)
@@ -257,11 +258,12 @@ class Host:
     def raw_receive(self, spec: Any, step: int, buckets: list, mode: str) -> tuple[float, int]:
         """Receive into the same-layout tensors: one ``copy_`` per tensor as it is yielded
         (``per_tensor``), or once the last view arrived (before the stream ends: the views die
-        then) one ``_foreach_copy_`` (``foreach``) or :func:`rlcore.refit.cuda_ipc.copy_views`
+        then) one ``_foreach_copy_`` (``foreach``) or :func:`rlcore.refit.transports.cuda_ipc.copy_views`
         (``merged``: runs adjacent on both sides become one copy). Seconds and copies issued."""
         import torch
 
-        from rlcore.refit import channels, cuda_ipc
+        from rlcore.refit import channels
+        from rlcore.refit.transports import cuda_ipc
 
         _, dsts = self.raw[spec.key]
         torch.cuda.synchronize()
@@ -294,8 +296,8 @@ class Host:
         self.empty_cache()
 
     def channel_timings(self, key: str) -> dict[str, float]:
-        """The parts of this end's last cuda_ipc refit (:attr:`rlcore.refit.cuda_ipc._End.timings`)."""
-        from rlcore.refit import cuda_ipc
+        """The parts of this end's last cuda_ipc refit (:attr:`rlcore.refit.transports.cuda_ipc._End.timings`)."""
+        from rlcore.refit.transports import cuda_ipc
 
         return dict(cuda_ipc._ends[key].timings)
 

@@ -3,7 +3,7 @@
 GPU only (``-m gpu``; skipped without CUDA, never in CI). Two processes on
 ``cuda:0`` (:mod:`_colocated`: a float32 TP=1 policy and a refit-fed generation
 with megatron-core's dynamic engine), as the backend's Ray actors would be,
-joined by a cuda_ipc channel (:mod:`rlcore.refit.cuda_ipc`). Every check runs on
+joined by a cuda_ipc channel (:mod:`rlcore.refit.transports.cuda_ipc`). Every check runs on
 both refit paths: ``native`` (the two workers hold the same layout and agree on it
 when the channel opens: the Megatron tensors are copied as they are) and ``hf``
 (the native layout not offered: the Hugging Face plan, converted on both sides);

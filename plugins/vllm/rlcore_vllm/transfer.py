@@ -22,7 +22,7 @@ code and vLLM loads what arrives:
 * ``finish_weight_update``: finalise the layerwise reload.
 
 If receiving or loading fails half-way, the engine drains the rest of a
-collective stream (so the sender is not left blocked), finalises the reload
+lockstep transport's stream (collective: so the sender is not left blocked), finalises the reload
 (layers that got no new weight keep their old one) and re-raises.
 
 :func:`register` is idempotent and imports vLLM only when called. It is the
@@ -96,20 +96,14 @@ def update_info(channel: Any, step: int, buckets: list[list[Any]]) -> dict[str, 
 
 
 @functools.cache
-def engine_class() -> type:
-    """The engine class, defined on first use so that importing this module stays light."""
+def _info_classes() -> tuple[type, type]:
+    """vLLM's init and update info for rlcore channels (defined on first use)."""
     from dataclasses import dataclass
 
-    import torch
     from vllm.distributed.weight_transfer.base import (
-        WeightTransferEngine,
         WeightTransferInitInfo,
         WeightTransferUpdateInfo,
     )
-
-    from rlcore.errors import RefitError
-    from rlcore.refit import channels
-    from rlcore.refit.specs import TensorSpec
 
     @dataclass
     class RlcoreInitInfo(WeightTransferInitInfo):
@@ -122,11 +116,99 @@ def engine_class() -> type:
         step: int
         buckets: list[list[dict[str, Any]]]
 
-    class RlcoreWeightTransferEngine(WeightTransferEngine[RlcoreInitInfo, RlcoreUpdateInfo]):
+    return RlcoreInitInfo, RlcoreUpdateInfo
+
+
+def _plan(buckets: list[list[dict[str, Any]]]) -> list[list[Any]]:
+    """The bucket plan an update carries (JSON) as :class:`~rlcore.refit.specs.TensorSpec` lists."""
+    from rlcore.refit.specs import TensorSpec
+
+    return [
+        [TensorSpec(d["name"], tuple(int(x) for x in d["shape"]), d["dtype"]) for d in bucket]
+        for bucket in buckets
+    ]
+
+
+def _load_all(model: Any, stream: Any, expected: int, step: int) -> None:
+    """``model.load_weights`` over the whole stream; RefitError unless it took every tensor."""
+    from rlcore.errors import RefitError
+
+    seen = 0
+
+    def counted() -> Any:
+        nonlocal seen
+        for item in stream:
+            seen += 1
+            yield item
+
+    model.load_weights(counted())
+    if seen != expected:
+        raise RefitError(
+            f"rlcore weight transfer: vLLM's load_weights consumed {seen} of "
+            f"{expected} tensors of step {step}"
+        )
+
+
+def _recover(model: Any, model_config: Any, spec: Any, stream: Any) -> None:
+    """After a failed update: keep the sender unblocked and the model whole."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    from rlcore.refit import transports
+
+    if transports.get(spec.transport).lockstep:
+        try:
+            for _ in stream:  # receive the buckets the sender still sends
+                pass
+        except Exception as err:
+            log.warning(
+                "rlcore weight transfer: draining channel %s failed: %s", spec.key, err
+            )
+    try:
+        # vLLM ends the session on error without finalising; layers still on the
+        # meta device would break the engine, so put their old weights back.
+        finalize_layerwise_reload(model, model_config)
+    except Exception as err:
+        log.warning(
+            "rlcore weight transfer: restoring layers after a failed update failed: %s", err
+        )
+
+
+def _receive_update(engine: Any, update_info: Any) -> None:
+    """The engine's ``receive_weights``: the step's stream over its channel into the model
+    (after a failure, :func:`_recover`)."""
+    from rlcore.errors import RefitError
+    from rlcore.refit import channels
+
+    if update_info.channel not in engine.channels:
+        raise RefitError(
+            f"rlcore weight transfer: channel {update_info.channel} was never opened "
+            "here (init_weight_transfer_engine first)"
+        )
+    spec, rank = engine.channels[update_info.channel]
+    buckets = _plan(update_info.buckets)
+    stream = channels.receive_weights(spec, rank, update_info.step, buckets)
+    try:
+        _load_all(engine.model, stream, sum(len(b) for b in buckets), update_info.step)
+    except BaseException:
+        _recover(engine.model, engine.model_config, spec, stream)
+        raise
+
+
+@functools.cache
+def engine_class() -> type:
+    """The engine class, defined on first use so that importing this module stays light."""
+    import torch
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    from rlcore.refit import channels
+
+    init_cls, update_cls = _info_classes()
+
+    class RlcoreWeightTransferEngine(WeightTransferEngine[init_cls, update_cls]):  # type: ignore[valid-type]
         """Receives weights over rlcore refit channels and loads them into the vLLM model."""
 
-        init_info_cls = RlcoreInitInfo
-        update_info_cls = RlcoreUpdateInfo
+        init_info_cls = init_cls
+        update_info_cls = update_cls
         supports_draft_weight_update = False
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -134,7 +216,7 @@ def engine_class() -> type:
             # channel key -> (ChannelSpec, this process's rank in it)
             self.channels: dict[str, tuple[channels.ChannelSpec, int]] = {}
 
-        def init_transfer_engine(self, init_info: RlcoreInitInfo) -> None:
+        def init_transfer_engine(self, init_info: Any) -> None:
             spec = channels.ChannelSpec(**init_info.channel)
             rank = init_info.rank_offset + self.parallel_config.rank
             channels.open_channel(spec, rank)
@@ -162,61 +244,8 @@ def engine_class() -> type:
             if self.device.type != "cpu":
                 torch.accelerator.synchronize()
 
-        def receive_weights(self, update_info: RlcoreUpdateInfo) -> None:
-            if update_info.channel not in self.channels:
-                raise RefitError(
-                    f"rlcore weight transfer: channel {update_info.channel} was never opened "
-                    "here (init_weight_transfer_engine first)"
-                )
-            spec, rank = self.channels[update_info.channel]
-            buckets = [
-                [
-                    TensorSpec(d["name"], tuple(int(x) for x in d["shape"]), d["dtype"])
-                    for d in bucket
-                ]
-                for bucket in update_info.buckets
-            ]
-            expected = sum(len(b) for b in buckets)
-            stream = channels.receive_weights(spec, rank, update_info.step, buckets)
-            seen = 0
-
-            def counted() -> Any:
-                nonlocal seen
-                for item in stream:
-                    seen += 1
-                    yield item
-
-            try:
-                self.model.load_weights(counted())
-                if seen != expected:
-                    raise RefitError(
-                        f"rlcore weight transfer: vLLM's load_weights consumed {seen} of "
-                        f"{expected} tensors of step {update_info.step}"
-                    )
-            except BaseException:
-                self._recover(spec, stream)
-                raise
-
-        def _recover(self, spec: channels.ChannelSpec, stream: Any) -> None:
-            """After a failed update: keep the sender unblocked and the model whole."""
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            if spec.transport == "collective":
-                try:
-                    for _ in stream:  # receive the broadcasts the sender still makes
-                        pass
-                except Exception as err:
-                    log.warning(
-                        "rlcore weight transfer: draining channel %s failed: %s", spec.key, err
-                    )
-            try:
-                # vLLM ends the session on error without finalising; layers still on the
-                # meta device would break the engine, so put their old weights back.
-                finalize_layerwise_reload(self.model, self.model_config)
-            except Exception as err:
-                log.warning(
-                    "rlcore weight transfer: restoring layers after a failed update failed: %s", err
-                )
+        def receive_weights(self, update_info: Any) -> None:
+            _receive_update(self, update_info)
 
         def shutdown(self) -> None:
             for spec, _ in self.channels.values():

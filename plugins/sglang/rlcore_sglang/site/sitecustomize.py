@@ -81,13 +81,31 @@ class _Group:
 
 
 def _channel_spec(group_name: str, addr: str, port: int, world_size: int, backend: str) -> Any:
-    from rlcore.refit.channels import ChannelSpec
+    from rlcore.refit.specs import ChannelSpec
 
     key, timeout = group_name[len(GROUP_PREFIX) :].rsplit(":", 1)
     return ChannelSpec(
         "collective", key, int(world_size), addr=addr, port=int(port), backend=backend,
         timeout_s=float(timeout),
     )
+
+
+def _receive_bucket(group: _Group, names: Any, dtypes: Any, shapes: Any, load_format: str | None) -> list[Any]:
+    """One packed bucket over a core refit channel: its (name, tensor) pairs (none to drain)."""
+    if load_format not in ("flattened_bucket", DRAIN):
+        raise ValueError(
+            f"rlcore refit channels move one packed bucket per call: load_format must be "
+            f"'flattened_bucket' or '{DRAIN}', got {load_format!r}"
+        )
+    from rlcore.refit import channels
+    from rlcore.refit.specs import TensorSpec
+
+    bucket = [
+        TensorSpec(str(n), tuple(int(d) for d in s), str(t).removeprefix("torch."))
+        for n, t, s in zip(names, dtypes, shapes, strict=True)
+    ]
+    received = list(channels.receive_weights(group.spec, group.rank, 0, [bucket]))
+    return [] if load_format == DRAIN else received
 
 
 def patch_weight_updater(module: Any) -> None:
@@ -122,20 +140,7 @@ def patch_weight_updater(module: Any) -> None:
         group = self._model_update_group.get(group_name)
         if not isinstance(group, _Group):
             return receive(self, names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, load_format=load_format)
-        if load_format not in ("flattened_bucket", DRAIN):
-            raise ValueError(
-                f"rlcore refit channels move one packed bucket per call: load_format must be "
-                f"'flattened_bucket' or '{DRAIN}', got {load_format!r}"
-            )
-        from rlcore.refit import channels
-        from rlcore.refit.specs import TensorSpec
-
-        bucket = [
-            TensorSpec(str(n), tuple(int(d) for d in s), str(t).removeprefix("torch."))
-            for n, t, s in zip(names, dtypes, shapes, strict=True)
-        ]
-        received = list(channels.receive_weights(group.spec, group.rank, 0, [bucket]))
-        return [] if load_format == DRAIN else received
+        return _receive_bucket(group, names, dtypes, shapes, load_format)
 
     def destroy_weights_update_group(self: Any, group_name: str) -> tuple[bool, str]:
         group = self._model_update_group.get(group_name)

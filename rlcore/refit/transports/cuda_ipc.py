@@ -20,7 +20,7 @@ What is shared, once per channel:
 
 Side channel: a :class:`torch.distributed.TCPStore` hosted by the sender, the
 same rendezvous the collective transport uses (``addr``/``port`` of
-:class:`~rlcore.refit.channels.ChannelSpec`). It reaches Ray actors that are not
+:class:`~rlcore.refit.specs.ChannelSpec`). It reaches Ray actors that are not
 each other's parent or child (a ``multiprocessing`` connection would need one side
 to listen and pass an authentication key around), every wait has the channel's
 timeout, and a dead sender takes the store down with it, so receivers fail at once
@@ -41,7 +41,7 @@ Protocol (``seq`` counts the channel's refits on every rank):
    instead of the Hugging Face plan (no conversion on either side), and every
    message names the layout it follows, which the receiver checks against its own
    before it yields a tensor.
-2. refit: the sender walks the plan (:func:`rlcore.refit.channels._buckets_in_order`
+2. refit: the sender walks the plan (:func:`rlcore.refit.specs.buckets_in_order`
    checks every name, shape and dtype), stages what must be staged, waits for its
    device (``synchronize``: the export and the packs are done) and puts one message
    ``m/<seq>``: an entry per tensor and the handles not shared before. If its stream
@@ -81,12 +81,13 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rlcore.declarations import Transport
 from rlcore.errors import RefitError
-from rlcore.refit.specs import TensorSpec
+from rlcore.refit.specs import ChannelSpec, TensorSpec, buckets_in_order
+from rlcore.refit.transports.base import RefitTransport
 
 if TYPE_CHECKING:
-    from rlcore.refit.channels import ChannelSpec
-    from rlcore.refit.transports import ChannelRequest
+    from rlcore.refit.transports.base import ChannelRequest
 
 log = logging.getLogger(__name__)
 
@@ -399,13 +400,11 @@ class SenderEnd(_End):
         """Walk the stream in plan order: one entry per tensor (staged ones filled in by
         :meth:`_stage`) and the tensors still to stage; ``new`` gets the persistent
         storages used for the first time."""
-        from rlcore.refit.channels import _buckets_in_order
-
         entries: list[tuple[int, int, tuple[int, ...]]] = []
         pending: list[tuple[int, Any]] = []  # (plan index, tensor) without a staging slot
         stage_now: list[tuple[Any, Any]] = []  # (slot view, tensor), copied in one batch
         index = 0
-        for _, tensors in _buckets_in_order(named, buckets):
+        for _, tensors in buckets_in_order(named, buckets):
             for t in tensors:
                 entry = self._direct(t, new)
                 if entry is None:
@@ -538,36 +537,7 @@ class ReceiverEnd(_End):
         try:
             raw = self.get(f"m/{seq}", f"refit message {seq} from the sender")
             t1 = time.perf_counter()
-            cached = self.cached
-            if (
-                cached is not None and cached[0] == raw and cached[3] == layout
-                and (cached[1] is buckets or cached[1] == buckets)
-            ):
-                # the same tensors where they were last time (no handle opened or released):
-                # the same checked views
-                message: dict[str, Any] = {}
-                views: Any = cached[2]
-            else:
-                message = pickle.loads(raw)
-            if "abort" in message:
-                raise RefitError(f"the sender aborted the refit before any byte was written: {message['abort']}")
-            if message:
-                self.cached = None
-                # handles first: a message refused below leaves this end holding what the sender shared
-                for sid in message["release"]:
-                    self.opened.pop(sid, None)
-                for sid, handle in message["handles"].items():
-                    self.opened[sid] = self.ipc.open(handle)
-                if message.get("layout", "") != layout:
-                    raise RefitError(
-                        f"cuda_ipc: the sender streams {_layout_name(message.get('layout', ''))}, this receiver "
-                        f"expects {_layout_name(layout)}; nothing was written"
-                    )
-                views = self._views(message, buckets)
-                if not message["handles"] and not message["release"]:
-                    self.cached = (raw, buckets, views, layout)
-                else:  # the next message repeats this one without the handles
-                    self.cached = (pickle.dumps({**message, "handles": {}, "release": []}), buckets, views, layout)
+            views: Any = self._message_views(raw, buckets, layout)
             t2 = time.perf_counter()
             for bucket, bucket_views in zip(buckets, views, strict=True):
                 yield from zip((s.name for s in bucket), bucket_views, strict=True)
@@ -581,22 +551,58 @@ class ReceiverEnd(_End):
             raise
         finally:
             if self.broken is None and self.store is not None:
-                try:
-                    # the consumer's copies from the sender's memory are done before it may change:
-                    # the sender waits for this event (or this side for its device) after the answer
-                    t4 = time.perf_counter()
-                    if self.event is not None:
-                        self.ipc.record(self.event)
-                    else:
-                        self.ipc.synchronize()
-                    self.timings["signal"] = time.perf_counter() - t4
-                    self.store.set(f"a/{seq}/{self.rank}", answer)
-                    if seq:  # the last message's keys: every end is past them (rank 1 deletes the message)
-                        if self.rank == 1:
-                            self.store.delete_key(f"m/{seq - 1}")
-                        self.store.delete_key(f"a/{seq - 1}/{self.rank}")
-                except Exception as err:  # the sender is gone: nothing to tell
-                    log.debug("cuda_ipc %s: answering failed: %s", self.spec.key, err)
+                self._answer(seq, answer)
+
+    def _message_views(self, raw: bytes, buckets: Sequence[Sequence[TensorSpec]], layout: str) -> Any:
+        """The checked views of message ``raw`` (the last ones when it repeats the last message),
+        after opening the handles it shares and dropping those it releases."""
+        cached = self.cached
+        if (
+            cached is not None and cached[0] == raw and cached[3] == layout
+            and (cached[1] is buckets or cached[1] == buckets)
+        ):
+            # the same tensors where they were last time (no handle opened or released):
+            # the same checked views
+            return cached[2]
+        message: dict[str, Any] = pickle.loads(raw)
+        if "abort" in message:
+            raise RefitError(f"the sender aborted the refit before any byte was written: {message['abort']}")
+        self.cached = None
+        # handles first: a message refused below leaves this end holding what the sender shared
+        for sid in message["release"]:
+            self.opened.pop(sid, None)
+        for sid, handle in message["handles"].items():
+            self.opened[sid] = self.ipc.open(handle)
+        if message.get("layout", "") != layout:
+            raise RefitError(
+                f"cuda_ipc: the sender streams {_layout_name(message.get('layout', ''))}, this receiver "
+                f"expects {_layout_name(layout)}; nothing was written"
+            )
+        views = self._views(message, buckets)
+        if not message["handles"] and not message["release"]:
+            self.cached = (raw, buckets, views, layout)
+        else:  # the next message repeats this one without the handles
+            self.cached = (pickle.dumps({**message, "handles": {}, "release": []}), buckets, views, layout)
+        return views
+
+    def _answer(self, seq: int, answer: str) -> None:
+        """Tell the sender this end is done with message ``seq`` (``ok`` or the error)."""
+        try:
+            # the consumer's copies from the sender's memory are done before it may change:
+            # the sender waits for this event (or this side for its device) after the answer
+            t4 = time.perf_counter()
+            if self.event is not None:
+                self.ipc.record(self.event)
+            else:
+                self.ipc.synchronize()
+            self.timings["signal"] = time.perf_counter() - t4
+            self.store.set(f"a/{seq}/{self.rank}", answer)
+            if seq:  # the last message's keys: every end is past them (rank 1 deletes the message)
+                if self.rank == 1:
+                    self.store.delete_key(f"m/{seq - 1}")
+                self.store.delete_key(f"a/{seq - 1}/{self.rank}")
+        except Exception as err:  # the sender is gone: nothing to tell
+            log.debug("cuda_ipc %s: answering failed: %s", self.spec.key, err)
 
     def _views(self, message: dict[str, Any], buckets: Sequence[Sequence[TensorSpec]]) -> list[list[Any]]:
         """Every tensor of the plan as a view of shared memory, checked before any is yielded."""
@@ -753,15 +759,6 @@ def _copy_batch(pairs: Sequence[tuple[Any, Any]]) -> None:
         d.copy_(s, non_blocking=False)
 
 
-def channel_spec(req: ChannelRequest) -> ChannelSpec:
-    """The driver's side: the spec of a cuda_ipc channel. Its side channel's store listens
-    on the sender's node (``refit_address``, as the collective's rendezvous does)."""
-    from rlcore.refit.channels import ChannelSpec
-
-    addr, port = req.policy.refit_address()
-    return ChannelSpec("cuda_ipc", req.key, req.world_size, addr=addr, port=port, timeout_s=req.ctx.timeout_s)
-
-
 _ends: dict[str, _End] = {}
 _pending_persistent: dict[str, list[Any]] = {}
 _pending_layout: dict[str, str] = {}
@@ -898,3 +895,44 @@ def ceiling(spec: ChannelSpec, rank: int, nbytes: int) -> float:
         end.ipc.synchronize()
         elapsed = time.monotonic() - t1
     return elapsed
+
+
+class CudaIpcTransport(RefitTransport):
+    """CUDA IPC between processes on one GPU (see the module doc); the module's functions
+    are its ends, and what a backend calls for more (:func:`register_persistent`,
+    :func:`offer_layout`, :func:`agreed_layout`, :func:`copy_views`, a native ``layout``)."""
+
+    transport = Transport.CUDA_IPC
+    describe = (
+        "CUDA IPC handles between processes on the same GPU (device UUIDs checked at open); "
+        "the receiver copies straight from the sender's memory"
+    )
+    accelerator = "cuda"
+    colocated_rank = 0  # the first choice on one GPU; never across GPUs
+
+    def channel(self, req: ChannelRequest) -> ChannelSpec:
+        """Its side channel's store listens on the sender's node (``refit_address``, as the
+        collective's rendezvous does)."""
+        addr, port = req.policy.refit_address()
+        return ChannelSpec("cuda_ipc", req.key, req.world_size, addr=addr, port=port, timeout_s=req.ctx.timeout_s)
+
+    def open(self, spec: ChannelSpec, rank: int) -> None:
+        open_channel(spec, rank)
+
+    def close(self, spec: ChannelSpec) -> None:
+        close_channel(spec)
+
+    def send(
+        self, spec: ChannelSpec, step: int, named: Iterable[tuple[str, Any]], buckets: Sequence[Sequence[TensorSpec]]
+    ) -> int:
+        return send_weights(spec, named, buckets)
+
+    def receive(
+        self, spec: ChannelSpec, rank: int, step: int, buckets: Sequence[Sequence[TensorSpec]], device: Any = None
+    ) -> Iterator[tuple[str, Any]]:
+        """Views of the sender's memory, valid until the generator ends (:func:`receive_weights`)."""
+        yield from receive_weights(spec, buckets)
+
+    def ceiling(self, spec: ChannelSpec, rank: int, step: int, nbytes: int) -> float:
+        """One device-to-device copy through shared memory (:func:`ceiling`)."""
+        return ceiling(spec, rank, nbytes)
