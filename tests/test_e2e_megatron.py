@@ -23,9 +23,9 @@ import pytest
 pytest.importorskip("rlcore_megatron")
 
 from rlcore.app.grpo import token_mult_prob_error  # noqa: E402
+from rlcore.app.records import read_metrics  # noqa: E402
 from rlcore.app.run import run_job  # noqa: E402
 from rlcore.hookspecs import hookimpl  # noqa: E402
-from rlcore.app.records import read_metrics  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -151,14 +151,15 @@ class BeforeFirstRefit:
 
 def test_checkpoint_mode_generation_waits_for_the_published_checkpoint(tmp_path: Path) -> None:
     from rlcore.config import load_config
-    from rlcore.setup.registry import load_registry, plan_for
+    from rlcore.setup.prepared import prepare
+    from rlcore.setup.registry import load_registry
 
     overrides = [
         "generation.refit_fed=false",
         "grpo.steps=1",
         f"setup.cache_dir={tmp_path / 'cache'}",
     ]
-    plan = plan_for(load_registry(None), load_config(EXAMPLE, overrides))
+    plan = prepare(load_config(EXAMPLE, overrides), load_registry(None)).plan
     assert [(w.task, w.target, w.producer, w.kind) for w in plan.waits] == [
         ("init:generation", "megatron.checkpoint", "init:policy", "artifact")
     ]

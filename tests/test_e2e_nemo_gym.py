@@ -20,10 +20,10 @@ pytest.importorskip("rlcore_fsdp")
 pytest.importorskip("rlcore_vllm")
 pytest.importorskip("rlcore_nemo_gym")
 
+from rlcore.app.records import read_metrics  # noqa: E402
 from rlcore.app.run import run_job  # noqa: E402
 from rlcore.errors import ConfigError, RefitError, SetupError  # noqa: E402
 from rlcore.hookspecs import hookimpl  # noqa: E402
-from rlcore.app.records import read_metrics  # noqa: E402
 from rlcore.testing import LeakCheck  # noqa: E402
 from rlcore_nemo_gym.servers import find_gym_python  # noqa: E402
 

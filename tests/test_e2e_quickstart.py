@@ -24,10 +24,10 @@ import pytest
 pytest.importorskip("rlcore_fsdp")
 pytest.importorskip("rlcore_vllm")
 
+from rlcore.app.records import read_metrics  # noqa: E402
 from rlcore.app.run import run_job  # noqa: E402
 from rlcore.errors import RlcoreError  # noqa: E402
 from rlcore.hookspecs import hookimpl  # noqa: E402
-from rlcore.app.records import read_metrics  # noqa: E402
 from rlcore.testing.fixtures import listening_sockets  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

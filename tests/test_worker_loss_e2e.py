@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 from worker_loss_chaos import Chaos, seeded_steps
 
+from rlcore.app.records import read_metrics
 from rlcore.app.run import run_job
 from rlcore.errors import WorkerLost
-from rlcore.app.records import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 

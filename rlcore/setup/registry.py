@@ -616,10 +616,3 @@ def _load_one(registry: Registry, ep: Any, dist: str | None, version: str | None
     location = dist_location(getattr(ep, "dist", None))
     registry._installed[ep.name] = InstalledCopy(ep.name, dist, version, location, True)
     registry.register(plugin, ep.name, dist, version)
-
-
-def plan_for(registry: Registry, config: Any) -> Any:
-    """The setup plan of ``config``: the plan of the run :func:`rlcore.setup.prepared.prepare` makes."""
-    from rlcore.setup.prepared import prepare
-
-    return prepare(config, registry).plan
