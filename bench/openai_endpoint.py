@@ -41,7 +41,8 @@ def main(argv: list[str]) -> None:
 
     from rlcore.config import load_config
     from rlcore.runtime.cluster import Cluster
-    from rlcore.setup.registry import load_registry, plan_for
+    from rlcore.setup.prepared import prepare
+    from rlcore.setup.registry import load_registry
     from rlcore.setup.runner import run_setup
 
     config = load_config(args.config, ["generation.options.serve_openai=true", *args.overrides])
@@ -51,7 +52,7 @@ def main(argv: list[str]) -> None:
         with (
             tempfile.TemporaryDirectory() as tmp,
             run_setup(
-                config, registry, run_dir=Path(tmp), plan=plan_for(registry, config)
+                config, registry, run_dir=Path(tmp), plan=prepare(config, registry).plan
             ) as setup,
         ):
             gen = setup.handles["generation"]

@@ -123,12 +123,13 @@ def synthetic() -> None:
 
 def real(config_path: str, overrides: list[str], rounds: int = 2) -> None:
     from rlcore.runtime.cluster import Cluster
-    from rlcore.setup.registry import load_registry, plan_for
+    from rlcore.setup.prepared import prepare
+    from rlcore.setup.registry import load_registry
     from rlcore.setup.runner import run_setup
 
     config = load_config(config_path, overrides)
     registry = load_registry(config.plugins.allow)
-    overlapped = plan_for(registry, config)
+    overlapped = prepare(config, registry).plan
     inits = [t.name for t in overlapped.tasks if t.name.startswith("init:")]
     serial_edges = tuple(
         Edge(a, b, "bench: serial baseline", 0)

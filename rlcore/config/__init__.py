@@ -13,18 +13,16 @@ import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import (
-    ConfigAttributeError,
-    ConfigKeyError,
-    MissingMandatoryValue,
-    OmegaConfBaseException,
-    ValidationError,
-)
+from typing import TYPE_CHECKING, Any
 
 from rlcore.errors import ConfigError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+    from omegaconf.errors import OmegaConfBaseException
+
+# omegaconf is imported where a config is loaded, not here: the contract's modules import
+# this package (context.py: placement), and a plugin's module must import nothing heavy.
 
 
 @dataclass(frozen=True)
@@ -306,6 +304,8 @@ def _closest(key: str, candidates: Sequence[str]) -> str | None:
 
 
 def _keys_at(schema: DictConfig, parent: str) -> list[str]:
+    from omegaconf import DictConfig, OmegaConf
+
     node: Any = schema
     if parent:
         node = OmegaConf.select(schema, parent)
@@ -315,6 +315,13 @@ def _keys_at(schema: DictConfig, parent: str) -> list[str]:
 
 
 def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str) -> ConfigError:
+    from omegaconf.errors import (
+        ConfigAttributeError,
+        ConfigKeyError,
+        MissingMandatoryValue,
+        ValidationError,
+    )
+
     full_key = str(getattr(err, "full_key", "") or "")
     if isinstance(err, ConfigAttributeError | ConfigKeyError):
         parent, _, leaf = full_key.rpartition(".")
@@ -339,6 +346,8 @@ def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str) -> Co
 
 
 def _expected_type(schema: DictConfig, full_key: str) -> str | None:
+    from omegaconf import DictConfig, OmegaConf
+
     parent, _, leaf = full_key.rpartition(".")
     node: Any = OmegaConf.select(schema, parent) if parent else schema
     if not isinstance(node, DictConfig):
@@ -354,6 +363,9 @@ def _expected_type(schema: DictConfig, full_key: str) -> str | None:
 
 
 def _merge(schema: DictConfig, other: Any, source: str) -> DictConfig:
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
         merged = OmegaConf.merge(schema, other)
         assert isinstance(merged, DictConfig)
@@ -373,6 +385,9 @@ def load_config(
     ``base`` (a plain mapping) is merged first, then the file, then the overrides.
     Raises :class:`ConfigError` for unknown keys, wrong types and bad overrides.
     """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     schema = OmegaConf.structured(RunConfig)
     cfg = schema
     if base:
@@ -544,6 +559,9 @@ def resolve_options(options: Mapping[str, Any], schema: type | None, *, section:
     the backend and the closest valid option; so do values outside a range the
     dataclass declares with :func:`bounded` (``timeout_s: float = bounded(300.0, gt=0)``).
     """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
     if schema is None:
         return dict(options)
     base = OmegaConf.structured(schema)

@@ -77,10 +77,11 @@ def context(role: Role, tmp: Path, *overrides: str, deadline_s: float = 180.0) -
             *overrides,
         ],
     )
-    from rlcore.setup.registry import load_registry, plan_for
+    from rlcore.setup.prepared import prepare
+    from rlcore.setup.registry import load_registry
 
     # What the core's setup tells the init: which of its artifacts a reader needs.
-    needed = plan_for(load_registry(cfg.plugins.allow), cfg).consumed.get(f"init:{role.value}", ())
+    needed = prepare(cfg, load_registry(cfg.plugins.allow)).plan.consumed.get(f"init:{role.value}", ())
     cancel = CancelToken()
     section = getattr(cfg, role.value)
     ctx = RecordingContext(

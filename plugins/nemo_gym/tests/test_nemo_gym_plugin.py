@@ -61,7 +61,8 @@ def test_generation_without_its_endpoint_fails_at_plan_time(backend: str) -> Non
     """The real declarations say the endpoint exists only with serve_openai: the plan
     refuses Gym beside a generation without it, before anything starts."""
     from rlcore.config import load_config
-    from rlcore.setup.registry import load_registry, plan_for
+    from rlcore.setup.prepared import prepare
+    from rlcore.setup.registry import load_registry
 
     config = load_config(
         None,
@@ -69,7 +70,7 @@ def test_generation_without_its_endpoint_fails_at_plan_time(backend: str) -> Non
          "env.backend=nemo_gym", "generation.refit_fed=true", "generation.options.serve_openai=false"],
     )
     with pytest.raises(ConfigError, match=f"'{backend}' serves one only when") as info:
-        plan_for(load_registry(), config)
+        prepare(config, load_registry())
     assert info.value.key == "generation.options.serve_openai"
 
 
@@ -126,11 +127,12 @@ def test_example_plan_starts_gym_at_once_and_waits_for_the_endpoint_inside() -> 
     pytest.importorskip("rlcore_fsdp")
     pytest.importorskip("rlcore_vllm")
     from rlcore.config import load_config
-    from rlcore.setup.registry import load_registry, plan_for
+    from rlcore.setup.prepared import prepare
+    from rlcore.setup.registry import load_registry
 
     repo = Path(__file__).resolve().parents[3]
     config = load_config(repo / "examples" / "nemo_gym.yaml")
-    plan = plan_for(load_registry(), config)
+    plan = prepare(config, load_registry()).plan
     assert plan.predecessors("init:env") == []  # no edge into init:env (rule 5)
     [wait] = [w for w in plan.waits if w.task == "init:env"]
     assert (wait.target, wait.kind, wait.producer) == (
