@@ -24,6 +24,7 @@ import logging
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -92,6 +93,36 @@ def to_sample(result: dict[str, Any]) -> Rollout:
     )
 
 
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How the env runs rollouts and stops its servers (from ``env.options`` and ``grpo``).
+
+    Attributes:
+        max_output_tokens: the longest completion Gym asks the model for.
+        temperature: the sampling temperature Gym asks the model for.
+        rollout_timeout_s: the longest one batch of rollouts may take.
+        max_concurrent: rollouts POSTed to Gym at once.
+        shutdown_grace_s: how long Gym's servers get to stop before they are killed.
+    """
+
+    max_output_tokens: int
+    temperature: float
+    rollout_timeout_s: float
+    max_concurrent: int
+    shutdown_grace_s: float
+
+    @classmethod
+    def from_options(cls, options: Any, grpo: Any) -> RolloutSettings:
+        """The env's settings: its own options, else the GRPO loop's sampling."""
+        return cls(
+            max_output_tokens=options.max_output_tokens or grpo.max_new_tokens,
+            temperature=grpo.temperature if options.temperature is None else options.temperature,
+            rollout_timeout_s=options.rollout_timeout_s,
+            max_concurrent=options.max_concurrent_rollouts,
+            shutdown_grace_s=options.shutdown_grace_s,
+        )
+
+
 class NemoGymEnv:
     """Handle of running Gym servers (``rlcore.handles.BackendHandle`` plus ``collect_rollouts``).
 
@@ -114,11 +145,7 @@ class NemoGymEnv:
         rows: list[dict[str, Any]],
         endpoint: Endpoint,
         cancel: CancelToken,
-        max_output_tokens: int,
-        temperature: float,
-        rollout_timeout_s: float,
-        max_concurrent: int,
-        shutdown_grace_s: float,
+        sampling: RolloutSettings,
         timings: dict[str, float],
     ) -> None:
         self.servers = servers
@@ -128,11 +155,11 @@ class NemoGymEnv:
         self.rows = rows
         self.endpoint = endpoint
         self.cancel = cancel
-        self.max_output_tokens = max_output_tokens
-        self.temperature = temperature
-        self.rollout_timeout_s = rollout_timeout_s
-        self.max_concurrent = max_concurrent
-        self.shutdown_grace_s = shutdown_grace_s
+        self.max_output_tokens = sampling.max_output_tokens
+        self.temperature = sampling.temperature
+        self.rollout_timeout_s = sampling.rollout_timeout_s
+        self.max_concurrent = sampling.max_concurrent
+        self.shutdown_grace_s = sampling.shutdown_grace_s
         self.timings = timings
         self._lock = threading.Lock()
         self._closed = False
@@ -339,8 +366,8 @@ def _never_ready_nor_announced(ctx: InitContext, servers: GymServers) -> NoRetur
     )
 
 
-def start_env(ctx: InitContext) -> NemoGymEnv:
-    """``rlcore_init_env`` of ``nemo_gym``: see the module docstring."""
+def _check_options(ctx: InitContext) -> None:
+    """Refuse options the env cannot run with, before anything starts."""
     o = ctx.options
     if o.max_concurrent_rollouts < 1:
         raise ConfigError(
@@ -359,17 +386,30 @@ def start_env(ctx: InitContext) -> NemoGymEnv:
             "other nodes; remove placement.nodes.env (the generation may still be elsewhere)",
             key="placement.nodes.env",
         )
-    python = find_gym_python(o.gym_python)
-    if o.config_path is None:
-        check_env_name(python, o.env_name)
-    grpo = ctx.config.grpo
-    t0 = time.monotonic()
-    timings: dict[str, float] = {}
-    base = Path(ctx.run_dir) / "nemo_gym"
-    base.mkdir(parents=True, exist_ok=True)
 
-    def launch(model_name: str, api_key: str) -> GymServers:
-        workdir = Path(tempfile.mkdtemp(prefix=f"{o.env_name}-{next(_instances)}-", dir=base))
+
+class _Startup:
+    """One ``init:env``: Gym's servers started, the endpoint awaited alongside them.
+
+    ``timings`` collects seconds since the start of init (see :class:`NemoGymEnv`).
+    """
+
+    def __init__(self, ctx: InitContext, python: Path) -> None:
+        self.ctx = ctx
+        self.o = ctx.options
+        self.python = python
+        self.t0 = time.monotonic()
+        self.timings: dict[str, float] = {}
+        self.base = Path(ctx.run_dir) / "nemo_gym"
+        self.base.mkdir(parents=True, exist_ok=True)
+
+    def since_start(self) -> float:
+        return time.monotonic() - self.t0
+
+    def launch(self, model_name: str, api_key: str) -> GymServers:
+        """Start Gym's servers (in a fresh work directory) for this model and key."""
+        o = self.o
+        workdir = Path(tempfile.mkdtemp(prefix=f"{o.env_name}-{next(_instances)}-", dir=self.base))
         spec = LaunchSpec.from_options(
             o,
             model_name=model_name,
@@ -377,75 +417,91 @@ def start_env(ctx: InitContext) -> NemoGymEnv:
             head_port=o.head_port or free_port(),
             workdir=workdir,
         )
-        s = GymServers(python, spec, name=f"nemo_gym env '{o.env_name}'")
+        s = GymServers(self.python, spec, name=f"nemo_gym env '{o.env_name}'")
         s.start()
         return s
 
-    # The run's token (a generation endpoint on another node checks it) is Gym's API key.
-    servers = launch(o.model_name, ctx.network.token or o.api_key)
-    try:
-        start_deadline = ctx.deadline.sooner(o.server_start_timeout_s, "nemo_gym server start")
+    def await_both(self, servers: GymServers) -> tuple[dict[str, Any], Endpoint]:
+        """Wait for Gym's servers to be ready and for the endpoint event, both at once:
+        Gym's servers come up while generation (and the first refit) are still running;
+        the event may come before or after they are ready."""
+        ctx = self.ctx
+        start_deadline = ctx.deadline.sooner(self.o.server_start_timeout_s, "nemo_gym server start")
         info: dict[str, Any] | None = None
         endpoint: Endpoint | None = None
-        # Both at once: Gym's servers come up while generation (and the first refit)
-        # are still running; the event may come before or after they are ready.
         while info is None or endpoint is None:
             if info is None:
-                info = servers.poll_ready()
-                if info is not None:
-                    timings["servers_ready"] = time.monotonic() - t0
-                    ctx.log.info(
-                        "Gym servers ready after %.2fs (%s)",
-                        timings["servers_ready"],
-                        info["run_via"],
-                    )
-                elif start_deadline.expired:
-                    if endpoint is None and ctx.deadline.expired:
-                        # The task's own deadline, with both waits outstanding: name both.
-                        _never_ready_nor_announced(ctx, servers)
-                    servers.wait_ready(
-                        cancel=ctx.cancel, deadline=start_deadline
-                    )  # raises, naming it
+                info = self._poll_servers(servers, start_deadline, endpoint_known=endpoint is not None)
             if endpoint is None and (ctx.events.posted(ENDPOINT_EVENT) or ctx.deadline.expired):
-                endpoint = ctx.wait_event(
-                    ENDPOINT_EVENT
-                )  # returns at once, or raises Deadline/Cancelled
-                if not isinstance(endpoint, Endpoint):
-                    raise GymError(
-                        f"event {ENDPOINT_EVENT} carried {endpoint!r}, not an rlcore.handles.Endpoint"
-                    )
-                timings["endpoint_event"] = time.monotonic() - t0
-                ctx.log.info(
-                    "generation endpoint %s announced after %.2fs",
-                    endpoint.base_url,
-                    timings["endpoint_event"],
-                )
-                if (endpoint.model, endpoint.api_key) == (
-                    servers.spec.model_name,
-                    servers.spec.api_key,
-                ):
-                    servers.publish_endpoint(endpoint.base_url)
-                    timings["endpoint_published"] = time.monotonic() - t0
+                endpoint = self._take_endpoint(servers)
             if info is None or endpoint is None:
                 ctx.cancel.raise_if_cancelled(f"init:env ({ctx.backend})")
                 ctx.cancel.sleep(0.05)
+        return info, endpoint
 
-        if "endpoint_published" not in timings:
-            # Gym puts the model name into every request: restart with the endpoint's.
-            log.warning(
-                "nemo_gym: the endpoint serves model '%s' but Gym was started for '%s' "
-                "(env.options.model_name / api_key); restarting Gym's servers with it",
-                endpoint.model,
-                servers.spec.model_name,
+    def _poll_servers(
+        self, servers: GymServers, start_deadline: Deadline, *, endpoint_known: bool
+    ) -> dict[str, Any] | None:
+        """Gym's report if its servers are ready; None while they start; raises past the
+        start deadline."""
+        info = servers.poll_ready()
+        if info is not None:
+            self.timings["servers_ready"] = self.since_start()
+            self.ctx.log.info(
+                "Gym servers ready after %.2fs (%s)",
+                self.timings["servers_ready"],
+                info["run_via"],
             )
-            servers.stop(o.shutdown_grace_s)
-            servers = launch(endpoint.model, endpoint.api_key)
-            info = servers.wait_ready(
-                cancel=ctx.cancel, deadline=ctx.deadline.sooner(o.server_start_timeout_s)
+        elif start_deadline.expired:
+            if not endpoint_known and self.ctx.deadline.expired:
+                # The task's own deadline, with both waits outstanding: name both.
+                _never_ready_nor_announced(self.ctx, servers)
+            servers.wait_ready(cancel=self.ctx.cancel, deadline=start_deadline)  # raises, naming it
+        return info
+
+    def _take_endpoint(self, servers: GymServers) -> Endpoint:
+        """The posted endpoint; published to Gym at once when Gym was started for its model."""
+        endpoint = self.ctx.wait_event(ENDPOINT_EVENT)  # returns at once, or raises Deadline/Cancelled
+        if not isinstance(endpoint, Endpoint):
+            raise GymError(
+                f"event {ENDPOINT_EVENT} carried {endpoint!r}, not an rlcore.handles.Endpoint"
             )
+        self.timings["endpoint_event"] = self.since_start()
+        self.ctx.log.info(
+            "generation endpoint %s announced after %.2fs",
+            endpoint.base_url,
+            self.timings["endpoint_event"],
+        )
+        if (endpoint.model, endpoint.api_key) == (servers.spec.model_name, servers.spec.api_key):
             servers.publish_endpoint(endpoint.base_url)
-            timings["endpoint_published"] = timings["servers_ready"] = time.monotonic() - t0
+            self.timings["endpoint_published"] = self.since_start()
+        return endpoint
 
+    def relaunch_for(self, servers: GymServers, endpoint: Endpoint) -> GymServers:
+        """Gym puts the model name into every request: stop ``servers`` and start them
+        again with the endpoint's (the caller holds the new ones before they are awaited,
+        so a failed wait still ends them)."""
+        log.warning(
+            "nemo_gym: the endpoint serves model '%s' but Gym was started for '%s' "
+            "(env.options.model_name / api_key); restarting Gym's servers with it",
+            endpoint.model,
+            servers.spec.model_name,
+        )
+        servers.stop(self.o.shutdown_grace_s)
+        return self.launch(endpoint.model, endpoint.api_key)
+
+    def ready_after_relaunch(self, servers: GymServers, endpoint: Endpoint) -> dict[str, Any]:
+        """Wait for the relaunched servers, then hand them the endpoint."""
+        info = servers.wait_ready(
+            cancel=self.ctx.cancel, deadline=self.ctx.deadline.sooner(self.o.server_start_timeout_s)
+        )
+        servers.publish_endpoint(endpoint.base_url)
+        self.timings["endpoint_published"] = self.timings["servers_ready"] = self.since_start()
+        return info
+
+    def finish(self, servers: GymServers, info: dict[str, Any], endpoint: Endpoint) -> NemoGymEnv:
+        """Check the endpoint answers, load the rows, optionally run the check rollout."""
+        ctx, o = self.ctx, self.o
         _wait_endpoint_ready(
             endpoint,
             cancel=ctx.cancel,
@@ -458,23 +514,39 @@ def start_env(ctx: InitContext) -> NemoGymEnv:
             rows=load_rows(info["data_path"]),
             endpoint=endpoint,
             cancel=ctx.cancel,
-            max_output_tokens=o.max_output_tokens or grpo.max_new_tokens,
-            temperature=grpo.temperature if o.temperature is None else o.temperature,
-            rollout_timeout_s=o.rollout_timeout_s,
-            max_concurrent=o.max_concurrent_rollouts,
-            shutdown_grace_s=o.shutdown_grace_s,
-            timings=timings,
+            sampling=RolloutSettings.from_options(o, ctx.config.grpo),
+            timings=self.timings,
         )
         if o.verify_on_init:
             t = time.monotonic()
             env.verify(o.rollout_timeout_s, deadline=ctx.deadline)
-            timings["verify"] = time.monotonic() - t
-        timings["ready"] = time.monotonic() - t0
+            self.timings["verify"] = time.monotonic() - t
+        self.timings["ready"] = self.since_start()
         ctx.log.info(
-            "nemo_gym env '%s' ready: %s", o.env_name, {k: round(v, 3) for k, v in timings.items()}
+            "nemo_gym env '%s' ready: %s",
+            o.env_name,
+            {k: round(v, 3) for k, v in self.timings.items()},
         )
-        _write_timings(servers.workdir, timings)
+        _write_timings(servers.workdir, self.timings)
         return env
+
+
+def start_env(ctx: InitContext) -> NemoGymEnv:
+    """``rlcore_init_env`` of ``nemo_gym``: see the module docstring."""
+    _check_options(ctx)
+    o = ctx.options
+    python = find_gym_python(o.gym_python)
+    if o.config_path is None:
+        check_env_name(python, o.env_name)
+    startup = _Startup(ctx, python)
+    # The run's token (a generation endpoint on another node checks it) is Gym's API key.
+    servers = startup.launch(o.model_name, ctx.network.token or o.api_key)
+    try:
+        info, endpoint = startup.await_both(servers)
+        if "endpoint_published" not in startup.timings:
+            servers = startup.relaunch_for(servers, endpoint)
+            info = startup.ready_after_relaunch(servers, endpoint)
+        return startup.finish(servers, info, endpoint)
     except Cancelled:
         # Another task failed (or the run was interrupted): the executor gives a running
         # task a few seconds to stop before it abandons it, and Gym's own stop can take
@@ -493,4 +565,11 @@ def _write_timings(workdir: Path, timings: dict[str, float]) -> None:
         pass
 
 
-__all__ = ["NemoGymEnv", "load_rows", "rows_for_step", "start_env", "to_sample"]
+__all__ = [
+    "NemoGymEnv",
+    "RolloutSettings",
+    "load_rows",
+    "rows_for_step",
+    "start_env",
+    "to_sample",
+]

@@ -296,67 +296,60 @@ def _dead(helper: Any) -> dict[str, Any]:
     return {"server": "head", "returncode": None}  # RunHelper: its head server thread ended
 
 
-def main(argv: list[str]) -> int:
-    spec = json.loads(Path(argv[1]).read_text())
-    if spec.get("nice"):
-        # Gym's start is off the setup's critical path (it has until the endpoint
-        # event): let the inits on that path have the CPU first. Servers inherit it.
-        os.nice(int(spec["nice"]))
-    status = Path(spec["status_file"])
-    stop = Stop()
-    stop.install()
-    helper = None
-    try:
-        write_status(status, state="starting")
-        _check_port_free(int(spec["head_port"]))
-        t = time.monotonic()
-        import nemo_gym.cli.env as gym_env
-        from nemo_gym.global_config import GlobalConfigDictParserConfig, get_global_config_dict
-        from omegaconf import DictConfig
+def _load_gym(spec: dict[str, Any]) -> tuple[Any, Any, dict[str, Any], float]:
+    """Import Gym, check and parse the config, build the venv farm.
 
-        import_s = time.monotonic() - t
-        log(f"imported nemo_gym in {import_s:.2f}s")
-        root = _gym_root()
-        config_file = check_config(spec, root)
-        gym_env.initialize_ray = lambda: None  # no Ray in this process (servers: sitecustomize)
-        # RunHelper polls the head server and then every server with sleep(3) between
-        # rounds; a cheap GET every 0.2 s instead saves seconds of start for nothing.
-        gym_env.sleep = lambda seconds: time.sleep(min(seconds, POLL_S))
-        parser_cfg = GlobalConfigDictParserConfig(
-            initial_global_config_dict=DictConfig(gym_config(spec, config_file)),
-            skip_load_from_cli=True,
-            skip_load_from_dotenv=True,
-        )
-        config = get_global_config_dict(global_config_dict_parser_config=parser_cfg)
-        info = describe(spec, config, root)
-        build_farm(Path(spec["farm_dir"]), _servers(config))
-        log(f"starting {len(info['servers'])} Gym servers: {', '.join(info['servers'])}")
-        t = time.monotonic()
-        helper = gym_env.RunHelper()
-        helper.start(parser_cfg)  # same (cached) config; raises and cleans up on failure
-        start_s = time.monotonic() - t
-        stop.starting = False
-        if stop.event.is_set():
-            raise KeyboardInterrupt(stop.reason)
-        log(f"Gym servers ready in {start_s:.2f}s")
-        write_status(
-            status, state="ready", import_s=round(import_s, 3), start_s=round(start_s, 3), **info
-        )
-    except KeyboardInterrupt:
-        stop.starting = False
-        log(f"start interrupted: {stop.reason or 'interrupted'}")
-        write_status(status, state="stopped", reason=stop.reason or "interrupted")
-        return 0
-    except LaunchError as err:
-        stop.starting = False
-        write_status(status, state="failed", kind=err.kind, key=err.key, error=str(err))
-        return 3
-    except BaseException as err:  # Gym raised: its servers are already shut down
-        stop.starting = False
-        log("start failed:\n" + traceback.format_exc())
-        write_status(status, state="failed", kind="start", error=f"{type(err).__name__}: {err}")
-        return 3
+    Returns Gym's ``nemo_gym.cli.env`` module (patched: no Ray, short polls), the parser
+    config ``RunHelper`` starts from, :func:`describe`'s report and the import's seconds.
+    """
+    t = time.monotonic()
+    import nemo_gym.cli.env as gym_env
+    from nemo_gym.global_config import GlobalConfigDictParserConfig, get_global_config_dict
+    from omegaconf import DictConfig
 
+    import_s = time.monotonic() - t
+    log(f"imported nemo_gym in {import_s:.2f}s")
+    root = _gym_root()
+    config_file = check_config(spec, root)
+    gym_env.initialize_ray = lambda: None  # no Ray in this process (servers: sitecustomize)
+    # RunHelper polls the head server and then every server with sleep(3) between
+    # rounds; a cheap GET every 0.2 s instead saves seconds of start for nothing.
+    gym_env.sleep = lambda seconds: time.sleep(min(seconds, POLL_S))
+    parser_cfg = GlobalConfigDictParserConfig(
+        initial_global_config_dict=DictConfig(gym_config(spec, config_file)),
+        skip_load_from_cli=True,
+        skip_load_from_dotenv=True,
+    )
+    config = get_global_config_dict(global_config_dict_parser_config=parser_cfg)
+    info = describe(spec, config, root)
+    build_farm(Path(spec["farm_dir"]), _servers(config))
+    return gym_env, parser_cfg, info, import_s
+
+
+def _start(spec: dict[str, Any], status: Path, stop: Stop) -> Any:
+    """Start every Gym server and write the ``ready`` status; returns Gym's ``RunHelper``.
+    Raises KeyboardInterrupt when a stop came during the start."""
+    write_status(status, state="starting")
+    _check_port_free(int(spec["head_port"]))
+    gym_env, parser_cfg, info, import_s = _load_gym(spec)
+    log(f"starting {len(info['servers'])} Gym servers: {', '.join(info['servers'])}")
+    t = time.monotonic()
+    helper = gym_env.RunHelper()
+    helper.start(parser_cfg)  # same (cached) config; raises and cleans up on failure
+    start_s = time.monotonic() - t
+    stop.starting = False
+    if stop.event.is_set():
+        raise KeyboardInterrupt(stop.reason)
+    log(f"Gym servers ready in {start_s:.2f}s")
+    write_status(
+        status, state="ready", import_s=round(import_s, 3), start_s=round(start_s, 3), **info
+    )
+    return helper
+
+
+def _serve(helper: Any, status: Path, stop: Stop) -> int:
+    """Keep the servers up until a stop (0) or a server's death (4, status ``failed``),
+    then stop them with Gym's own shutdown."""
     code = 0
     while not stop.event.wait(1.0):
         try:
@@ -375,6 +368,34 @@ def main(argv: list[str]) -> int:
         if code == 0:
             write_status(status, state="stopped", reason=stop.reason)
     return code
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[1]).read_text())
+    if spec.get("nice"):
+        # Gym's start is off the setup's critical path (it has until the endpoint
+        # event): let the inits on that path have the CPU first. Servers inherit it.
+        os.nice(int(spec["nice"]))
+    status = Path(spec["status_file"])
+    stop = Stop()
+    stop.install()
+    try:
+        helper = _start(spec, status, stop)
+    except KeyboardInterrupt:
+        stop.starting = False
+        log(f"start interrupted: {stop.reason or 'interrupted'}")
+        write_status(status, state="stopped", reason=stop.reason or "interrupted")
+        return 0
+    except LaunchError as err:
+        stop.starting = False
+        write_status(status, state="failed", kind=err.kind, key=err.key, error=str(err))
+        return 3
+    except BaseException as err:  # Gym raised: its servers are already shut down
+        stop.starting = False
+        log("start failed:\n" + traceback.format_exc())
+        write_status(status, state="failed", kind="start", error=f"{type(err).__name__}: {err}")
+        return 3
+    return _serve(helper, status, stop)
 
 
 if __name__ == "__main__":
