@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rlcore.context import InitContext
 from rlcore.declarations import BackendDeclaration, OverlapSafety, Role, Transport
@@ -18,6 +18,10 @@ from rlcore.hookspecs import hookimpl
 from rlcore_fsdp.options import FSDPOptions
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from rlcore.refit.specs import TensorSpec
+    from rlcore.runtime.workers import WorkerGroup
     from rlcore_fsdp.handle import FSDPPolicy
 
 log = logging.getLogger(__name__)
@@ -50,36 +54,24 @@ def rlcore_declare_backend() -> BackendDeclaration:
     )
 
 
-@hookimpl
-def rlcore_init_policy(ctx: InitContext) -> FSDPPolicy:
-    from rlcore.runtime.workers import (
-        WorkerGroup,
-        device_resources,
-        require_ray,
-        resolve_worker_device,
-    )
+def _options(ctx: InitContext) -> FSDPOptions:
+    """``policy.options`` as :class:`FSDPOptions` (a plain mapping is converted)."""
+    if isinstance(ctx.options, FSDPOptions):
+        return ctx.options
+    return FSDPOptions(**dict(ctx.options or {}))
 
-    require_ray("fsdp", "policy")
-    from rlcore.models.tiny import ensure_model
-    from rlcore_fsdp.handle import FSDPPolicy
+
+def _start_workers(ctx: InitContext, options: FSDPOptions, device: str) -> WorkerGroup:
+    """The policy's ranks as Ray actors, one device each (not yet loaded)."""
+    from rlcore.runtime.workers import WorkerGroup, device_resources
     from rlcore_fsdp.worker import FSDPWorker
 
-    options = (
-        ctx.options
-        if isinstance(ctx.options, FSDPOptions)
-        else FSDPOptions(**dict(ctx.options or {}))
-    )
     role = ctx.config.policy
-    t0 = time.monotonic()
-    model_dir = ensure_model(
-        ctx.config.model, ctx.cache_dir, cancel=ctx.cancel, deadline=ctx.deadline
-    )
-    device = resolve_worker_device(options.device, backend="fsdp", section="policy")
     # One GPU per rank: FSDP shards across ranks, never across GPUs of one rank.
     resources, threads = device_resources(
         device, role.devices_per_worker, options.threads_per_worker
     )
-    group = WorkerGroup(
+    return WorkerGroup(
         FSDPWorker,
         role.workers,
         name="fsdp-policy",
@@ -90,33 +82,62 @@ def rlcore_init_policy(ctx: InitContext) -> FSDPPolicy:
         deadline=ctx.deadline,
         placement=ctx.placement,
     )
+
+
+def _load(
+    ctx: InitContext, group: WorkerGroup, model_dir: Path, options: FSDPOptions, device: str
+) -> tuple[list[TensorSpec], dict[str, Any]]:
+    """Load the model on every rank; rank 0's weight specs and load report."""
+    infos = group.call(
+        "load",
+        str(model_dir),
+        ctx.config.model.dtype,
+        options,
+        device,
+        what="loading the model into FSDP",
+        deadline=ctx.deadline,
+    )
+    specs = group.call("weight_specs", ranks=[0], what="weight specs", deadline=ctx.deadline)[0]
+    info = dict(infos[0])
+    info["group_start_s"] = group.start_time_s
+    return specs, info
+
+
+def _log_ready(ctx: InitContext, info: dict[str, Any], device: str) -> None:
+    ctx.log.info(
+        "fsdp policy: %d rank(s) on %s, %d FSDP units, %.1f M params, init %.2fs "
+        "(workers %.2fs, load %.2fs, sync %.2fs, wrap %.2fs)",
+        ctx.config.policy.workers,
+        device,
+        info["units"],
+        info["params"] / 1e6,
+        info["init_s"],
+        info["group_start_s"],
+        info["load_s"],
+        info["sync_s"],
+        info["wrap_s"],
+    )
+
+
+@hookimpl
+def rlcore_init_policy(ctx: InitContext) -> FSDPPolicy:
+    from rlcore.runtime.workers import require_ray, resolve_worker_device
+
+    require_ray("fsdp", "policy")
+    from rlcore.models.tiny import ensure_model
+    from rlcore_fsdp.handle import FSDPPolicy
+
+    options = _options(ctx)
+    t0 = time.monotonic()
+    model_dir = ensure_model(
+        ctx.config.model, ctx.cache_dir, cancel=ctx.cancel, deadline=ctx.deadline
+    )
+    device = resolve_worker_device(options.device, backend="fsdp", section="policy")
+    group = _start_workers(ctx, options, device)
     try:
-        infos = group.call(
-            "load",
-            str(model_dir),
-            ctx.config.model.dtype,
-            options,
-            device,
-            what="loading the model into FSDP",
-            deadline=ctx.deadline,
-        )
-        specs = group.call("weight_specs", ranks=[0], what="weight specs", deadline=ctx.deadline)[0]
-        info = dict(infos[0])
-        info["group_start_s"] = group.start_time_s
+        specs, info = _load(ctx, group, model_dir, options, device)
         info["init_s"] = time.monotonic() - t0
-        ctx.log.info(
-            "fsdp policy: %d rank(s) on %s, %d FSDP units, %.1f M params, init %.2fs "
-            "(workers %.2fs, load %.2fs, sync %.2fs, wrap %.2fs)",
-            role.workers,
-            device,
-            info["units"],
-            info["params"] / 1e6,
-            info["init_s"],
-            group.start_time_s,
-            info["load_s"],
-            info["sync_s"],
-            info["wrap_s"],
-        )
+        _log_ready(ctx, info, device)
         return FSDPPolicy(group, device_type=device, specs=specs, info=info)
     except BaseException:
         group.shutdown()

@@ -117,36 +117,14 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
         Returns timings (seconds) and sizes.
         """
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # no per-rank progress bars in the driver's log
         self.options = options
-        if options.threads_per_worker > 0:
-            torch.set_num_threads(options.threads_per_worker)
-        torch.manual_seed(options.seed)
-        if device == "cuda":
-            torch.cuda.set_device(0)  # Ray exposes one GPU per rank
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device("cpu")
-        torch_dtype = getattr(torch, dtype)
+        self._set_up_device(options, device)
 
         t0 = time.monotonic()
-        model, error = None, None
-        try:
-            if self.rank == 0:
-                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
-                model.to(self.device)
-            else:
-                config = AutoConfig.from_pretrained(model_dir)
-                with torch.device("meta"):
-                    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-                model.to_empty(device=self.device)
-                # to_empty gives each module its own new tensor: restore tied weights.
-                model.tie_weights()
-        except Exception as err:  # reported to every rank below
-            error = err
+        model, error = self._build_model(model_dir, getattr(torch, dtype))
         load_s = time.monotonic() - t0
 
         t0 = time.monotonic()
@@ -157,15 +135,7 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
         params = sum(p.numel() for p in model.parameters())
 
         t0 = time.monotonic()
-        self.model = self._wrap(model, options)
-        self.model.eval()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=0.0, weight_decay=options.weight_decay
-        )
-        self._layout = self._unit_layout()
-        self._specs = [
-            TensorSpec(e.name, e.shape, e.dtype) for _, entries in self._layout for e in entries
-        ]
+        self._shard(model, options)
         wrap_s = time.monotonic() - t0
         return {
             "rank": self.rank,
@@ -178,15 +148,73 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
             "local_numel": sum(p.numel() for p in self.model.parameters()),
         }
 
+    def _set_up_device(self, options: FSDPOptions, device: str) -> None:
+        """Threads, seed and this rank's device (Ray exposes one GPU per rank)."""
+        import torch
+
+        if options.threads_per_worker > 0:
+            torch.set_num_threads(options.threads_per_worker)
+        torch.manual_seed(options.seed)
+        if device == "cuda":
+            torch.cuda.set_device(0)  # Ray exposes one GPU per rank
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+
+    def _build_model(
+        self, model_dir: str, torch_dtype: torch.dtype
+    ) -> tuple[Any, BaseException | None]:
+        """Rank 0: the checkpoint's model; the others: the same model, empty. A failure is
+        returned, not raised, so that :meth:`_sync_from_rank0` reports it to every rank."""
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        model, error = None, None
+        try:
+            if self.rank == 0:
+                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+                model.to(self.device)
+            else:
+                config = AutoConfig.from_pretrained(model_dir)
+                with torch.device("meta"):
+                    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+                model.to_empty(device=self.device)
+                # to_empty gives each module its own new tensor: restore tied weights.
+                model.tie_weights()
+        except Exception as err:  # reported to every rank by _sync_from_rank0
+            error = err
+        return model, error
+
+    def _shard(self, model: Any, options: FSDPOptions) -> None:
+        """Wrap the model with FSDP; its optimizer, unit layout and weight specs."""
+        import torch
+
+        self.model = self._wrap(model, options)
+        self.model.eval()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=0.0, weight_decay=options.weight_decay
+        )
+        self._layout = self._unit_layout()
+        self._specs = [
+            TensorSpec(e.name, e.shape, e.dtype) for _, entries in self._layout for e in entries
+        ]
+
     def _sync_from_rank0(self, model: Any, error: BaseException | None) -> None:
         """Agree that every rank built the same model, then broadcast rank 0's tensors."""
-        import torch
-        import torch.distributed as dist
-        from torch import nn
-
         tensors: list[tuple[str, torch.Tensor]] = []
         if model is not None:
             tensors = list(model.named_parameters()) + list(model.named_buffers())
+        self._agree_on_model(tensors, error)
+        if self.world_size == 1:
+            return
+        self._broadcast_from_rank0([t for _, t in tensors])
+
+    def _agree_on_model(
+        self, tensors: list[tuple[str, torch.Tensor]], error: BaseException | None
+    ) -> None:
+        """Raise on every rank when any rank failed to build the model or built another one."""
+        import torch.distributed as dist
+
         layout = (
             None if error is not None else [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors]
         )
@@ -216,36 +244,41 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
                     f"rank {rank} built a different model than rank 0 "
                     f"({len(other_layout or [])} vs {len(status[0][1])} tensors; first difference {diff})"
                 )
-        if self.world_size == 1:
-            return
-        # Coalesced broadcast: one collective per <= 64 MiB of raw bytes, any dtype mix.
+
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        """Coalesced broadcast: one collective per <= 64 MiB of raw bytes, any dtype mix."""
+        from torch import nn
+
         bucket: list[torch.Tensor] = []
         size = 0
-
-        def flush() -> None:
-            total = sum(t.numel() * t.element_size() for t in bucket)
-            if self.rank == 0:
-                flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in bucket])
-            else:
-                flat = torch.empty(total, dtype=torch.uint8, device=self.device)
-            dist.broadcast(flat, src=0)
-            if self.rank != 0:
-                off = 0
-                with torch.no_grad():
-                    for t in bucket:
-                        n = t.numel() * t.element_size()
-                        t.copy_(flat[off : off + n].view(t.dtype).view(t.shape))
-                        off += n
-
-        for _, t in tensors:
+        for t in tensors:
             nbytes = t.numel() * t.element_size()
             if bucket and size + nbytes > _SYNC_BUCKET_BYTES:
-                flush()
+                self._broadcast_bucket(bucket)
                 bucket, size = [], 0
             bucket.append(t.data if isinstance(t, nn.Parameter) else t)
             size += nbytes
         if bucket:
-            flush()
+            self._broadcast_bucket(bucket)
+
+    def _broadcast_bucket(self, bucket: list[torch.Tensor]) -> None:
+        """One broadcast of ``bucket``'s bytes from rank 0, copied into the others' tensors."""
+        import torch
+        import torch.distributed as dist
+
+        total = sum(t.numel() * t.element_size() for t in bucket)
+        if self.rank == 0:
+            flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in bucket])
+        else:
+            flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+        dist.broadcast(flat, src=0)
+        if self.rank != 0:
+            off = 0
+            with torch.no_grad():
+                for t in bucket:
+                    n = t.numel() * t.element_size()
+                    t.copy_(flat[off : off + n].view(t.dtype).view(t.shape))
+                    off += n
 
     def _wrap(self, model: Any, options: FSDPOptions) -> Any:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
