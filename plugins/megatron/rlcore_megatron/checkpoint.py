@@ -179,25 +179,8 @@ def convert_to_directory(
         raise ConversionError(f"tensor_model_parallel_size must be >= 1, got {tp}")
     out = Path(out_dir)
     what = f"conversion of {hf_dir} to Megatron (tp={tp}, {dtype})"
-    # Fail fast, before paying for processes that import megatron-core.
-    from rlcore_megatron.convert import ModelSpec
-
-    ModelSpec.from_hf(hf_dir).check_tp(tp)
-    if not any((Path(hf_dir) / n).is_file() for n in _SAFETENSORS_ENTRY):
-        raise ConversionError(
-            f"{hf_dir} has no model.safetensors or model.safetensors.index.json "
-            "(only safetensors checkpoints are supported)"
-        )
-    job = {
-        "hf_dir": str(Path(hf_dir).expanduser().resolve()),
-        "out_dir": str(out.resolve()),
-        "tp": tp,
-        "dtype": dtype,
-        "make_vocab_size_divisible_by": int(options.make_vocab_size_divisible_by),
-        "seed": int(options.seed),
-        "timeout_s": float(options.timeout_s),
-        "parent_pid": os.getpid(),
-    }
+    _check_convertible(hf_dir, tp)
+    job = _conversion_job(hf_dir, out, options, dtype)
     # Logs and the rendezvous file live inside the output (staging) directory, so a
     # killed conversion leaves them where the next publisher cleans up; removed on success.
     # Rendezvous through a file: no port to pick or race for.
@@ -207,48 +190,8 @@ def convert_to_directory(
     procs: list[subprocess.Popen[bytes]] = []
     t0 = time.monotonic()
     try:
-        for rank in range(tp):
-            log_file = open(logs / f"rank{rank}.log", "wb")  # closed below, once inherited
-            try:
-                procs.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "rlcore_megatron._convert_worker",
-                            str(rank),
-                            json.dumps(job),
-                        ],
-                        stdin=subprocess.DEVNULL,
-                        stdout=log_file,
-                        stderr=subprocess.STDOUT,
-                        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-                    )
-                )
-            finally:
-                log_file.close()
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                r = failed[0]
-                _terminate(procs)
-                raise ConversionError(
-                    f"{what}: converter rank {r} exited with code {codes[r]}; its log ends with:\n"
-                    + _tail(logs / f"rank{r}.log")
-                )
-            if all(c == 0 for c in codes):
-                break
-            if cancel is not None and cancel.cancelled:
-                _terminate(procs)
-                raise Cancelled(f"{what} cancelled: {cancel.reason}")
-            if deadline is not None and deadline.expired:
-                _terminate(procs)
-                deadline.raise_if_expired(what)
-            if cancel is not None:
-                cancel.sleep(poll_s)
-            else:
-                time.sleep(poll_s)
+        _spawn_converters(job, logs, procs)
+        _wait_converters(procs, logs, what, cancel=cancel, deadline=deadline, poll_s=poll_s)
     except BaseException:
         _terminate(procs)
         raise
@@ -257,6 +200,96 @@ def convert_to_directory(
     info = read_info(out)
     log.info("%s took %.2fs", what, time.monotonic() - t0)
     return info
+
+
+def _check_convertible(hf_dir: str | Path, tp: int) -> None:
+    """Fail fast, before paying for processes that import megatron-core."""
+    from rlcore_megatron.convert import ModelSpec
+
+    ModelSpec.from_hf(hf_dir).check_tp(tp)
+    if not any((Path(hf_dir) / n).is_file() for n in _SAFETENSORS_ENTRY):
+        raise ConversionError(
+            f"{hf_dir} has no model.safetensors or model.safetensors.index.json "
+            "(only safetensors checkpoints are supported)"
+        )
+
+
+def _conversion_job(
+    hf_dir: str | Path, out: Path, options: MegatronOptions, dtype: str
+) -> dict[str, Any]:
+    """What every converter process is told (:mod:`rlcore_megatron._convert_worker`)."""
+    return {
+        "hf_dir": str(Path(hf_dir).expanduser().resolve()),
+        "out_dir": str(out.resolve()),
+        "tp": int(options.tensor_model_parallel_size),
+        "dtype": dtype,
+        "make_vocab_size_divisible_by": int(options.make_vocab_size_divisible_by),
+        "seed": int(options.seed),
+        "timeout_s": float(options.timeout_s),
+        "parent_pid": os.getpid(),
+    }
+
+
+def _spawn_converters(
+    job: dict[str, Any], logs: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """Start one converter per tensor-parallel rank, each logging to ``logs/rank<r>.log``;
+    appended to ``procs`` as they start, so the caller ends those started before a failure."""
+    for rank in range(job["tp"]):
+        log_file = open(logs / f"rank{rank}.log", "wb")  # closed below, once inherited
+        try:
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "rlcore_megatron._convert_worker",
+                        str(rank),
+                        json.dumps(job),
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, "PYTHONWARNINGS": "ignore"},
+                )
+            )
+        finally:
+            log_file.close()
+
+
+def _wait_converters(
+    procs: list[subprocess.Popen[bytes]],
+    logs: Path,
+    what: str,
+    *,
+    cancel: CancelToken | None,
+    deadline: Deadline | None,
+    poll_s: float,
+) -> None:
+    """Wait until every converter exits 0; on a failure, cancellation or deadline, end
+    them all and raise (a failure names the rank and the end of its log)."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            r = failed[0]
+            _terminate(procs)
+            raise ConversionError(
+                f"{what}: converter rank {r} exited with code {codes[r]}; its log ends with:\n"
+                + _tail(logs / f"rank{r}.log")
+            )
+        if all(c == 0 for c in codes):
+            return
+        if cancel is not None and cancel.cancelled:
+            _terminate(procs)
+            raise Cancelled(f"{what} cancelled: {cancel.reason}")
+        if deadline is not None and deadline.expired:
+            _terminate(procs)
+            deadline.raise_if_expired(what)
+        if cancel is not None:
+            cancel.sleep(poll_s)
+        else:
+            time.sleep(poll_s)
 
 
 def convert_and_publish(

@@ -436,30 +436,54 @@ def start_policy(ctx: InitContext) -> MegatronPolicy:
     start = _prepare(ctx, "policy")
     _check_go(ctx)
     from rlcore_megatron import convert
-    from rlcore_megatron.worker import MegatronPolicyWorker
 
-    options, section, dtype = start.options, start.section, start.dtype
-    model_dir, spec, device = start.model_dir, start.spec, start.device
     # Converted only when a reader of this run needs it (the plan says: a refit-fed
     # Megatron generation's need does not hold, so a refit-fed run converts nothing).
     needed = ctx.artifact_needed(CHECKPOINT_ARTIFACT)
-    converter = _Converter(ctx, model_dir, options) if needed else None
+    converter = _Converter(ctx, start.model_dir, start.options) if needed else None
     if converter is not None:
         converter.start()
+    group, layout, checkpoint = _load_policy(ctx, start, converter)
+    info = {
+        **start.report(group),
+        "build_s": max(x["build_s"] for x in layout),
+        "load_s": max(x["load_s"] for x in layout),
+        "convert_s": converter.seconds if converter is not None else 0.0,
+        "checkpoint": str(checkpoint) if checkpoint is not None else None,
+        "checkpoint_published_at": converter.published_at if converter is not None else None,
+        "params": sum(x["local_numel"] for x in layout if x["dp_rank"] == 0),
+    }
+    _log_policy_ready(ctx, start, info, converted=converter is not None)
+    return MegatronPolicy(
+        group,
+        device_type=start.device,
+        specs=convert.tensor_specs(start.spec, start.dtype),
+        layout=layout,
+        info=info,
+    )
+
+
+def _load_policy(
+    ctx: InitContext, start: _Start, converter: _Converter | None
+) -> tuple[WorkerGroup, list[dict[str, Any]], Path | None]:
+    """Start the policy's workers and load the model while the conversion runs; then the
+    published checkpoint (None without a conversion). A failure ends both."""
+    from rlcore_megatron.worker import MegatronPolicyWorker
+
     group: WorkerGroup | None = None
     try:
         group = WorkerGroup(
             MegatronPolicyWorker,
-            section.workers,
+            start.section.workers,
             name=POLICY_GROUP,
-            **_group_kwargs(section, options, device, ctx),
+            **_group_kwargs(start.section, start.options, start.device, ctx),
         )
         layout = group.call(
             "load",
-            str(model_dir),
-            dtype,
-            options,
-            device,
+            str(start.model_dir),
+            start.dtype,
+            start.options,
+            start.device,
             what="loading the model into megatron-core",
             deadline=ctx.deadline,
         )
@@ -470,34 +494,65 @@ def start_policy(ctx: InitContext) -> MegatronPolicy:
         if group is not None:
             group.shutdown()
         raise
-    info = {
-        **start.report(group),
-        "build_s": max(x["build_s"] for x in layout),
-        "load_s": max(x["load_s"] for x in layout),
-        "convert_s": converter.seconds if converter is not None else 0.0,
-        "checkpoint": str(checkpoint) if checkpoint is not None else None,
-        "checkpoint_published_at": converter.published_at if converter is not None else None,
-        "params": sum(x["local_numel"] for x in layout if x["dp_rank"] == 0),
-    }
+    return group, layout, checkpoint
+
+
+def _log_policy_ready(
+    ctx: InitContext, start: _Start, info: dict[str, Any], *, converted: bool
+) -> None:
     ctx.log.info(
         "megatron policy: %d rank(s) (tp=%d) on %s, %.1f M params, init %.2fs "
         "(workers %.2fs, build %.2fs, load %.2fs%s)",
-        section.workers,
-        options.tensor_model_parallel_size,
-        device,
+        start.section.workers,
+        start.options.tensor_model_parallel_size,
+        start.device,
         info["params"] / 1e6,
         info["init_s"],
         info["group_start_s"],
         info["build_s"],
         info["load_s"],
-        f", checkpoint published in {info['convert_s']:.2f}s" if converter is not None else "",
+        f", checkpoint published in {info['convert_s']:.2f}s" if converted else "",
     )
-    return MegatronPolicy(
-        group,
-        device_type=device,
-        specs=convert.tensor_specs(spec, dtype),
-        layout=layout,
-        info=info,
+
+
+@dataclass
+class _CheckpointLoad:
+    """A generation's load of the policy's published checkpoint (all empty when refit-fed).
+
+    ``key``: the artifact's key (None: refit-fed); ``padded_vocab_size``: the policy's
+    padding of the vocabulary; ``checkpoint``, ``at`` (monotonic time it came),
+    ``wait_s`` and ``load_s``: filled in by :func:`_start_generation_workers`.
+    """
+
+    key: str | None = None
+    padded_vocab_size: int | None = None
+    checkpoint: Path | None = None
+    at: float | None = None
+    wait_s: float = 0.0
+    load_s: float = 0.0
+
+
+def _checkpoint_load(ctx: InitContext, start: _Start) -> _CheckpointLoad:
+    """What a generation that is not refit-fed loads: the megatron policy's checkpoint."""
+    from rlcore_megatron.checkpoint import checkpoint_key
+
+    if start.section.refit_fed:
+        return _CheckpointLoad()
+    if ctx.config.policy.backend != BACKEND:
+        raise ConfigError(
+            "generation backend 'megatron' without generation.refit_fed loads the checkpoint "
+            f"the megatron policy publishes, but policy.backend is '{ctx.config.policy.backend}'; "
+            "set generation.refit_fed=true",
+            key="generation.refit_fed",
+        )
+    # The checkpoint is written with the *policy's* options: same key, same padding.
+    policy_options = _options(ctx.config.policy.options, "policy")
+    return _CheckpointLoad(
+        key=checkpoint_key(start.model_dir, policy_options, dtype=start.dtype),
+        padded_vocab_size=start.spec.padded_vocab_size(
+            policy_options.tensor_model_parallel_size,
+            policy_options.make_vocab_size_divisible_by,
+        ),
     )
 
 
@@ -508,106 +563,108 @@ def start_generation(ctx: InitContext) -> MegatronGeneration:
     engine = resolve_engine(start.options.engine, start.device)
     _check_go(ctx)
     from rlcore_megatron import convert
-    from rlcore_megatron.checkpoint import checkpoint_key
-    from rlcore_megatron.worker import MegatronGenerationWorker
 
-    options, section, dtype = start.options, start.section, start.dtype
-    model_dir, spec, device, t0 = start.model_dir, start.spec, start.device, start.t0
-    refit_fed = bool(section.refit_fed)
+    options = start.options
     endpoint_tokenizer = None
     if options.serve_openai:  # its tokenizer and imports load while the engine starts
         from rlcore.serve.openai_endpoint import prepare
 
-        endpoint_tokenizer = prepare(str(model_dir))
-    key, padded = None, None
-    if not refit_fed:
-        if ctx.config.policy.backend != BACKEND:
-            raise ConfigError(
-                "generation backend 'megatron' without generation.refit_fed loads the checkpoint "
-                f"the megatron policy publishes, but policy.backend is '{ctx.config.policy.backend}'; "
-                "set generation.refit_fed=true",
-                key="generation.refit_fed",
-            )
-        # The checkpoint is written with the *policy's* options: same key, same padding.
-        policy_options = _options(ctx.config.policy.options, "policy")
-        key = checkpoint_key(model_dir, policy_options, dtype=dtype)
-        padded = spec.padded_vocab_size(
-            policy_options.tensor_model_parallel_size, policy_options.make_vocab_size_divisible_by
-        )
-    group = WorkerGroup(
-        MegatronGenerationWorker,
-        section.workers,
-        name=GENERATION_GROUP,
-        **_group_kwargs(section, options, device, ctx),
-    )
-    wait_s = load_s = 0.0
-    checkpoint, checkpoint_at = None, None
-    try:
-        layout = group.call(
-            "start",
-            str(model_dir),
-            dtype,
-            options,
-            device,
-            padded_vocab_size=padded,
-            what="building the megatron inference engine",
-            deadline=ctx.deadline,
-        )
-        if key is not None:
-            t1 = time.monotonic()
-            checkpoint = ctx.wait_artifact(CHECKPOINT_ARTIFACT, key)
-            checkpoint_at = time.monotonic()
-            wait_s = checkpoint_at - t1
-            t1 = time.monotonic()
-            group.call(
-                "load_checkpoint",
-                str(checkpoint),
-                what="loading the Megatron checkpoint",
-                deadline=ctx.deadline,
-            )
-            load_s = time.monotonic() - t1
-    except BaseException:
-        group.shutdown()
-        raise
+        endpoint_tokenizer = prepare(str(start.model_dir))
+    load = _checkpoint_load(ctx, start)
+    group, layout = _start_generation_workers(ctx, start, load)
     info = {
         **start.report(group),
         "start_s": max(x["start_s"] for x in layout),
-        "started_at": t0,
-        "checkpoint_wait_s": wait_s,
-        "checkpoint_at": checkpoint_at,
-        "checkpoint_load_s": load_s,
-        "checkpoint": str(checkpoint) if checkpoint is not None else None,
-        "refit_fed": refit_fed,
+        "started_at": start.t0,
+        "checkpoint_wait_s": load.wait_s,
+        "checkpoint_at": load.at,
+        "checkpoint_load_s": load.load_s,
+        "checkpoint": str(load.checkpoint) if load.checkpoint is not None else None,
+        "refit_fed": bool(start.section.refit_fed),
         "engine": layout[0].get("engine", engine),
     }
     handle = MegatronGeneration(
         group,
-        device_type=device,
-        specs=convert.tensor_specs(spec, dtype),
+        device_type=start.device,
+        specs=convert.tensor_specs(start.spec, start.dtype),
         layout=layout,
         info=info,
     )
     if options.serve_openai:
         try:
-            handle.server = _start_endpoint(handle, model_dir, options, ctx, endpoint_tokenizer)
+            handle.server = _start_endpoint(
+                handle, start.model_dir, options, ctx, endpoint_tokenizer
+            )
         except BaseException:
             handle.shutdown()
             raise
+    _log_generation_ready(ctx, start, handle, load)
+    return handle
+
+
+def _start_generation_workers(
+    ctx: InitContext, start: _Start, load: _CheckpointLoad
+) -> tuple[WorkerGroup, list[dict[str, Any]]]:
+    """Start the workers and build model and engine; then wait for the policy's checkpoint
+    and load it (when ``load.key`` is set), filling in ``load``. A failure ends the workers."""
+    from rlcore_megatron.worker import MegatronGenerationWorker
+
+    group = WorkerGroup(
+        MegatronGenerationWorker,
+        start.section.workers,
+        name=GENERATION_GROUP,
+        **_group_kwargs(start.section, start.options, start.device, ctx),
+    )
+    try:
+        layout = group.call(
+            "start",
+            str(start.model_dir),
+            start.dtype,
+            start.options,
+            start.device,
+            padded_vocab_size=load.padded_vocab_size,
+            what="building the megatron inference engine",
+            deadline=ctx.deadline,
+        )
+        if load.key is not None:
+            t1 = time.monotonic()
+            load.checkpoint = ctx.wait_artifact(CHECKPOINT_ARTIFACT, load.key)
+            load.at = time.monotonic()
+            load.wait_s = load.at - t1
+            t1 = time.monotonic()
+            group.call(
+                "load_checkpoint",
+                str(load.checkpoint),
+                what="loading the Megatron checkpoint",
+                deadline=ctx.deadline,
+            )
+            load.load_s = time.monotonic() - t1
+    except BaseException:
+        group.shutdown()
+        raise
+    return group, layout
+
+
+def _log_generation_ready(
+    ctx: InitContext, start: _Start, handle: MegatronGeneration, load: _CheckpointLoad
+) -> None:
+    info = handle.info
     ctx.log.info(
         "megatron generation: %d rank(s) (tp=%d) on %s, %s engine, %s, init %.2fs (workers %.2fs, "
         "engine %.2fs%s)%s",
-        section.workers,
-        options.tensor_model_parallel_size,
-        device,
+        start.section.workers,
+        start.options.tensor_model_parallel_size,
+        start.device,
         info["engine"],
-        "refit-fed" if refit_fed else "from the published checkpoint",
+        "refit-fed" if info["refit_fed"] else "from the published checkpoint",
         info["init_s"],
         info["group_start_s"],
         info["start_s"],
-        f", waited {wait_s:.2f}s for the checkpoint, loaded in {load_s:.2f}s" if key else "",
+        f", waited {load.wait_s:.2f}s for the checkpoint, loaded in {load.load_s:.2f}s"
+        if load.key
+        else "",
         f"; OpenAI-compatible endpoint {handle.endpoint.base_url}" if handle.endpoint else "",
     )
-    return handle
 
 
 def _start_endpoint(

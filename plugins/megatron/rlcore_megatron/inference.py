@@ -34,6 +34,7 @@ Two engines (:func:`resolve_engine` picks one from ``generation.options.engine``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -168,14 +169,26 @@ def _controller(
     return TextGenerationController(wrapped, adapter)
 
 
-def _wrapper_config(
-    spec: ModelSpec,
-    params_dtype: torch.dtype,
-    tp: int,
-    make_vocab_size_divisible_by: int,
-    max_batch_size: int,
-    max_sequence_length: int,
-) -> Any:
+@dataclass(frozen=True)
+class EngineSizes:
+    """The sizes an engine is built with (the generation's options; defaults: the builders').
+
+    Attributes:
+        tp: tensor-parallel size (the vocabulary is padded for it).
+        make_vocab_size_divisible_by: the vocabulary's padding, per tensor-parallel rank.
+        max_batch_size: requests that run at once.
+        max_sequence_length: tokens one request may hold (prompt and completion).
+        seed: the engine's sampling seed.
+    """
+
+    tp: int = 1
+    make_vocab_size_divisible_by: int = 128
+    max_batch_size: int = 8
+    max_sequence_length: int = 512
+    seed: int = 1234
+
+
+def _wrapper_config(spec: ModelSpec, params_dtype: torch.dtype, sizes: EngineSizes) -> Any:
     """megatron-core's ``InferenceWrapperConfig`` of both engines (the padded vocabulary at ``tp``)."""
     from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
         InferenceWrapperConfig,
@@ -185,9 +198,9 @@ def _wrapper_config(
         hidden_size=spec.hidden_size,
         params_dtype=params_dtype,
         inference_batch_times_seqlen_threshold=-1,
-        padded_vocab_size=spec.padded_vocab_size(tp, make_vocab_size_divisible_by),
-        inference_max_requests=max_batch_size,
-        inference_max_seq_length=max_sequence_length,
+        padded_vocab_size=spec.padded_vocab_size(sizes.tp, sizes.make_vocab_size_divisible_by),
+        inference_max_requests=sizes.max_batch_size,
+        inference_max_seq_length=sizes.max_sequence_length,
     )
 
 
@@ -214,14 +227,8 @@ def build_static_engine(
     from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.inference.engines.static_engine import StaticInferenceEngine
 
-    config = _wrapper_config(
-        spec,
-        next(model.parameters()).dtype,
-        tp,
-        make_vocab_size_divisible_by,
-        max_batch_size,
-        max_sequence_length,
-    )
+    sizes = EngineSizes(tp, make_vocab_size_divisible_by, max_batch_size, max_sequence_length, seed)
+    config = _wrapper_config(spec, next(model.parameters()).dtype, sizes)
     context = StaticInferenceContext.from_config(config)
     controller = _controller(model, tokenizer, spec, context, config)
     with warnings.catch_warnings():
@@ -273,16 +280,15 @@ def build_dynamic_engine(
     tokenizer: Any,
     spec: ModelSpec,
     *,
-    tp: int = 1,
-    make_vocab_size_divisible_by: int = 128,
-    max_batch_size: int = 8,
-    max_sequence_length: int = 512,
     kv_cache_gib_requested: float = 0.0,
-    seed: int = 1234,
+    **sizes: int,
 ) -> DynamicInferenceEngine:
     """megatron-core's dynamic engine (paged KV cache, in-flight batching) for a local-spec
     ``GPTModel`` on the current CUDA device.
 
+    ``sizes`` are the fields of :class:`EngineSizes` as keywords (``tp``,
+    ``make_vocab_size_divisible_by``, ``max_batch_size``, ``max_sequence_length``,
+    ``seed``), the keywords :func:`build_static_engine` takes.
     At most ``max_batch_size`` requests run at once (more wait for a slot); each
     may hold ``max_sequence_length`` tokens; the KV buffer is :func:`kv_cache_gib`.
     Only the last token's logits are computed (``materialize_only_last_token_logits``;
@@ -292,28 +298,43 @@ def build_dynamic_engine(
     (:class:`MaskedGPTInferenceWrapper`). Installs the torch paged attention when
     flash-attn is absent (:func:`rlcore_megatron.paged_attention.install`).
     """
-    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
     from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
 
     from rlcore_megatron import paged_attention
 
+    engine_sizes = EngineSizes(**sizes)
     if not torch.cuda.is_available():
         raise RuntimeError("megatron-core's dynamic inference engine needs CUDA")
     paged_attention.install()
     dtype = model.config.params_dtype
+    context = _dynamic_context(spec, dtype, engine_sizes, kv_cache_gib_requested)
+    config = _wrapper_config(spec, dtype, engine_sizes)
+    controller = _controller(model, tokenizer, spec, context, config)
+    return DynamicInferenceEngine(
+        controller, context, random_seed=int(engine_sizes.seed), enable_chunked_prefill=False
+    )
+
+
+def _dynamic_context(
+    spec: ModelSpec, dtype: torch.dtype, sizes: EngineSizes, kv_cache_gib_requested: float
+) -> Any:
+    """The dynamic engine's context: its paged KV buffer (:func:`kv_cache_gib`) and limits."""
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+
+    tp, max_sequence_length = sizes.tp, sizes.max_sequence_length
     max_tokens = DynamicInferenceContext.round_up_tokens(
         max(DynamicInferenceContext.DEFAULT_MAX_TOKENS, int(max_sequence_length)), tp
     )
-    context = DynamicInferenceContext(
+    return DynamicInferenceContext(
         params_dtype=dtype,
         num_layers=spec.num_layers,
         kv_channels=spec.head_dim,
         num_attention_heads=spec.num_query_groups,
         max_sequence_length=int(max_sequence_length),
         buffer_size_gb=kv_cache_gib(
-            spec, tp, dtype, max_batch_size, max_sequence_length, kv_cache_gib_requested
+            spec, tp, dtype, sizes.max_batch_size, max_sequence_length, kv_cache_gib_requested
         ),
-        max_requests=int(max_batch_size),
+        max_requests=int(sizes.max_batch_size),
         max_tokens=max_tokens,
         block_size_tokens=KV_BLOCK_TOKENS,
         tensor_model_parallel_size=tp,
@@ -323,13 +344,6 @@ def build_dynamic_engine(
         use_cuda_graphs_for_non_decode_steps=False,
         use_flashinfer_fused_rope=False,
         unified_memory_level=0,
-    )
-    config = _wrapper_config(
-        spec, dtype, tp, make_vocab_size_divisible_by, max_batch_size, max_sequence_length
-    )
-    controller = _controller(model, tokenizer, spec, context, config)
-    return DynamicInferenceEngine(
-        controller, context, random_seed=int(seed), enable_chunked_prefill=False
     )
 
 

@@ -137,9 +137,8 @@ def test_paged_attention_matches_direct_attention() -> None:
     cu[1:] = n_q.cumsum(0)
     q = torch.randn(int(cu[-1]) + 3, heads, dim)  # 3 padding tokens
     scale = dim**-0.5
-    got = paged_attention.paged_attention(
-        q, k_cache, v_cache, cu, n_k, table, int(n_q.max()), int(n_k.max()), scale
-    )
+    kv = paged_attention.PagedKV(k_cache, v_cache, cu, n_k, table, int(n_q.max()), int(n_k.max()))
+    got = paged_attention.paged_attention(q, kv, scale)
     want = _reference(q, k_cache, v_cache, requests, cu.tolist(), scale)
     assert torch.isfinite(got).all()
     assert (got - want).abs().max() < 1e-5
