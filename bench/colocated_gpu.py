@@ -343,8 +343,10 @@ def main() -> None:  # noqa: PLR0915 - one measurement after the other, top to b
         def train() -> None:
             pol.call("call", "train_step", train_rows, adv, None, 0.2, 1e-6)
 
+        from rlcore.handles import SamplingParams
+
         def generate() -> None:
-            gen.call("call", "generate", prompts, 1, gen_tokens, 1.0, 3)
+            gen.call("call", "generate", prompts, SamplingParams(1, gen_tokens, 1.0, 3))
 
         # warm-up: every buffer exists once (AdamW state, the engine's first batch)
         train()

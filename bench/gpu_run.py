@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlcore.handles import SamplingParams
+
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -141,7 +143,7 @@ def _engine_main() -> None:
     rates = []
     for i in range(int(repeats) + 1):
         t0 = time.monotonic()
-        samples = worker.generate(prompts, g.samples_per_prompt, g.max_new_tokens, g.temperature, seed=i)
+        samples = worker.generate(prompts, SamplingParams(g.samples_per_prompt, g.max_new_tokens, g.temperature, i))
         elapsed = time.monotonic() - t0
         if i:  # the first call warms the engine up
             rates.append(sum(len(s["token_ids"]) for group in samples for s in group) / elapsed)

@@ -57,6 +57,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from rlcore.handles import SamplingParams
+
 for _key, _value in (
     ("NCCL_NVLS_ENABLE", "0"),
     ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
@@ -304,7 +306,7 @@ class Proc:
         prompts = [p for p, _ in rows(8, 12, 0, vocab, seed=11)]
         if self.index == GENERATION:
             g = self.worker
-            sampled = g.generate(prompts, 2, 16, 1.0, 5)
+            sampled = g.generate(prompts, SamplingParams(2, 16, 1.0, 5))
             out = {
                 "engine": g.engine_kind,
                 "rows": [
@@ -315,7 +317,7 @@ class Proc:
                 "gen_lp": [s["logprobs"] for grp in sampled for s in grp],
             }
             for kind in dict.fromkeys((g.engine_kind, "static")):
-                greedy = self.generate_with(kind, prompts, 1, 16, 0.0, 0)
+                greedy = self.generate_with(kind, prompts, SamplingParams(1, 16, 0.0, 0))
                 out[f"greedy_{kind}"] = [grp[0]["token_ids"] for grp in greedy]
                 out[f"greedy_lp_{kind}"] = [grp[0]["logprobs"] for grp in greedy]
             path.write_text(json.dumps(out))
@@ -612,11 +614,11 @@ class Proc:
             for n_prompts in a.gen_prompts:
                 prompts = [p for p, _ in rows(n_prompts, 32, 0, a.vocab, seed=10)]
                 for kind in dict.fromkeys((g.engine_kind, "static")):
-                    self.generate_with(kind, prompts, a.gen_n, 4, 1.0, 0)  # warm-up
+                    self.generate_with(kind, prompts, SamplingParams(a.gen_n, 4, 1.0, 0))  # warm-up
                     got: list = []
                     t = self.timed(
                         lambda kind=kind, got=got, prompts=prompts: got.extend(
-                            self.generate_with(kind, prompts, a.gen_n, a.gen_tokens, 1.0, 1)
+                            self.generate_with(kind, prompts, SamplingParams(a.gen_n, a.gen_tokens, 1.0, 1))
                         )
                     )
                     self.put(

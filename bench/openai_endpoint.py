@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlcore.handles import SamplingParams
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -79,7 +81,7 @@ def main(argv: list[str]) -> None:
                 return len(r.json()["choices"][0]["logprobs"]["content"])
 
             def direct() -> None:
-                gen.generate(prompts, n=1, max_tokens=args.max_tokens, temperature=1.0, seed=0)
+                gen.generate(prompts, SamplingParams(1, args.max_tokens, 1.0, 0))
 
             def concurrent_requests() -> None:
                 with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:

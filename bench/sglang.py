@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlcore.handles import SamplingParams
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -72,11 +74,11 @@ def generation_throughput(args: argparse.Namespace) -> None:
             print(f"workload: {args.prompts} prompts of {args.prompt_len} tokens x n={args.n}, "
                   f"up to {args.max_tokens} new tokens, temperature 1.0; {args.repeats} repeats after a warm-up")
             for name, gen in engines.items():
-                gen.generate(prompts, n=args.n, max_tokens=args.max_tokens, temperature=1.0, seed=0)
+                gen.generate(prompts, SamplingParams(args.n, args.max_tokens, 1.0, 0))
                 rates, tokens = [], []
                 for r in range(args.repeats):
                     t0 = time.monotonic()
-                    out = gen.generate(prompts, n=args.n, max_tokens=args.max_tokens, temperature=1.0, seed=r + 1)
+                    out = gen.generate(prompts, SamplingParams(args.n, args.max_tokens, 1.0, r + 1))
                     took = time.monotonic() - t0
                     count = sum(len(s["token_ids"]) for g in out for s in g)
                     rates.append(count / took)

@@ -28,8 +28,19 @@ from rlcore.errors import DeclarationError
 #: declared); a major version may change or remove. A plugin declares the version it
 #: was written against (:attr:`BackendDeclaration.contract_version`) and loads when
 #: its major equals the core's and its minor is not newer.
-CONTRACT_VERSION = "1.1"
+CONTRACT_VERSION = "2.0"
 _VERSION_RE = re.compile(r"^(\d+)\.(\d+)$")
+
+#: What each major version changed that a plugin of the major before must change, and how.
+MAJOR_CHANGES: dict[int, str] = {
+    2: (
+        "contract 2.0 changed GenerationHandle.generate(prompt_ids, *, n, max_tokens, "
+        "temperature, seed) to generate(prompt_ids, params), params an "
+        "rlcore.handles.SamplingParams with those four fields (Session.generate takes one "
+        "too); to port a 1.x plugin, take params and read params.n, params.max_tokens, "
+        "params.temperature and params.seed, then declare contract_version=\"2.0\""
+    ),
+}
 
 
 def parse_contract_version(text: str) -> tuple[int, int]:
@@ -45,6 +56,15 @@ def contract_compatible(plugin_version: str, core_version: str = CONTRACT_VERSIO
     ``core_version``: same major, and the plugin's minor not newer than the core's."""
     p, c = parse_contract_version(plugin_version), parse_contract_version(core_version)
     return p[0] == c[0] and p[1] <= c[1]
+
+
+def porting_note(plugin_version: str, core_version: str = CONTRACT_VERSION) -> str:
+    """The sentence that ends the refusal of a plugin of an older major: what changed since
+    and how to port it (:data:`MAJOR_CHANGES`), after a space; empty when the plugin's
+    major is not older."""
+    p, c = parse_contract_version(plugin_version)[0], parse_contract_version(core_version)[0]
+    changes = [MAJOR_CHANGES[m] for m in range(p + 1, c + 1) if m in MAJOR_CHANGES]
+    return f" What changed: {'; '.join(changes)}." if changes else ""
 
 
 class Role(StrEnum):
@@ -198,8 +218,10 @@ class BackendDeclaration:
             other role works.
         contract_version: the version of rlcore's backend contract the plugin was
             written against (``MAJOR.MINOR``, :data:`CONTRACT_VERSION` at the time);
-            the registry refuses a plugin of another major version, or of a newer
-            minor than the core's.
+            the registry refuses a plugin of another major version (saying what
+            changed: :data:`MAJOR_CHANGES`), or of a newer minor than the core's.
+            Left out: this core's version (test doubles written with it); a plugin
+            you publish states it.
         options: a dataclass type describing the backend's options
             (``<role>.options`` in the config); unknown keys and wrong types are
             then config errors that name the key. ``None``: options are not checked.
@@ -218,7 +240,7 @@ class BackendDeclaration:
     openai_endpoint_when: tuple[Condition, ...] = ()
     memory_handoff: bool = False
     dtypes: frozenset[str] = frozenset()
-    contract_version: str = "1.0"
+    contract_version: str = CONTRACT_VERSION
     options: type | None = None
     description: str = ""
 

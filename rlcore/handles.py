@@ -32,9 +32,15 @@ End of sequence
     to stop. No token follows it. A sample that reaches ``max_tokens`` ends
     without one.
 
+Sampling parameters
+    What ``generate`` samples with travels as one :class:`SamplingParams`
+    (``n``, ``max_tokens``, ``temperature``, ``seed``), from the loop through the
+    guards, the handle and the OpenAI-compatible endpoint to each engine
+    (since contract 2.0; before, four keyword arguments).
+
 Seeding
-    ``generate`` with the same prompts, ``n``, ``max_tokens``, ``temperature``,
-    ``seed`` and weights returns the same samples. Different ``seed`` values give
+    ``generate`` with the same prompts, :class:`SamplingParams` and weights returns
+    the same samples. Different ``seed`` values give
     independent samples. Results do not depend on how many workers the engine
     runs (derive per-prompt seeds from ``seed`` and the prompt's index).
 
@@ -64,6 +70,34 @@ class Endpoint:
     base_url: str  # e.g. http://127.0.0.1:8000/v1
     model: str  # the model name to put in requests
     api_key: str = "EMPTY"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How :meth:`GenerationHandle.generate` samples (see the module's conventions).
+
+    Attributes:
+        n: samples per prompt (>= 1).
+        max_tokens: most tokens of each completion (>= 1).
+        temperature: the sampling temperature (>= 0; 0: greedy). Logprobs are at
+            temperature 1 whatever it is.
+        seed: the call's seed: the same seed, prompts and weights give the same samples.
+
+    Raises :class:`ValueError` naming the field for a value out of range.
+    """
+
+    n: int
+    max_tokens: int
+    temperature: float
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
 
 
 class Sample(TypedDict):
@@ -180,19 +214,11 @@ class GenerationHandle(BackendHandle, Protocol):
     while it does not serve).
     """
 
-    def generate(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        *,
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        seed: int,
-    ) -> list[list[Sample]]:
-        """``n`` samples of at most ``max_tokens`` tokens for each prompt, sampled at
-        ``temperature`` (0: greedy).
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Sample]]:
+        """``params.n`` samples of at most ``params.max_tokens`` tokens for each prompt,
+        sampled at ``params.temperature`` (0: greedy) with ``params.seed``.
 
-        Returns one list of ``n`` :class:`Sample` per prompt, in prompt order. See
+        Returns one list of ``params.n`` :class:`Sample` per prompt, in prompt order. See
         the module's conventions for logprobs (temperature 1), EOS and seeding.
         """
         ...
@@ -231,6 +257,10 @@ class RolloutRequest:
     seed: int
     generation: GenerationHandle
     tokenizer: Any
+
+    def sampling(self) -> SamplingParams:
+        """The :class:`SamplingParams` of this request's ``generate`` call."""
+        return SamplingParams(self.samples_per_prompt, self.max_new_tokens, self.temperature, self.seed)
 
 
 @runtime_checkable
@@ -356,13 +386,7 @@ class PromptAndScoreEnv:
         tok = request.tokenizer
         prompts = list(self.sample_prompts(request.prompts, request.step))
         prompt_ids = [list(tok(p.text).input_ids) for p in prompts]
-        groups = request.generation.generate(
-            prompt_ids,
-            n=request.samples_per_prompt,
-            max_tokens=request.max_new_tokens,
-            temperature=request.temperature,
-            seed=request.seed,
-        )
+        groups = request.generation.generate(prompt_ids, request.sampling())
         texts = [[tok.decode(s["token_ids"], skip_special_tokens=True) for s in g] for g in groups]
         rewards = self.score(prompts, texts)
         return [

@@ -10,13 +10,14 @@ from rlcore.config.placement import TOKEN_ENV, Network
 from rlcore.errors import RlcoreError
 from rlcore.models.tiny import build_tokenizer
 from rlcore.serve.auth import BearerGuard, authorized
-from rlcore.serve.openai_endpoint import OpenAIEndpoint
+from rlcore.serve.openai_endpoint import Listen, OpenAIEndpoint, ServedModel
 from rlcore.testing.fixtures import outward_address
 
 
 class _Engine:
-    def generate(self, prompt_ids, *, n, max_tokens, temperature, seed):
-        return [[{"token_ids": [5] * max_tokens, "logprobs": [-0.1] * max_tokens}] * n for _ in prompt_ids]
+    def generate(self, prompt_ids, params):
+        m = params.max_tokens
+        return [[{"token_ids": [5] * m, "logprobs": [-0.1] * m}] * params.n for _ in prompt_ids]
 
 
 def test_authorized_wants_the_exact_bearer_token() -> None:
@@ -32,8 +33,7 @@ def test_a_guard_without_a_token_refuses_to_start(monkeypatch: pytest.MonkeyPatc
 
 
 def test_an_endpoint_beyond_loopback_needs_a_token() -> None:
-    server = OpenAIEndpoint(_Engine(), build_tokenizer(), model_name="policy", max_sequence_length=64,
-                            host=outward_address())
+    server = OpenAIEndpoint(_Engine(), build_tokenizer(), ServedModel("policy", 64), listen=Listen(outward_address()))
     with pytest.raises(RlcoreError, match="without a token"):
         server.start(timeout_s=10)
 
@@ -41,8 +41,7 @@ def test_an_endpoint_beyond_loopback_needs_a_token() -> None:
 def test_an_endpoint_on_the_nodes_address_answers_401_without_the_token_and_200_with_it() -> None:
     network = Network.spread()
     host = outward_address()
-    server = OpenAIEndpoint(_Engine(), build_tokenizer(), model_name="policy", max_sequence_length=64,
-                            host=host, token=network.token)
+    server = OpenAIEndpoint(_Engine(), build_tokenizer(), ServedModel("policy", 64), listen=Listen(host, token=network.token))
     endpoint = server.start(timeout_s=10)
     try:
         assert endpoint.base_url.startswith(f"http://{host}:") and endpoint.api_key == network.token
@@ -64,7 +63,7 @@ def test_an_endpoint_on_the_nodes_address_answers_401_without_the_token_and_200_
 
 
 def test_an_endpoint_on_loopback_without_a_token_answers_everyone() -> None:
-    server = OpenAIEndpoint(_Engine(), build_tokenizer(), model_name="policy", max_sequence_length=64)
+    server = OpenAIEndpoint(_Engine(), build_tokenizer(), ServedModel("policy", 64))
     endpoint = server.start(timeout_s=10)
     try:
         assert endpoint.base_url.startswith("http://127.0.0.1:") and endpoint.api_key == "EMPTY"

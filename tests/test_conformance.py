@@ -50,12 +50,13 @@ class Handle:
     def receive_weights(self, spec, step, buckets):
         return []
 
-    def generate(self, prompt_ids, *, n, max_tokens, temperature, seed):
+    def generate(self, prompt_ids, params):
         # one seeded token, then EOS (id 3 in rlcore's tiny tokenizer)
         def tok(i, j):
-            return 4 + (i if temperature == 0 else seed * 7 + i * 3 + j) % 40
-        return [[{"token_ids": [tok(i, j), 3][:max_tokens], "logprobs": [-1.0, -1.0][:max_tokens]}
-                 for j in range(n)] for i in range(len(prompt_ids))]
+            return 4 + (i if params.temperature == 0 else params.seed * 7 + i * 3 + j) % 40
+        m = params.max_tokens
+        return [[{"token_ids": [tok(i, j), 3][:m], "logprobs": [-1.0, -1.0][:m]}
+                 for j in range(params.n)] for i in range(len(prompt_ids))]
 
     def logprobs(self, batch):
         return [[-1.0] * len(c) for _, c in batch]

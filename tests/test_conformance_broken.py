@@ -14,6 +14,7 @@ test that owns the rule names the backend and the rule.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import textwrap
@@ -126,7 +127,8 @@ class FaultyGenerationWorker(ReferenceGenerationWorker):
             out = {"token_ids": out["token_ids"][:-1] or [0], "logprobs": out["logprobs"][:-1] or [-1.0]}
         return out
 
-    def generate(self, prompts: list, first: int, n: int, max_tokens: int, temperature: float, seed: int) -> list:
+    def generate(self, prompts: list, first: int, params: Any) -> list:
+        seed = params.seed
         if self.fault == "seed_ignored":
             seed = 0
         elif self.fault == "unseeded":
@@ -134,7 +136,7 @@ class FaultyGenerationWorker(ReferenceGenerationWorker):
             # EOS probe of another rule without an EOS and fail a test this case does not own.
             self.seen[seed] = self.seen.get(seed, -1) + 1
             seed += 7919 * self.seen[seed]
-        return super().generate(prompts, first, n, max_tokens, temperature, seed)
+        return super().generate(prompts, first, dataclasses.replace(params, seed=seed))
 
     def logprobs(self, rows: list) -> list[list[float]]:
         if self.fault == "logprobs_off_by_one":  # the logprob of the token before each one
@@ -193,8 +195,8 @@ class SharedGeneration(ReferenceGeneration):
         out = super().logprobs(batch)
         return out[:-1] if self.fault == "wrong_shape_logprobs" else out
 
-    def generate(self, prompt_ids: Any, **kw: Any) -> list[list[Any]]:
-        out = super().generate(prompt_ids, **kw)
+    def generate(self, prompt_ids: Any, params: Any) -> list[list[Any]]:
+        out = super().generate(prompt_ids, params)
         if self.fault == "unequal_lengths":
             return [[{**s, "logprobs": s["logprobs"][:-1]} for s in g] for g in out]
         if self.fault == "wrong_n":

@@ -9,7 +9,8 @@ import pytest
 
 from rlcore.config.placement import Network
 from rlcore.errors import RlcoreError
-from rlcore.runtime.generation_group import EngineWorker, GroupGeneration, prompt_seed
+from rlcore.handles import SamplingParams
+from rlcore.runtime.generation_group import EngineArgs, EngineWorker, GroupGeneration, prompt_seed
 
 
 class Remote:
@@ -21,8 +22,8 @@ class Remote:
 
 class Engine:
     def __init__(self, index: int, calls: list[tuple[int, str, Any]]) -> None:
-        self.generate = Remote(lambda prompts, n, mt, t, seeds: (calls.append((index, "generate", seeds)) or
-                               [[{"token_ids": [index, s], "logprobs": [-0.1, -0.2]}] * n for s in seeds]))
+        self.generate = Remote(lambda prompts, params, seeds: (calls.append((index, "generate", seeds)) or
+                               [[{"token_ids": [index, s], "logprobs": [-0.1, -0.2]}] * params.n for s in seeds]))
         self.logprobs = Remote(lambda batch: [[-float(index)] * len(c) for _, c in batch])
         self.open_refit_channel = Remote(lambda spec, rank: ("open", rank))
 
@@ -55,16 +56,16 @@ def test_prompt_seeds_are_distinct_and_stable() -> None:
 
 def test_prompts_are_sharded_contiguously_and_keep_their_seeds() -> None:
     h = Handle(engines=2)
-    out = h.generate([[1]] * 5, n=2, max_tokens=4, temperature=1.0, seed=7)
+    out = h.generate([[1]] * 5, SamplingParams(2, 4, 1.0, 7))
     assert [g[0]["token_ids"][0] for g in out] == [0, 0, 0, 1, 1]  # engine of each prompt, in order
     assert [g[0]["token_ids"][1] for g in out] == [prompt_seed(7, i) for i in range(5)]
     assert all(len(g) == 2 for g in out)
     # Seeds do not depend on the number of engines.
-    one = Handle(engines=1).generate([[1]] * 5, n=2, max_tokens=4, temperature=1.0, seed=7)
+    one = Handle(engines=1).generate([[1]] * 5, SamplingParams(2, 4, 1.0, 7))
     assert [g[0]["token_ids"][1] for g in one] == [g[0]["token_ids"][1] for g in out]
     # An engine with no prompt gets no call.
     h3 = Handle(engines=3)
-    h3.generate([[1]], n=1, max_tokens=4, temperature=1.0, seed=0)
+    h3.generate([[1]], SamplingParams(1, 4, 1.0, 0))
     assert [c[0] for c in h3.group.calls] == [0]
     # Each wait says which engine each ref is: a loss names (and replaces) that engine.
     assert h.group.waited == [[0, 1]] and h3.group.waited == [[0]]
@@ -77,7 +78,7 @@ def test_engine_i_is_refit_rank_1_plus_i_and_a_closed_handle_refuses() -> None:
     assert h.weight_specs() == ["spec"]
     h._closed = True
     with pytest.raises(RlcoreError, match="fake-generation: the fake generation handle was shut down"):
-        h.generate([[1]], n=1, max_tokens=1, temperature=1.0, seed=0)
+        h.generate([[1]], SamplingParams(1, 1, 1.0, 0))
 
     assert h.refit_ranks == 3 and h.endpoint is None
 
@@ -90,27 +91,27 @@ class Options:
 class Worker(EngineWorker):
     engine = "Fake"
 
-    def _generate(self, prompt_ids: Any, n: int, max_tokens: int, temperature: float, seeds: Any) -> Any:
-        return [[{"token_ids": [s], "logprobs": [-0.5]}] * n for s in seeds]
+    def _generate(self, prompt_ids: Any, params: SamplingParams, seeds: Any) -> Any:
+        return [[{"token_ids": [s], "logprobs": [-0.5]}] * params.n for s in seeds]
 
     def _logprobs(self, batch: Any) -> Any:
         return [[-1.0] * len(c) for _, c in batch]
 
 
 def _worker(**kwargs: Any) -> Worker:
-    return Worker(1, 2, "/m", dtype="float32", refit_fed=True, options=Options(), **kwargs)
+    return Worker(1, 2, EngineArgs("/m", dtype="float32", refit_fed=True, options=Options(), **kwargs))
 
 
 def test_an_engine_checks_its_calls_and_refuses_stale_weights() -> None:
     w = _worker()
-    assert w.generate([[1], [2]], 2, 4, 1.0, [5, 6]) == [[{"token_ids": [5], "logprobs": [-0.5]}] * 2,
+    assert w.generate([[1], [2]], SamplingParams(2, 4, 1.0, 0), [5, 6]) == [[{"token_ids": [5], "logprobs": [-0.5]}] * 2,
                                                         [{"token_ids": [6], "logprobs": [-0.5]}] * 2]
-    assert w.generate([], 2, 4, 1.0, []) == [] and w.logprobs([]) == []
+    assert w.generate([], SamplingParams(2, 4, 1.0, 0), []) == [] and w.logprobs([]) == []
     assert w.logprobs([([1], [2, 3])]) == [[-1.0, -1.0]]
     with pytest.raises(ValueError, match="2 prompts but 1 seeds"):
-        w.generate([[1], [2]], 1, 4, 1.0, [5])
+        w.generate([[1], [2]], SamplingParams(1, 4, 1.0, 0), [5])
     w.stale = "refit step 3 over disk did not complete"
-    for call in (lambda: w.generate([], 1, 4, 1.0, []), lambda: w.logprobs([])):
+    for call in (lambda: w.generate([], SamplingParams(1, 4, 1.0, 0), []), lambda: w.logprobs([])):
         with pytest.raises(RuntimeError, match=r"^Fake worker 1: refit step 3 over disk did not complete; its "
                            "weights may mix two versions, so it refuses to generate until a refit succeeds$"):
             call()
@@ -127,3 +128,20 @@ def test_an_engines_server_binds_its_port_and_the_runs_address() -> None:
 
 def test_an_engine_takes_its_device_from_the_handle() -> None:
     assert _worker(cuda=True)._on_cuda() is True and _worker(cuda=False)._on_cuda() is False
+
+
+def test_a_greedy_call_samples_once_and_copies_it_n_times() -> None:
+    asked: list[int] = []
+
+    class Counting(Worker):
+        def _generate(self, prompt_ids: Any, params: SamplingParams, seeds: Any) -> Any:
+            asked.append(params.n)
+            return super()._generate(prompt_ids, params, seeds)
+
+    w = Counting(0, 1, EngineArgs("/m", dtype="float32", refit_fed=True, options=Options()))
+    out = w.generate([[1], [2]], SamplingParams(3, 4, 0.0, 0), [5, 6])
+    assert asked == [1] and [[s["token_ids"] for s in g] for g in out] == [[[5]] * 3, [[6]] * 3]
+    out[0][0]["token_ids"].append(9)  # copies, not one list three times
+    assert out[0][1]["token_ids"] == [5]
+    w.generate([[1]], SamplingParams(3, 4, 0.5, 0), [5])
+    assert asked == [1, 3]

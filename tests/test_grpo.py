@@ -65,9 +65,9 @@ class Model:
     def logprobs(self, batch: Any) -> list[list[float]]:
         return [[-self.shift] * len(c) for _, c in batch]
 
-    def generate(self, prompt_ids: Any, *, n: int, max_tokens: int, temperature: float, seed: int) -> Any:
+    def generate(self, prompt_ids: Any, params: Any) -> Any:
         self.calls.append("generate")
-        return [[{"token_ids": [ord("7"), 3], "logprobs": [-self.shift] * 2}] * n for _ in prompt_ids]
+        return [[{"token_ids": [ord("7"), 3], "logprobs": [-self.shift] * 2}] * params.n for _ in prompt_ids]
 
     def train_step(self, batch: Any, adv: Any, old: Any = None, **kw: Any) -> dict[str, float]:
         return {"loss": 0.0, "grad_norm": 0.0}

@@ -9,7 +9,7 @@ import pytest
 
 from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.errors import ProtocolError
-from rlcore.handles import RolloutRequest
+from rlcore.handles import RolloutRequest, SamplingParams
 
 BATCH = [([1, 2], [3, 4, 5]), ([1], [6])]
 GOOD_LP = [[-0.1, -0.2, -0.3], [-1.0]]
@@ -24,7 +24,7 @@ class Scripted:
     def logprobs(self, batch: Any) -> Any:
         return self.returns["logprobs"]
 
-    def generate(self, prompt_ids: Any, **kw: Any) -> Any:
+    def generate(self, prompt_ids: Any, params: Any) -> Any:
         return self.returns["generate"]
 
     def train_step(self, *a: Any, **kw: Any) -> Any:
@@ -70,7 +70,7 @@ def test_good_results_pass_through_unchanged() -> None:
     assert GuardedPolicy(Scripted(logprobs=GOOD_LP), "p").logprobs(BATCH) == GOOD_LP
     groups = [[sample([5, EOS]), sample([6])]]
     gen = GuardedGeneration(Scripted(generate=groups), "g", eos_ids={EOS})
-    assert gen.generate([[1]], n=2, max_tokens=4, temperature=1.0, seed=0) == groups
+    assert gen.generate([[1]], SamplingParams(2, 4, 1.0, 0)) == groups
     metrics = {"loss": 0.5, "grad_norm": 1.0, "tokens": 3}
     assert GuardedPolicy(Scripted(train_step=metrics), "p").train_step(BATCH, [1.0, -1.0]) == metrics
 
@@ -92,7 +92,7 @@ def test_bad_samples_are_named(case: str) -> None:
     value, expected = GENERATE_CASES[case]
     gen = GuardedGeneration(Scripted(generate=value), "mygen", eos_ids={EOS})
     with pytest.raises(ProtocolError, match=expected) as info:
-        gen.generate([[1]], n=2, max_tokens=4, temperature=1.0, seed=0)
+        gen.generate([[1]], SamplingParams(2, 4, 1.0, 0))
     assert info.value.backend == "mygen" and info.value.method == "generate"
 
 

@@ -16,8 +16,9 @@ import httpx
 import pytest
 
 from rlcore.errors import NotServingError, RlcoreError
+from rlcore.handles import SamplingParams
 from rlcore.models.tiny import build_tokenizer
-from rlcore.serve.openai_endpoint import OpenAIEndpoint, RequestBatcher
+from rlcore.serve.openai_endpoint import Batching, OpenAIEndpoint, RequestBatcher, ServedModel
 
 EOS = 2
 
@@ -35,7 +36,8 @@ class ScriptedEngine:
         self.calls: list[dict] = []
         self.gate: threading.Event | None = None
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], *, n, max_tokens, temperature, seed):
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams):
+        n, max_tokens, temperature, seed = params.n, params.max_tokens, params.temperature, params.seed
         if self.gate is not None:
             self.gate.wait(10)
         self.calls.append(
@@ -70,12 +72,7 @@ def serve(tokenizer) -> Iterator:
 
     def start(engine, **kwargs) -> tuple[OpenAIEndpoint, httpx.Client]:
         server = OpenAIEndpoint(
-            engine,
-            tokenizer,
-            model_name="policy",
-            max_sequence_length=kwargs.pop("max_len", 64),
-            eos_token_ids=[EOS],
-            **kwargs,
+            engine, tokenizer, ServedModel("policy", kwargs.pop("max_len", 64), [EOS]), batching=Batching(**kwargs)
         )
         endpoint = server.start(timeout_s=10)
         servers.append(server)
@@ -112,7 +109,7 @@ def test_chat_completion_carries_the_engines_tokens_and_logprobs(serve, tokenize
         add_special_tokens=False,
     )
     assert engine.calls[0]["prompts"] == [prompt] and engine.calls[0]["max_tokens"] == 6
-    ids = engine.generate([prompt], n=1, max_tokens=6, temperature=1.0, seed=0)[0][0]["token_ids"]
+    ids = engine.generate([prompt], SamplingParams(1, 6, 1.0, 0))[0][0]["token_ids"]
     choice = body["choices"][0]
     assert choice["message"] == {
         "role": "assistant",
@@ -180,7 +177,7 @@ def test_completions_take_text_or_token_ids(serve, tokenizer) -> None:
 def test_concurrent_requests_share_engine_calls(serve, tokenizer) -> None:
     engine = ScriptedEngine(tokenizer)
     engine.gate = threading.Event()  # hold the first call so the rest queue up
-    server, client = serve(engine, batch_wait_s=0.05, max_batch=16)
+    server, client = serve(engine, wait_s=0.05, max_batch=16)
     prompts = [f"{i}+{i}=" for i in range(12)]
 
     def ask(text: str) -> dict:
@@ -202,7 +199,7 @@ def test_concurrent_requests_share_engine_calls(serve, tokenizer) -> None:
             ),
             add_special_tokens=False,
         )
-        want = engine.generate([prompt], n=1, max_tokens=6, temperature=1.0, seed=0)[0][0][
+        want = engine.generate([prompt], SamplingParams(1, 6, 1.0, 0))[0][0][
             "token_ids"
         ]
         got = [
@@ -306,7 +303,7 @@ def test_an_endpoint_serves_with_the_tokenizer_prepared_ahead(tokenizer, tmp_pat
     ahead = prepare(str(tmp_path))
     assert isinstance(ahead, Future)
     engine = ScriptedEngine(tokenizer)
-    server = OpenAIEndpoint(engine, ahead, model_name="policy", max_sequence_length=64, eos_token_ids=[EOS])
+    server = OpenAIEndpoint(engine, ahead, ServedModel("policy", 64, [EOS]))
     endpoint = server.start(timeout_s=120)
     try:
         with httpx.Client(base_url=endpoint.base_url.removesuffix("/v1"), timeout=20, trust_env=False) as client:
@@ -322,6 +319,6 @@ def test_an_endpoint_serves_with_the_tokenizer_prepared_ahead(tokenizer, tmp_pat
         server.stop()
     missing = prepare(str(tmp_path / "no-such-model"))
     with pytest.raises(Exception, match="no-such-model"):
-        OpenAIEndpoint(engine, missing, model_name="policy", max_sequence_length=64).start(timeout_s=120)
+        OpenAIEndpoint(engine, missing, ServedModel("policy", 64)).start(timeout_s=120)
 
 

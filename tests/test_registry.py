@@ -740,7 +740,7 @@ def test_unmarked_hook_function_warns(reg: Registry, caplog: pytest.LogCaptureFi
 
 @pytest.mark.parametrize(
     ("version", "loads"),
-    [("1.0", True), (CONTRACT_VERSION, True), ("2.0", False), ("0.9", False), ("1.99", False)],
+    [("2.0", True), (CONTRACT_VERSION, True), ("1.1", False), ("3.0", False), ("1.0", False), ("2.99", False)],
 )
 def test_a_plugin_for_another_major_or_a_newer_minor_is_refused(version: str, loads: bool) -> None:
     import dataclasses
@@ -759,6 +759,8 @@ def test_a_plugin_for_another_major_or_a_newer_minor_is_refused(version: str, lo
         assert "\n" not in failure.message
         assert f"contract {version}" in failure.message and f"implements contract {CONTRACT_VERSION}" in failure.message
         assert "plugin 'oldtimer'" in failure.message and "this rlcore (" in failure.message
+        # A plugin of the major before is told what changed and how to port it.
+        assert ("SamplingParams" in failure.message) is version.startswith("1.")
 
 
 def test_a_malformed_contract_version_is_a_declaration_error() -> None:
@@ -773,7 +775,7 @@ def test_a_malformed_contract_version_is_a_declaration_error() -> None:
 
 def test_every_in_tree_backend_states_the_contract_it_targets() -> None:
     registry = load_registry()
-    for name in ("fsdp", "vllm", "megatron", "arithmetic", "nemo_gym"):
+    for name in ("fsdp", "vllm", "sglang", "megatron", "arithmetic", "nemo_gym"):
         decl = registry.backends[name].declaration
         assert decl is not None and decl.contract_version == CONTRACT_VERSION, name
 

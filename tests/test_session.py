@@ -23,7 +23,7 @@ from rlcore.app.health import TrainingHealthError
 from rlcore.app.session import Handoff, Session, _load
 from rlcore.config import GRPOConfig, RefitConfig, RunConfig
 from rlcore.errors import ConfigError, DivergenceError, ProtocolError, WorkerLost
-from rlcore.handles import RefitReport
+from rlcore.handles import RefitReport, SamplingParams
 
 QUICKSTART = str(Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml")
 
@@ -119,7 +119,8 @@ def test_rollouts_and_generate_default_to_the_configs_grpo_settings() -> None:
     assert (r.step, r.prompts, r.samples_per_prompt, r.seed) == (4, 2, 3, 5 * 1_000_003 + 4)
     assert r.generation is s.generation and r.tokenizer is s.tokenizer
     assert s.rollouts(4, prompts=1, samples_per_prompt=2, seed=9) and requests[1].seed == 9
-    assert [len(g) for g in s.generate(2, [[1], [1, 2]], n=2)] == [2, 2]
+    assert [len(g) for g in s.generate(2, [[1], [1, 2]])] == [1, 1]
+    assert [len(g) for g in s.generate(2, [[1], [1, 2]], SamplingParams(2, 4, 1.0, 0))] == [2, 2]
     with pytest.raises(ConfigError, match="need an env"):
         session(env=NO_ENV).rollouts(1)
 

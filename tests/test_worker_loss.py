@@ -123,9 +123,9 @@ class DyingModel(Model):
             if self.count == self.die_on:
                 raise WorkerLost(f"gen: {method}: gen rank 0 died", worker="gen rank 0")
 
-    def generate(self, prompt_ids: Any, **kw: Any) -> Any:
+    def generate(self, prompt_ids: Any, params: Any) -> Any:
         self._maybe_die("generate")
-        return super().generate(prompt_ids, **kw)
+        return super().generate(prompt_ids, params)
 
     def logprobs(self, batch: Any) -> list[list[float]]:
         self._maybe_die("logprobs")

@@ -2,12 +2,11 @@
 
     python examples/loops/multi_turn.py [CONFIG] [key=value ...] --steps N [--out DIR]
 
-The model answers each prompt; the env scores the answer and, below full marks, answers
-back (" wrong, try again: 3+4=") and the model takes a second turn on the whole
-conversation. An episode's reward is its last turn's score less TURN_COST per extra turn;
-its advantage is that reward against the prompt's other episodes (mean and deviation), and
-every model turn trains with it, its prompt the conversation before it. Needs a
-prompt-and-score env (env.backend=arithmetic). CONFIG defaults to examples/quickstart.yaml.
+The model answers each prompt; below full marks the env answers back (" wrong, try again: 3+4=")
+and the model takes a second turn on the whole conversation. An episode's reward is its last
+turn's score less TURN_COST per extra turn; its advantage is that reward against the prompt's
+other episodes (mean and deviation); every model turn trains with it, its prompt the conversation
+before it. Needs a prompt-and-score env (env.backend=arithmetic). CONFIG: examples/quickstart.yaml.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import rlcore
 from rlcore.errors import ConfigError, RlcoreError
+from rlcore.handles import SamplingParams
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "quickstart.yaml"
 TURNS, TURN_COST, FEEDBACK = 2, 0.1, " wrong, try again: "
@@ -45,8 +45,8 @@ def episodes(s: rlcore.Session, step: int) -> tuple[list[int], list[list[tuple]]
     reward, first = [0.0] * len(owner), [0.0] * len(owner)
     waiting = list(range(len(owner)))  # episodes whose model speaks next
     for turn in range(TURNS):
-        seed = (g.seed * 1_000_003 + step) * TURNS + turn
-        samples = [x[0] for x in s.generate(step, [talk[e] for e in waiting], n=1, seed=seed)]
+        params = SamplingParams(1, g.max_new_tokens, g.temperature, (g.seed * 1_000_003 + step) * TURNS + turn)
+        samples = [x[0] for x in s.generate(step, [talk[e] for e in waiting], params)]
         texts = [[tok.decode(x["token_ids"], skip_special_tokens=True)] for x in samples]
         scores = [row[0] for row in s.env.score([prompts[owner[e]] for e in waiting], texts)]
         answered_back = []

@@ -25,6 +25,7 @@ from rlcore.handles import (
     Rollout,
     RolloutRequest,
     Sample,
+    SamplingParams,
 )
 
 #: Logprobs may exceed 0 by float rounding only.
@@ -242,21 +243,11 @@ class GuardedGeneration:
         self.backend = backend
         self.eos_ids = frozenset(eos_ids)
 
-    def generate(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        *,
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        seed: int,
-    ) -> list[list[Sample]]:
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Sample]]:
         with losses_tagged("generation"):
-            out = self.handle.generate(
-                prompt_ids, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed
-            )
+            out = self.handle.generate(prompt_ids, params)
         who = Caller(self.backend, "generation", "generate")
-        return check_samples(out, len(prompt_ids), n, max_tokens, who, self.eos_ids)
+        return check_samples(out, len(prompt_ids), params.n, params.max_tokens, who, self.eos_ids)
 
     def logprobs(self, batch: Sequence[Pair]) -> list[list[float]]:
         who = Caller(self.backend, "generation", "logprobs")

@@ -66,7 +66,15 @@ from rlcore.app.trace import TraceRecorder
 from rlcore.config import RunConfig, cache_dir, load_config
 from rlcore.config.placement import Network
 from rlcore.errors import CancelToken, ConfigError, DivergenceError, RunDirError
-from rlcore.handles import MemoryHandoff, Pair, RefitReport, Rollout, RolloutRequest, Sample
+from rlcore.handles import (
+    MemoryHandoff,
+    Pair,
+    RefitReport,
+    Rollout,
+    RolloutRequest,
+    Sample,
+    SamplingParams,
+)
 from rlcore.runtime.cluster import Cluster
 from rlcore.runtime.workers import forget_placed, placed_groups
 from rlcore.setup.preflight import check_before_start
@@ -442,32 +450,20 @@ class Session:
         return self._retry(lambda: env.collect_rollouts(request), step, "rollout")  # type: ignore[no-any-return]
 
     def generate(
-        self,
-        step: int,
-        prompt_ids: Sequence[Sequence[int]],
-        *,
-        n: int = 1,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        seed: int | None = None,
+        self, step: int, prompt_ids: Sequence[Sequence[int]], params: SamplingParams | None = None
     ) -> list[list[Sample]]:
-        """``n`` samples of each prompt (:meth:`rlcore.handles.GenerationHandle.generate`),
-        for a loop that builds its prompts itself (multi-turn). ``max_tokens``,
-        ``temperature`` and ``seed`` default as in :meth:`rollouts`; the generation gets
-        the devices first, and a lost worker is replaced and the call run again."""
+        """Samples of each prompt (:meth:`rlcore.handles.GenerationHandle.generate` with
+        ``params``), for a loop that builds its prompts itself (multi-turn). ``params`` None:
+        one sample, with ``max_tokens``, ``temperature`` and ``seed`` as in :meth:`rollouts`.
+        The generation gets the devices first, and a lost worker is replaced and the call
+        run again."""
         g = self.config.grpo
+        if params is None:
+            params = SamplingParams(1, g.max_new_tokens, g.temperature, g.seed * 1_000_003 + step)
         self.now = f"step {step}"
         self._turn("generation")
         return self._retry(  # type: ignore[no-any-return]
-            lambda: self.generation.generate(
-                prompt_ids,
-                n=n,
-                max_tokens=g.max_new_tokens if max_tokens is None else max_tokens,
-                temperature=g.temperature if temperature is None else temperature,
-                seed=g.seed * 1_000_003 + step if seed is None else seed,
-            ),
-            step,
-            "generate",
+            lambda: self.generation.generate(prompt_ids, params), step, "generate"
         )
 
     # ---------------------------------------------------------------- training

@@ -7,18 +7,20 @@ is rank ``1 + i`` of every refit channel) and the generation calls of
 :class:`rlcore.handles.GenerationHandle`, fanned out over the engines in contiguous
 shards. Its workers provide ``open_refit_channel(spec, rank)``,
 ``receive_weights(spec, step, buckets)``, ``refit_ceiling(spec, rank, step, nbytes)``,
-``generate(prompt_ids, n, max_tokens, temperature, seeds)`` and ``logprobs(batch)``;
+``generate(prompt_ids, params, seeds)`` (``params`` a :class:`rlcore.handles.SamplingParams`) and ``logprobs(batch)``;
 :class:`EngineWorker` is a base for them. :func:`start_engines` starts the group of a
 backend's init hook.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rlcore.handles import Endpoint, Pair, Sample
+from rlcore.handles import Endpoint, Pair, Sample, SamplingParams
 from rlcore.runtime.batches import shard_range
 from rlcore.runtime.group_handle import GroupHandle
 from rlcore.runtime.workers import DistributedWorker, WorkerGroup, free_port, server_host
@@ -107,25 +109,17 @@ class GroupGeneration(GroupHandle):
 
     # -------------------------------------------------------- training loop
 
-    def generate(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        *,
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        seed: int,
-    ) -> list[list[Sample]]:
-        """``n`` samples per prompt (:class:`rlcore.handles.GenerationHandle`).
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Sample]]:
+        """``params.n`` samples per prompt (:class:`rlcore.handles.GenerationHandle`).
 
         Prompts are split into contiguous shards over the engines; prompt ``i``
-        samples with seed :func:`prompt_seed` ``(seed, i)``, so results do not
+        samples with seed :func:`prompt_seed` ``(params.seed, i)``, so results do not
         depend on the number of engines.
         """
-        seeds = [prompt_seed(seed, i) for i in range(len(prompt_ids))]
+        seeds = [prompt_seed(params.seed, i) for i in range(len(prompt_ids))]
         shards = self._shards(len(prompt_ids))
         refs = [
-            actor.generate.remote([list(p) for p in prompt_ids[a:b]], n, max_tokens, temperature, seeds[a:b])
+            actor.generate.remote([list(p) for p in prompt_ids[a:b]], params, seeds[a:b])
             for _, actor, (a, b) in shards
         ]
         parts = self.group.get(refs, what="generate", ranks=[r for r, _, _ in shards])
@@ -199,87 +193,11 @@ class EngineReceiver:
         return [a.receive_weights.remote(spec, step, buckets) for a in self._engines()]
 
 
-def start_engines(
-    ctx: InitContext,
-    worker_class: type,
-    *,
-    name: str,
-    model_dir: Path,
-    options: Any,
-    cuda: bool,
-    env: dict[str, str],
-    what: str,
-    endpoints: bool = True,
-    kwargs: dict[str, Any] | None = None,
-) -> tuple[WorkerGroup, list[dict[str, Any]], list[Any], list[Endpoint]]:
-    """Start the ``generation.workers`` engines of the init hook of ``ctx``.
+@dataclass(frozen=True)
+class EngineArgs:
+    """What each engine of a group is built from (:class:`EngineWorker`'s arguments).
 
-    Worker ``i`` is ``worker_class(i, workers, str(model_dir), dtype=..., refit_fed=...,
-    options=options, network=ctx.network, cuda=cuda, specs_cache=str(ctx.cache_dir), **kwargs)``
-    on one GPU (``cuda``) or on
-    ``generation.devices_per_worker`` CPUs, with ``env``; then every worker's
-    ``start(timeout_s)`` runs, bounded by ``options.server_start_timeout_s`` and the
-    deadline (``what`` names it in errors), and each call by ``options.call_timeout_s``.
-
-    Returns the group, each worker's start record, engine 0's ``weight_specs()``
-    (:class:`rlcore.refit.worker.HFWeightSpecs` gives a worker one) and,
-    with ``endpoints``, each engine's :class:`rlcore.handles.Endpoint` (its
-    ``endpoint_info()``). Shuts the group down if any of that fails.
-    """
-    section = ctx.config.generation
-    group = WorkerGroup(
-        worker_class,
-        section.workers,
-        name=name,
-        args=(str(model_dir),),
-        kwargs={
-            "dtype": ctx.config.model.dtype,
-            "refit_fed": bool(section.refit_fed),
-            "options": options,
-            "network": ctx.network,
-            "cuda": cuda,
-            "specs_cache": str(ctx.cache_dir),
-            **(kwargs or {}),
-        },
-        num_cpus=1.0 if cuda else float(section.devices_per_worker),
-        num_gpus=float(section.devices_per_worker) if cuda else 0.0,
-        env=env,
-        dist_backend=None,
-        timeout_s=options.call_timeout_s,
-        cancel=ctx.cancel,
-        deadline=ctx.deadline,
-        placement=ctx.placement,
-    )
-    try:
-        remaining = ctx.deadline.remaining()
-        limit = options.server_start_timeout_s
-        info = group.call(
-            "start", limit if remaining is None else min(limit, remaining), what=what, deadline=ctx.deadline
-        )
-        specs = group.call("weight_specs", ranks=[0], what="weight specs", deadline=ctx.deadline)[0]
-        served = []
-        if endpoints:
-            served = [
-                Endpoint(base_url=e["base_url"], model=e["model"], api_key=e["api_key"])
-                for e in group.call("endpoint_info", what="endpoints", deadline=ctx.deadline)
-            ]
-    except BaseException:
-        group.shutdown()
-        raise
-    return group, info, specs, served
-
-
-class EngineWorker(DistributedWorker):
-    """A base for the workers of :class:`GroupGeneration`: one engine each (a Ray actor).
-
-    :meth:`generate` and :meth:`logprobs` check the call, and refuse while :attr:`stale`
-    says why the weights cannot be trusted (a refit failed half-way), before the
-    subclass's ``_generate`` and ``_logprobs`` run. A subclass names its engine in
-    ``engine`` (``vLLM``: errors say ``vLLM worker 0``); a server it starts is
-    :attr:`server` (a :class:`rlcore.runtime.server.GuardedServer`).
-
-    Args:
-        rank, world_size: this worker's index and the number of engines.
+    Attributes:
         model_dir: Hugging Face checkpoint directory.
         dtype: ``float32``, ``bfloat16`` or ``float16``.
         refit_fed: start with dummy weights; the first refit brings real ones.
@@ -294,33 +212,143 @@ class EngineWorker(DistributedWorker):
             None: worked out every time.
     """
 
+    model_dir: str
+    dtype: str
+    refit_fed: bool
+    options: Any
+    log_dir: str | None = None
+    seed: int = 0
+    network: Any = None
+    cuda: bool | None = None
+    specs_cache: str | None = None
+
+
+@dataclass(frozen=True)
+class Engines:
+    """The engines a backend's init hook starts with :func:`start_engines`.
+
+    Attributes:
+        worker_class: the :class:`EngineWorker` subclass, one per engine.
+        name: the worker group's name.
+        model_dir: Hugging Face checkpoint directory.
+        options: the backend's options (``server_start_timeout_s``, ``call_timeout_s``).
+        cuda: one GPU per engine, else ``generation.devices_per_worker`` CPUs.
+        env: the workers' environment variables.
+        what: names the start in errors (``starting vLLM servers``).
+        endpoints: whether the engines serve (then each one's endpoint is read).
+        log_dir: where the engines' servers write their logs.
+        extra: further keyword arguments of ``worker_class``.
+    """
+
+    worker_class: type
+    name: str
+    model_dir: Path
+    options: Any
+    cuda: bool
+    env: dict[str, str]
+    what: str
+    endpoints: bool = True
+    log_dir: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def start_engines(
+    ctx: InitContext, engines: Engines
+) -> tuple[WorkerGroup, list[dict[str, Any]], list[Any], list[Endpoint]]:
+    """Start the ``generation.workers`` engines of the init hook of ``ctx``.
+
+    Worker ``i`` is ``engines.worker_class(i, workers, EngineArgs(...), **engines.extra)``,
+    its :class:`EngineArgs` from ``engines`` and the run (dtype, refit-fed, network, cache),
+    on one GPU (``cuda``) or on ``generation.devices_per_worker`` CPUs, with ``env``; then
+    every worker's ``start(timeout_s)`` runs, bounded by ``options.server_start_timeout_s``
+    and the deadline, and each call by ``options.call_timeout_s``.
+
+    Returns the group, each worker's start record, engine 0's ``weight_specs()``
+    (:class:`rlcore.refit.worker.HFWeightSpecs` gives a worker one) and,
+    with ``endpoints``, each engine's :class:`rlcore.handles.Endpoint` (its
+    ``endpoint_info()``). Shuts the group down if any of that fails.
+    """
+    group = _engine_group(ctx, engines)
+    try:
+        remaining = ctx.deadline.remaining()
+        limit = engines.options.server_start_timeout_s
+        info = group.call(
+            "start", limit if remaining is None else min(limit, remaining), what=engines.what, deadline=ctx.deadline
+        )
+        specs = group.call("weight_specs", ranks=[0], what="weight specs", deadline=ctx.deadline)[0]
+        served = []
+        if engines.endpoints:
+            served = [
+                Endpoint(base_url=e["base_url"], model=e["model"], api_key=e["api_key"])
+                for e in group.call("endpoint_info", what="endpoints", deadline=ctx.deadline)
+            ]
+    except BaseException:
+        group.shutdown()
+        raise
+    return group, info, specs, served
+
+
+def _engine_group(ctx: InitContext, engines: Engines) -> WorkerGroup:
+    """The worker group of ``engines`` (built, not started)."""
+    section, cuda = ctx.config.generation, engines.cuda
+    args = EngineArgs(
+        str(engines.model_dir),
+        dtype=ctx.config.model.dtype,
+        refit_fed=bool(section.refit_fed),
+        options=engines.options,
+        log_dir=engines.log_dir,
+        network=ctx.network,
+        cuda=cuda,
+        specs_cache=str(ctx.cache_dir),
+    )
+    return WorkerGroup(
+        engines.worker_class,
+        section.workers,
+        name=engines.name,
+        args=(args,),
+        kwargs=dict(engines.extra),
+        num_cpus=1.0 if cuda else float(section.devices_per_worker),
+        num_gpus=float(section.devices_per_worker) if cuda else 0.0,
+        env=engines.env,
+        dist_backend=None,
+        timeout_s=engines.options.call_timeout_s,
+        cancel=ctx.cancel,
+        deadline=ctx.deadline,
+        placement=ctx.placement,
+    )
+
+
+class EngineWorker(DistributedWorker):
+    """A base for the workers of :class:`GroupGeneration`: one engine each (a Ray actor).
+
+    :meth:`generate` and :meth:`logprobs` check the call, and refuse while :attr:`stale`
+    says why the weights cannot be trusted (a refit failed half-way), before the
+    subclass's ``_generate`` and ``_logprobs`` run; a greedy call (temperature 0) samples
+    once per prompt and copies it ``n`` times. A subclass names its engine in
+    ``engine`` (``vLLM``: errors say ``vLLM worker 0``); a server it starts is
+    :attr:`server` (a :class:`rlcore.runtime.server.GuardedServer`), through which
+    :mod:`rlcore.runtime.engine_http` runs its calls given the engine's HTTP API.
+
+    Args:
+        rank, world_size: this worker's index and the number of engines.
+        args: what the engine is built from (:class:`EngineArgs`); each of its fields is
+            also an attribute of the worker (``self.model_dir``, ``self.options``...).
+    """
+
     engine = "engine"
 
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        model_dir: str,
-        *,
-        dtype: str,
-        refit_fed: bool,
-        options: Any,
-        log_dir: str | None = None,
-        seed: int = 0,
-        network: Any = None,
-        cuda: bool | None = None,
-        specs_cache: str | None = None,
-    ) -> None:
+    def __init__(self, rank: int, world_size: int, args: EngineArgs) -> None:
         super().__init__(rank, world_size)
-        self.model_dir = model_dir
-        self.dtype = dtype
-        self.refit_fed = refit_fed
-        self.options = options
-        self.log_dir = log_dir
-        self.seed = seed
-        self.network = network
-        self.cuda = cuda
-        self.specs_cache = specs_cache
+        self.args = args
+        self.model_dir = args.model_dir
+        self.dtype = args.dtype
+        self.refit_fed = args.refit_fed
+        self.options = args.options
+        self.log_dir = args.log_dir
+        self.seed = args.seed
+        self.network = args.network
+        self.cuda = args.cuda
+        self.specs_cache = args.specs_cache
         self.server: Any = None
         #: Why the engine's weights cannot be trusted (a refit failed half-way), or None.
         self.stale: str | None = None
@@ -338,21 +366,21 @@ class EngineWorker(DistributedWorker):
     # ------------------------------------------------------------- inference
 
     def generate(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        seeds: Sequence[int],
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
     ) -> list[list[Sample]]:
-        """``n`` samples per prompt: ``[[{"token_ids": [...], "logprobs": [...]}] * n] * len(prompts)``;
-        prompt ``i`` samples with seed ``seeds[i]`` (see the subclass's ``_generate``)."""
+        """``params.n`` samples per prompt: ``[[{"token_ids": [...], "logprobs": [...]}] * n] *
+        len(prompts)``; prompt ``i`` samples with seed ``seeds[i]`` (see the subclass's
+        ``_generate``)."""
         self._check_weights()
         if len(seeds) != len(prompt_ids):
             raise ValueError(f"{len(prompt_ids)} prompts but {len(seeds)} seeds")
         if not prompt_ids:
             return []
-        return self._generate(prompt_ids, n, max_tokens, temperature, seeds)
+        if params.temperature <= 0 and params.n > 1:
+            # Every greedy sample is the same one (and vLLM refuses n > 1 greedy): sample once.
+            groups = self._generate(prompt_ids, dataclasses.replace(params, n=1), seeds)
+            return [[{**g[0], "token_ids": list(g[0]["token_ids"])} for _ in range(params.n)] for g in groups]
+        return self._generate(prompt_ids, params, seeds)
 
     def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
         """Log-probabilities of each completion's tokens given its prompt (and the tokens before)."""
@@ -362,12 +390,7 @@ class EngineWorker(DistributedWorker):
         return self._logprobs(batch)
 
     def _generate(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        seeds: Sequence[int],
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
     ) -> list[list[Sample]]:
         raise NotImplementedError
 

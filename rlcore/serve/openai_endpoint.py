@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rlcore.errors import DeadlineExceeded, NotServingError, RlcoreError
-from rlcore.handles import Endpoint
+from rlcore.handles import Endpoint, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +66,7 @@ Sample = dict[str, list]
 class TokenGenerator(Protocol):
     """What the endpoint drives: a generation handle's ``generate`` (see :mod:`rlcore.app.grpo`)."""
 
-    def generate(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        *,
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        seed: int,
-    ) -> list[list[Sample]]: ...
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Sample]]: ...
 
 
 class EndpointRequestError(RlcoreError):
@@ -263,6 +255,53 @@ class _Served:
     finish_reason: str
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """What an :class:`OpenAIEndpoint` serves.
+
+    Attributes:
+        name: the name requests must use (``model``) and ``/v1/models`` lists.
+        max_sequence_length: longest prompt + completion the engine takes; longer
+            requests get a 400 saying "maximum context length", as vLLM's do.
+        eos_token_ids: ends of sequence (``finish_reason`` ``stop`` vs ``length``).
+    """
+
+    name: str
+    max_sequence_length: int
+    eos_token_ids: Sequence[int] = ()
+
+
+@dataclass(frozen=True)
+class Listen:
+    """Where an :class:`OpenAIEndpoint` listens.
+
+    Attributes:
+        host, port: the address (port 0: a free port).
+        token: the run's token (:class:`rlcore.config.placement.Network`): every request but
+            ``/health`` must then carry ``Authorization: Bearer <token>`` (401 without),
+            and ``endpoint.api_key`` is it. Required when ``host`` is not loopback.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    token: str | None = None
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How an :class:`OpenAIEndpoint` gathers requests into engine calls (:class:`RequestBatcher`).
+
+    Attributes:
+        max_batch: most prompts in one engine call.
+        wait_s: how long a batch waits for requests on their way.
+        seed: first sampling seed of requests without one.
+    """
+
+    max_batch: int = 64
+    wait_s: float = 0.005
+    seed: int = 0
+
+
 class OpenAIEndpoint:
     """An OpenAI-compatible HTTP server (uvicorn, in a thread of this process).
 
@@ -271,17 +310,9 @@ class OpenAIEndpoint:
         tokenizer: a Hugging Face tokenizer,
             the path of one (loaded at start by :func:`rlcore.models.tokenizer.load`) or the
             future :func:`prepare` returns.
-        model_name: the name requests must use (``model``) and ``/v1/models`` lists.
-        max_sequence_length: longest prompt + completion the engine takes; longer
-            requests get a 400 saying "maximum context length", as vLLM's do.
-        eos_token_ids: ends of sequence (``finish_reason`` ``stop`` vs ``length``).
-        max_batch: most prompts in one engine call.
-        batch_wait_s: how long a batch waits for requests on their way.
-        seed: first sampling seed of requests without one.
-        host, port: where to listen (port 0: a free port).
-        token: the run's token (:class:`rlcore.config.placement.Network`): every request but
-            ``/health`` must then carry ``Authorization: Bearer <token>`` (401 without),
-            and ``endpoint.api_key`` is it. Required when ``host`` is not loopback.
+        model: what it serves (:class:`ServedModel`).
+        listen: where it listens, and the token it wants (:class:`Listen`).
+        batching: how requests are gathered into engine calls (:class:`Batching`).
 
     An engine error caused (anywhere in its ``__cause__`` chain) by
     :class:`rlcore.errors.NotServingError` is answered with 503, others with 500;
@@ -292,27 +323,21 @@ class OpenAIEndpoint:
         self,
         generator: TokenGenerator,
         tokenizer: Any,
+        model: ServedModel,
         *,
-        model_name: str,
-        max_sequence_length: int,
-        eos_token_ids: Sequence[int] = (),
-        max_batch: int = 64,
-        batch_wait_s: float = 0.005,
-        seed: int = 0,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        token: str | None = None,
+        listen: Listen = Listen(),
+        batching: Batching = Batching(),
     ) -> None:
         self.generator = generator
         self.tokenizer = tokenizer
-        self.model_name = model_name
-        self.max_sequence_length = int(max_sequence_length)
-        self.eos_token_ids = {int(t) for t in eos_token_ids}
-        self.host = host
-        self.port = int(port)
-        self.token = token
+        self.model_name = model.name
+        self.max_sequence_length = int(model.max_sequence_length)
+        self.eos_token_ids = {int(t) for t in model.eos_token_ids}
+        self.host = listen.host
+        self.port = int(listen.port)
+        self.token = listen.token
         self.batcher = RequestBatcher(
-            self._run_batch, max_batch=max(1, int(max_batch)), wait_s=batch_wait_s, seed=seed
+            self._run_batch, max_batch=max(1, int(batching.max_batch)), wait_s=batching.wait_s, seed=batching.seed
         )
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -323,9 +348,7 @@ class OpenAIEndpoint:
     def _run_batch(
         self, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int
     ) -> list[Sample]:
-        out = self.generator.generate(
-            prompts, n=1, max_tokens=max_tokens, temperature=temperature, seed=seed
-        )
+        out = self.generator.generate(prompts, SamplingParams(1, max_tokens, temperature, seed))
         return [samples[0] for samples in out]
 
     async def _complete(self, prompt: list[int], body: dict[str, Any], n: int) -> list[_Served]:
@@ -570,66 +593,19 @@ class OpenAIEndpoint:
         from starlette.responses import JSONResponse
         from starlette.routing import Route
 
-        def error(status: int, message: str, param: str | None = None) -> JSONResponse:
-            kind = {
-                400: "BadRequestError",
-                404: "NotFoundError",
-                405: "MethodNotAllowedError",
-                503: "ServiceUnavailableError",
-            }
-            return JSONResponse(
-                {
-                    "object": "error",
-                    "message": message,
-                    "type": kind.get(status, "InternalServerError"),
-                    "param": param,
-                    "code": status,
-                    # OpenAI's own clients read the message from here.
-                    "error": {"message": message, "param": param, "code": status},
-                },
-                status_code=status,
-            )
-
-        async def handle(request: Request, route: Callable[[dict[str, Any]], Any]) -> Any:
-            try:
-                body = await request.json()
-            except ValueError as err:
-                return error(400, f"the request body is not JSON: {err}")
-            if not isinstance(body, dict):
-                return error(400, "the request body must be a JSON object")
-            try:
-                result = route(body)
-                if asyncio.iscoroutine(result):
-                    result = await result
-                return result
-            except EndpointRequestError as err:
-                return error(err.status, str(err), err.param)
-            except Exception as err:  # the cause goes to the client and the log
-                if (cause := _caused_by(err, NotServingError)) is not None:
-                    return error(503, f"the engine is not serving: {cause}")
-                log.exception("%s: request failed", self.model_name)
-                return error(500, f"{type(err).__name__}: {err}")
-
         async def health(request: Request) -> JSONResponse:
             return JSONResponse({})
 
         async def models(request: Request) -> JSONResponse:
             return JSONResponse(self.models())
 
-        def post(route: Callable[[dict[str, Any]], Any]) -> Callable[[Request], Any]:
-            async def endpoint(request: Request) -> Any:
-                result = await handle(request, route)
-                return result if isinstance(result, JSONResponse) else JSONResponse(result)
-
-            return endpoint
-
         routes = [
             Route("/health", health, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
-            Route("/v1/chat/completions", post(self.chat_completion), methods=["POST"]),
-            Route("/v1/completions", post(self.completion), methods=["POST"]),
-            Route("/tokenize", post(self.tokenize), methods=["POST"]),
-            Route("/detokenize", post(self.detokenize), methods=["POST"]),
+            Route("/v1/chat/completions", self._post(self.chat_completion), methods=["POST"]),
+            Route("/v1/completions", self._post(self.completion), methods=["POST"]),
+            Route("/tokenize", self._post(self.tokenize), methods=["POST"]),
+            Route("/detokenize", self._post(self.detokenize), methods=["POST"]),
         ]
         middleware = []
         if self.token:
@@ -640,11 +616,43 @@ class OpenAIEndpoint:
         async def http_error(request: Request, exc: Exception) -> JSONResponse:
             # Unknown routes and methods: OpenAI's error shape, as every other answer.
             assert isinstance(exc, HTTPException)
-            return error(exc.status_code, str(exc.detail))
+            return _error(exc.status_code, str(exc.detail))
 
         return Starlette(
             routes=routes, middleware=middleware, exception_handlers={HTTPException: http_error}
         )
+
+    def _post(self, route: Callable[[dict[str, Any]], Any]) -> Callable[[Any], Any]:
+        """The Starlette endpoint of a POST ``route``: its JSON body in, its answer (or the
+        error it raised, in OpenAI's shape) out."""
+        from starlette.responses import JSONResponse
+
+        async def endpoint(request: Any) -> Any:
+            result = await self._answer(request, route)
+            return result if isinstance(result, JSONResponse) else JSONResponse(result)
+
+        return endpoint
+
+    async def _answer(self, request: Any, route: Callable[[dict[str, Any]], Any]) -> Any:
+        """What ``route`` answers to ``request``'s JSON body, or an error response."""
+        try:
+            body = await request.json()
+        except ValueError as err:
+            return _error(400, f"the request body is not JSON: {err}")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        try:
+            result = route(body)
+            if asyncio.iscoroutine(result):
+                result = await result
+            return result
+        except EndpointRequestError as err:
+            return _error(err.status, str(err), err.param)
+        except Exception as err:  # the cause goes to the client and the log
+            if (cause := _caused_by(err, NotServingError)) is not None:
+                return _error(503, f"the engine is not serving: {cause}")
+            log.exception("%s: request failed", self.model_name)
+            return _error(500, f"{type(err).__name__}: {err}")
 
     @property
     def endpoint(self) -> Endpoint | None:
@@ -720,6 +728,33 @@ class OpenAIEndpoint:
             log.warning(
                 "the OpenAI-compatible endpoint thread did not stop within %.1fs", timeout_s
             )
+
+
+#: The OpenAI error type of each HTTP status the endpoint answers with.
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    503: "ServiceUnavailableError",
+}
+
+
+def _error(status: int, message: str, param: str | None = None) -> Any:
+    """An error response in OpenAI's shape (a Starlette ``JSONResponse``)."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(
+        {
+            "object": "error",
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "InternalServerError"),
+            "param": param,
+            "code": status,
+            # OpenAI's own clients read the message from here.
+            "error": {"message": message, "param": param, "code": status},
+        },
+        status_code=status,
+    )
 
 
 def _load_tokenizer(path: str) -> Any:

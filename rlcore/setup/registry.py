@@ -34,6 +34,7 @@ from rlcore.declarations import (
     BackendDeclaration,
     Role,
     contract_compatible,
+    porting_note,
     validate_declaration,
 )
 from rlcore.errors import BackendNotFoundError, DeclarationError
@@ -338,10 +339,11 @@ class Registry:
 
             raise _Refused(
                 "contract",
-                f"{who} declares backend '{decl.name}' for rlcore contract {decl.contract_version}, "
-                f"but this rlcore ({__version__}) implements contract {CONTRACT_VERSION}: install a "
-                f"release of {distribution or 'the plugin'} built for contract "
-                f"{CONTRACT_VERSION.split('.')[0]}.x, or an rlcore whose contract it targets.",
+                f"{who} declares backend '{decl.name}' for rlcore contract "
+                f"{decl.contract_version}, but this rlcore ({__version__}) implements contract "
+                f"{CONTRACT_VERSION}: install a release of {distribution or 'the plugin'} built "
+                f"for contract {CONTRACT_VERSION.split('.')[0]}.x, or an rlcore whose contract "
+                "it targets." + porting_note(decl.contract_version),
                 decl.name,
             )
         owner = self.backends.get(decl.name)

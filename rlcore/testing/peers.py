@@ -34,6 +34,7 @@ from typing import Any
 
 from rlcore.context import InitContext
 from rlcore.declarations import BackendDeclaration, OverlapSafety, Role, Transport
+from rlcore.handles import SamplingParams
 from rlcore.hookspecs import hookimpl
 from rlcore.refit.worker import RefitChannels, RefitSenderWorker
 from rlcore.runtime.group_handle import GroupHandle
@@ -162,17 +163,16 @@ class ReferenceGenerationWorker(HFWorker, RefitChannels):
                 step_ids = torch.tensor([[token]])
         return {"token_ids": tokens, "logprobs": logprobs}
 
-    def generate(
-        self, prompts: list[list[int]], first: int, n: int, max_tokens: int, temperature: float, seed: int
-    ) -> list[list[dict[str, list]]]:
+    def generate(self, prompts: list[list[int]], first: int, params: SamplingParams) -> list[list[dict[str, list]]]:
         """Samples of ``prompts``, whose indices in the whole call start at ``first``."""
         self._check_ready()
+        p = params
         return [
             [
-                self.sample_one(list(p), max_tokens, temperature, sample_seed(seed, first + i, j))
-                for j in range(n)
+                self.sample_one(list(prompt), p.max_tokens, p.temperature, sample_seed(p.seed, first + i, j))
+                for j in range(p.n)
             ]
-            for i, p in enumerate(prompts)
+            for i, prompt in enumerate(prompts)
         ]
 
     def open_refit_channel(self, spec: Any) -> None:
@@ -250,15 +250,7 @@ class ReferenceGeneration(_Group):
         self._check_open()
         return list(self.group.call_async("receive_weights", spec, step, ray.put(buckets)))
 
-    def generate(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        *,
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        seed: int,
-    ) -> list[list[Any]]:
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Any]]:
         from rlcore.runtime.batches import shard_range
 
         self._check_open()
@@ -268,9 +260,7 @@ class ReferenceGeneration(_Group):
             a, b = shard_range(len(prompt_ids), size, rank)
             if b > a:
                 prompts = [list(p) for p in prompt_ids[a:b]]
-                refs += self.group.call_async(
-                    "generate", prompts, a, n, max_tokens, float(temperature), int(seed), ranks=[rank]
-                )
+                refs += self.group.call_async("generate", prompts, a, params, ranks=[rank])
         return [group for part in self.group.get(refs, what="generate") for group in part]
 
 

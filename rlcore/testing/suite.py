@@ -43,6 +43,7 @@ from rlcore.handles import (
     RefitReport,
     RefitSender,
     RolloutRequest,
+    SamplingParams,
 )
 from rlcore.publish import STAGING_PREFIX, TRASH_PREFIX, is_complete
 from rlcore.setup.events import EventBoard
@@ -132,8 +133,8 @@ class _LazyGeneration:
     def __init__(self, start: Callable[[], Any]) -> None:
         self._start = start
 
-    def generate(self, prompt_ids: Any, **kw: Any) -> Any:
-        return self._start().generate(prompt_ids, **kw)
+    def generate(self, prompt_ids: Any, params: SamplingParams) -> Any:
+        return self._start().generate(prompt_ids, params)
 
     def logprobs(self, batch: Any) -> Any:
         return self._start().logprobs(batch)
@@ -1038,7 +1039,7 @@ class BackendConformance:
         if key not in e.cache:
             gen = self._engine(e, Role.GENERATION)
             prompts = self._prompts()
-            out = gen.generate(prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
+            out = gen.generate(prompts, SamplingParams(n, max_tokens, temperature, seed))
             who = Caller(e.harness.declaration.name, "generation", "generate")
             try:
                 e.cache[key] = check_samples(out, len(prompts), n, max_tokens, who, e.eos_ids())

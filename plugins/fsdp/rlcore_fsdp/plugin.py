@@ -46,7 +46,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
         # Trained and exported in the run's dtype (float16 would need loss scaling).
         dtypes={"float32", "bfloat16"},
         options=FSDPOptions,
-        contract_version="1.1",
+        contract_version="2.0",
         description=(
             "Hugging Face causal LM trained with PyTorch FSDP (FSDP1, full shard, gloo on "
             "CPU / NCCL on CUDA); streams HF-named weights one FSDP unit at a time"

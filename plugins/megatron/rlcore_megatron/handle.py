@@ -35,7 +35,7 @@ from typing import Any
 
 from rlcore.context import InitContext
 from rlcore.errors import CancelToken, ConfigError
-from rlcore.handles import Endpoint
+from rlcore.handles import Endpoint, SamplingParams
 from rlcore.refit.specs import TensorSpec
 from rlcore.runtime.batches import put_rows
 from rlcore.runtime.group_handle import GroupHandle
@@ -259,26 +259,16 @@ class MegatronGeneration(_Handle):
 
     # ------------------------------------------------------------ training loop
 
-    def generate(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        *,
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        seed: int,
-    ) -> list[list[dict[str, list]]]:
-        """``n`` samples per prompt, each ``{"token_ids": [...], "logprobs": [...]}``.
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[dict[str, list]]]:
+        """``params.n`` samples per prompt, each ``{"token_ids": [...], "logprobs": [...]}``.
 
         Prompts are split over the replicas in contiguous slices; each replica
-        seeds its sampler from ``(seed, replica)``.
+        seeds its sampler from ``(params.seed, replica)``.
         """
         import ray
 
         prompts = ray.put([list(map(int, p)) for p in prompt_ids])
-        refs = self._submit(
-            "generate", prompts, int(n), int(max_tokens), float(temperature), int(seed)
-        )
+        refs = self._submit("generate", prompts, params)
         return self._replicas(self.group.get(refs, what="generate"))
 
     def _release(self) -> None:
@@ -675,7 +665,7 @@ def _start_endpoint(
     ``tokenizer``: what :func:`rlcore.serve.openai_endpoint.prepare` started loading."""
     from rlcore.config.placement import Network
     from rlcore.runtime.workers import is_loopback, server_host
-    from rlcore.serve.openai_endpoint import OpenAIEndpoint
+    from rlcore.serve.openai_endpoint import Batching, Listen, OpenAIEndpoint, ServedModel
     from rlcore_megatron.worker import eos_token_ids
 
     replicas = max(1, len(handle._leads))
@@ -686,16 +676,10 @@ def _start_endpoint(
     server = OpenAIEndpoint(
         handle,
         tokenizer,
-        model_name=options.served_model_name,
-        max_sequence_length=options.max_sequence_length,
-        eos_token_ids=eos_token_ids(str(model_dir)),
+        ServedModel(options.served_model_name, options.max_sequence_length, eos_token_ids(str(model_dir))),
+        listen=Listen(host=host, port=options.port, token=token),
         # Each replica's engine takes max_batch_size requests at once.
-        max_batch=options.max_batch_size * replicas,
-        batch_wait_s=options.batch_wait_ms / 1000.0,
-        seed=options.seed,
-        host=host,
-        port=options.port,
-        token=token,
+        batching=Batching(options.max_batch_size * replicas, options.batch_wait_ms / 1000.0, options.seed),
     )
     remaining = ctx.deadline.remaining()
     try:

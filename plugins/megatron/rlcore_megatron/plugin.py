@@ -81,7 +81,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
         openai_endpoint_when=(Condition("options.serve_openai", True),),
         # Trained and exported in the run's dtype (float16 would need loss scaling).
         dtypes={"float32", "bfloat16"},
-        contract_version="1.1",
+        contract_version="2.0",
         options=MegatronOptions,
         description=(
             "megatron-core GPTModel (local layer spec, tensor parallel over gloo/NCCL) as "

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlcore.errors import NotServingError
+from rlcore.handles import SamplingParams
 from rlcore.refit.worker import RefitChannels, RefitSenderWorker
 from rlcore.runtime.batches import Row, shard_range
 from rlcore.runtime.losses import LogprobWorker, PolicyGradientWorker, right_padded
@@ -709,15 +710,8 @@ class MegatronGenerationWorker(MegatronWorker):
                 "serves after the first refit)"
             )
 
-    def generate(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        seed: int,
-    ) -> list[list[Sample]]:
-        """``n`` samples per prompt of this rank's data-parallel shard. Collective.
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Sample]]:
+        """``params.n`` samples per prompt of this rank's data-parallel shard. Collective.
 
         megatron-core's engines sample over the padded vocabulary: the inference
         wrapper sets the padded entries' logits to ``-inf`` first
@@ -731,8 +725,7 @@ class MegatronGenerationWorker(MegatronWorker):
         replica's sampling generator is seeded from ``(seed, replica)`` at every call.
         """
         self._check_serving()
-        if n < 1 or max_tokens < 1:
-            raise ValueError(f"n and max_tokens must be >= 1, got n={n}, max_tokens={max_tokens}")
+        n, max_tokens, temperature = params.n, params.max_tokens, params.temperature
         if self.asleep:  # colocated: the loop normally wakes the engine before sampling
             self.wake()
         start, end = shard_range(len(prompt_ids), self.dp_size, self.dp_rank)
@@ -741,7 +734,7 @@ class MegatronGenerationWorker(MegatronWorker):
             return []
         if any(not p for p in local):
             raise ValueError("empty prompt")
-        self.engine.controller.sampling_rng.manual_seed(sample_seed(seed, self.dp_rank))
+        self.engine.controller.sampling_rng.manual_seed(sample_seed(params.seed, self.dp_rank))
         if self.engine_kind == "dynamic":
             from rlcore_megatron.inference import generate_dynamic
 

@@ -13,6 +13,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from rlcore.handles import SamplingParams
 from rlcore.testing.policy_checks import (  # noqa: F401  (re-exported to the tests)
     CLIP_EPS,
     LR,
@@ -232,7 +233,7 @@ def tp_generate_worker(
             )
         g.serving = True
         report["prompts"] = [[2, 5, 6], [2, 11, 14, 9]]
-        report["samples"] = g.generate(report["prompts"], 3, 4, 1.0, 5)
+        report["samples"] = g.generate(report["prompts"], SamplingParams(3, 4, 1.0, 5))
     except Exception:
         report["error"] = traceback.format_exc()
     finally:

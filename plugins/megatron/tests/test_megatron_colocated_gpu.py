@@ -30,6 +30,8 @@ from typing import Any
 import pytest
 import torch
 
+from rlcore.handles import SamplingParams
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _colocated import ProcActor, RemoteError, both  # noqa: E402
@@ -97,7 +99,7 @@ class Pair:
         self.policy.call("call", "train_step", rows, [1.0, -1.0, 0.5, -0.5], None, 0.2, 1e-3)
 
     def token_mult_prob_error(self) -> float:
-        out = self.gen.call("call", "generate", PROMPTS, 2, 16, 1.0, 7)
+        out = self.gen.call("call", "generate", PROMPTS, SamplingParams(2, 16, 1.0, 7))
         rows = [(p, s["token_ids"]) for p, group in zip(PROMPTS, out, strict=True) for s in group]
         gen_lp = [s["logprobs"] for group in out for s in group]
         pol_lp = self.policy.call("call", "logprobs", rows)
@@ -156,7 +158,7 @@ def test_a_refit_failing_half_way_keeps_the_old_weights(pair: Pair, how: str) ->
     assert "before any byte was written" in str(received)
     now = pair.gen.call("params")
     assert all(torch.equal(old[n], now[n]) for n in old)
-    assert pair.gen.call("call", "generate", PROMPTS, 1, 4, 0.0, 0)  # still serving
+    assert pair.gen.call("call", "generate", PROMPTS, SamplingParams(1, 4, 0.0, 0))  # still serving
     pair.refit()
     assert pair.same_weights()
 

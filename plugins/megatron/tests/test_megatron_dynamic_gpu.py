@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlcore.handles import SamplingParams
 from rlcore.testing.reference import max_diff
 
 pytestmark = [
@@ -107,7 +108,7 @@ def static_greedy(gen, prompts: list[list[int]], tokens: int) -> list[list[int]]
     saved = gen.engine, gen.engine_kind
     gen.engine, gen.engine_kind = static, "static"
     try:
-        return [g[0]["token_ids"] for g in gen.generate(prompts, 1, tokens, 0.0, 0)]
+        return [g[0]["token_ids"] for g in gen.generate(prompts, SamplingParams(1, tokens, 0.0, 0))]
     finally:
         gen.engine, gen.engine_kind = saved
 
@@ -123,7 +124,7 @@ def test_engine_is_dynamic_on_cuda(workers: tuple) -> None:
 def test_greedy_matches_the_static_engine_and_logprobs_the_policy(workers: tuple) -> None:
     policy, gen, _, root = workers
     refit(policy, gen, root, 1)
-    out = gen.generate(PROMPTS, 1, 12, 0.0, 0)
+    out = gen.generate(PROMPTS, SamplingParams(1, 12, 0.0, 0))
     greedy = [g[0]["token_ids"] for g in out]
     assert greedy == static_greedy(gen, PROMPTS, 12)
     rows = [(p, ids) for p, ids in zip(PROMPTS, greedy, strict=True)]
@@ -139,10 +140,10 @@ def test_samples_are_seeded_in_vocabulary_and_scored_like_the_policy(workers: tu
         head[VOCAB:] = 50.0  # unmasked, the padded rows would win every draw
     try:
         # 8 requests through a 6-request engine: the last ones wait for a slot.
-        out = gen.generate(PROMPTS, 2, 10, 1.0, 7)
+        out = gen.generate(PROMPTS, SamplingParams(2, 10, 1.0, 7))
         assert [len(g) for g in out] == [2] * len(PROMPTS)
-        assert gen.generate(PROMPTS, 2, 10, 1.0, 7) == out
-        assert gen.generate(PROMPTS, 2, 10, 1.0, 8) != out
+        assert gen.generate(PROMPTS, SamplingParams(2, 10, 1.0, 7)) == out
+        assert gen.generate(PROMPTS, SamplingParams(2, 10, 1.0, 8)) != out
         rows = [(p, s["token_ids"]) for p, g in zip(PROMPTS, out, strict=True) for s in g]
         assert all(0 <= t < VOCAB for _, ids in rows for t in ids)
         assert all(EOS not in ids[:-1] and 1 <= len(ids) <= 10 for _, ids in rows)
@@ -157,13 +158,13 @@ def test_samples_are_seeded_in_vocabulary_and_scored_like_the_policy(workers: tu
 def test_a_sample_ends_at_end_of_sequence_which_is_kept(workers: tuple) -> None:
     policy, gen, _, root = workers
     refit(policy, gen, root, 3)
-    first = gen.generate(PROMPTS[:1], 1, 8, 0.0, 0)[0][0]["token_ids"][0]
+    first = gen.generate(PROMPTS[:1], SamplingParams(1, 8, 0.0, 0))[0][0]["token_ids"][0]
     head = dict(gen.model.named_parameters())["output_layer.weight"]
     saved = head[EOS].clone()
     with torch.no_grad():
         head[EOS] = 3.0 * head[first]  # 3x the (positive) winning logit of prompt 0's first step
     try:
-        out = gen.generate(PROMPTS, 1, 8, 0.0, 0)
+        out = gen.generate(PROMPTS, SamplingParams(1, 8, 0.0, 0))
         assert out[0][0]["token_ids"] == [EOS] and len(out[0][0]["logprobs"]) == 1
         for g in out:
             ids = g[0]["token_ids"]
@@ -176,14 +177,14 @@ def test_a_sample_ends_at_end_of_sequence_which_is_kept(workers: tuple) -> None:
 def test_a_refit_leaves_no_request_or_kv_block_behind(workers: tuple) -> None:
     policy, gen, _, root = workers
     refit(policy, gen, root, 4)
-    before = [g[0]["token_ids"] for g in gen.generate(PROMPTS, 1, 12, 0.0, 0)]
+    before = [g[0]["token_ids"] for g in gen.generate(PROMPTS, SamplingParams(1, 12, 0.0, 0))]
     batch = [(p, [3, 4, 5]) for p in PROMPTS]
     policy.train_step(batch, [1.0, -1.0, 0.5, -0.5], None, 0.2, 5e-2)
     refit(policy, gen, root, 5)
     context = gen.engine.context
     assert context.total_request_count == 0 and not gen.engine.requests
     assert context.block_allocator.total_avail == context.block_allocator.total_count - 1
-    after = gen.generate(PROMPTS, 1, 12, 0.0, 0)
+    after = gen.generate(PROMPTS, SamplingParams(1, 12, 0.0, 0))
     greedy = [g[0]["token_ids"] for g in after]
     assert greedy == static_greedy(gen, PROMPTS, 12)
     assert greedy != before  # the new weights are the ones served
@@ -195,5 +196,5 @@ def test_too_long_a_request_is_refused_and_the_engine_still_serves(workers: tupl
     policy, gen, _, root = workers
     refit(policy, gen, root, 6)
     with pytest.raises(ValueError, match="max_sequence_length"):
-        gen.generate([[1] * 90], 1, 10, 0.0, 0)
-    assert len(gen.generate(PROMPTS, 1, 4, 0.0, 0)) == len(PROMPTS)
+        gen.generate([[1] * 90], SamplingParams(1, 10, 0.0, 0))
+    assert len(gen.generate(PROMPTS, SamplingParams(1, 4, 0.0, 0))) == len(PROMPTS)

@@ -36,7 +36,7 @@ from rlcore.config import cache_dir, load_config, resolve_options
 from rlcore.context import InitContext
 from rlcore.declarations import Role
 from rlcore.errors import CancelToken, Deadline, DeadlineExceeded, RlcoreError
-from rlcore.handles import RefitReceiver, RefitSender
+from rlcore.handles import RefitReceiver, RefitSender, SamplingParams
 from rlcore.refit.sessions import RefitSessions
 from rlcore.setup.events import EventBoard
 from rlcore.testing.policy_checks import actor_pids, check_group_train_step, running_cluster
@@ -237,11 +237,11 @@ def test_generate_through_the_handle(pair: tuple[Any, Any]) -> None:
     policy, generation = pair
     core_refit(policy, generation, "collective", 3)
     prompts = [[2, 5, 6], [2, 11], [2, 30, 31]]
-    out = generation.generate(prompts, n=3, max_tokens=4, temperature=1.0, seed=11)
+    out = generation.generate(prompts, SamplingParams(3, 4, 1.0, 11))
     assert [len(g) for g in out] == [3, 3, 3]
     rows = [(p, s["token_ids"]) for p, g in zip(prompts, out, strict=True) for s in g]
     assert max_diff([s["logprobs"] for g in out for s in g], policy.logprobs(rows)) < 1e-4
-    assert generation.generate(prompts, n=3, max_tokens=4, temperature=1.0, seed=11) == out
+    assert generation.generate(prompts, SamplingParams(3, 4, 1.0, 11)) == out
 
 
 def test_endpoint_serves_the_engines_samples_during_refits(pair: tuple[Any, Any]) -> None:
@@ -253,7 +253,7 @@ def test_endpoint_serves_the_engines_samples_during_refits(pair: tuple[Any, Any]
     assert r.status_code == 200, r.text
     body = r.json()
     prompt, ids = body["prompt_token_ids"], body["choices"][0]["token_ids"]
-    greedy = generation.generate([prompt], n=1, max_tokens=4, temperature=0, seed=0)[0][0]
+    greedy = generation.generate([prompt], SamplingParams(1, 4, 0, 0))[0][0]
     assert ids == greedy["token_ids"]
     lps = [e["logprob"] for e in body["choices"][0]["logprobs"]["content"]]
     assert [e["token"] for e in body["choices"][0]["logprobs"]["content"]] == [

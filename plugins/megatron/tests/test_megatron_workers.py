@@ -25,6 +25,7 @@ from _megatron_helpers import (
 )
 
 from rlcore.errors import NotServingError
+from rlcore.handles import SamplingParams
 from rlcore.refit.channels import ChannelSpec
 from rlcore.refit.specs import plan_buckets, spec_of
 from rlcore.runtime.workers import free_port
@@ -106,7 +107,7 @@ def test_refit_fed_generation_serves_only_after_refit(
 ) -> None:
     assert generation.weight_specs() == policy.weight_specs()
     with pytest.raises(NotServingError, match="no weights yet"):
-        generation.generate([[2, 5]], 1, 2, 1.0, 0)
+        generation.generate([[2, 5]], SamplingParams(1, 2, 1.0, 0))
     refit(policy, generation, tmp_path, 1)
     assert max_diff(generation.logprobs(BATCH), policy.logprobs(BATCH)) < 1e-6
 
@@ -119,7 +120,7 @@ def test_generate_samples_and_logprobs(
 ) -> None:
     refit(policy, generation, tmp_path, 2)
     prompts = [[2, 5, 6], [2, 11], [2, 30, 31, 32]]
-    out = generation.generate(prompts, 4, 6, 1.0, 7)
+    out = generation.generate(prompts, SamplingParams(4, 6, 1.0, 7))
     assert [len(g) for g in out] == [4, 4, 4]
     eos = 3  # </s> of the tiny tokenizer
     for group in out:
@@ -130,10 +131,10 @@ def test_generate_samples_and_logprobs(
             assert eos not in ids[:-1]  # cut after the first end-of-sequence, which is kept
     rows = [(p, s["token_ids"]) for p, g in zip(prompts, out, strict=True) for s in g]
     assert max_diff([s["logprobs"] for g in out for s in g], policy.logprobs(rows)) < 1e-5
-    assert generation.generate(prompts, 4, 6, 1.0, 7) == out  # same seed, same samples
-    assert generation.generate(prompts, 4, 6, 1.0, 8) != out
+    assert generation.generate(prompts, SamplingParams(4, 6, 1.0, 7)) == out  # same seed, same samples
+    assert generation.generate(prompts, SamplingParams(4, 6, 1.0, 8)) != out
     # Greedy is transformers' greedy continuation of the same weights.
-    greedy = generation.generate(prompts[:1], 1, 6, 0.0, 0)[0][0]["token_ids"]
+    greedy = generation.generate(prompts[:1], SamplingParams(1, 6, 0.0, 0))[0][0]["token_ids"]
     ref = hf_model(llama_dir, policy.export_state_dict())
     want = ref.generate(
         torch.tensor([prompts[0]]),
@@ -156,7 +157,7 @@ def test_padded_vocabulary_is_never_sampled(
     with torch.no_grad():
         head[vocab:] = 50.0
     try:
-        out = generation.generate([[2, 5, 6], [2, 11]], 8, 4, 1.0, 3)
+        out = generation.generate([[2, 5, 6], [2, 11]], SamplingParams(8, 4, 1.0, 3))
         rows = [
             (p, s["token_ids"]) for p, g in zip([[2, 5, 6], [2, 11]], out, strict=True) for s in g
         ]
@@ -180,7 +181,7 @@ def test_failed_refit_blocks_serving_until_a_good_one(
     with pytest.raises(Exception):  # noqa: B017 - safetensors' own error type
         generation.receive_weights(spec, 4, buckets)
     with pytest.raises(NotServingError, match="refit step 4 over disk did not complete"):
-        generation.generate([[2, 5]], 1, 2, 1.0, 0)
+        generation.generate([[2, 5]], SamplingParams(1, 2, 1.0, 0))
     refit(policy, generation, tmp_path, 5)
     assert max_diff(generation.logprobs(BATCH), policy.logprobs(BATCH)) < 1e-6
 

@@ -15,7 +15,7 @@ from typing import Any
 from rlcore.context import InitContext
 from rlcore.errors import ConfigError
 from rlcore.handles import Endpoint
-from rlcore.runtime.generation_group import GroupGeneration, start_engines
+from rlcore.runtime.generation_group import Engines, GroupGeneration, start_engines
 from rlcore.runtime.workers import cluster_has_gpu, server_host
 from rlcore_sglang.options import SGLangOptions
 from rlcore_sglang.worker import SGLangWorker
@@ -77,17 +77,18 @@ def start_generation(ctx: InitContext) -> SGLangGeneration:
         from rlcore.serve.openai_endpoint import prepare
 
         front_tokenizer = prepare(str(model_dir))
-    group, info, specs, endpoints = start_engines(
-        ctx,
+    engines = Engines(
         SGLangWorker,
-        name=GROUP_NAME,
-        model_dir=model_dir,
-        options=options,
+        GROUP_NAME,
+        model_dir,
+        options,
         cuda=cuda,
         env={"TOKENIZERS_PARALLELISM": "false"},
         what="starting SGLang servers",
-        kwargs={"log_dir": str(ctx.run_dir / "sglang"), "threads": max(1, int(section.devices_per_worker))},
+        log_dir=str(ctx.run_dir / "sglang"),
+        extra={"threads": max(1, int(section.devices_per_worker))},
     )
+    group, info, specs, endpoints = start_engines(ctx, engines)
     ctx.log.info(
         "sglang: %d server(s) up (%s) in %s",
         section.workers,
@@ -113,7 +114,7 @@ def _front_endpoint(
     ``tokenizer``: what :func:`rlcore.serve.openai_endpoint.prepare` started loading."""
     import json
 
-    from rlcore.serve.openai_endpoint import OpenAIEndpoint
+    from rlcore.serve.openai_endpoint import Listen, OpenAIEndpoint, ServedModel
 
     eos: set[int] = set()
     for name in ("config.json", "generation_config.json"):
@@ -121,15 +122,13 @@ def _front_endpoint(
         value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
         eos.update([value] if isinstance(value, int) else list(value or []))
     config = json.loads((model_dir / "config.json").read_text())
-    server = OpenAIEndpoint(
-        handle,
-        tokenizer,
-        model_name=options.served_model_name,
+    model = ServedModel(
+        options.served_model_name,
         max_sequence_length=options.context_length or int(config.get("max_position_embeddings", 2048)),
         eos_token_ids=sorted(eos),
-        host=server_host(ctx.network),
-        token=ctx.network.token,
     )
+    listen = Listen(host=server_host(ctx.network), token=ctx.network.token)
+    server = OpenAIEndpoint(handle, tokenizer, model, listen=listen)
     remaining = ctx.deadline.remaining()
     server.start(timeout_s=30.0 if remaining is None else max(1.0, min(30.0, remaining)))
     return server

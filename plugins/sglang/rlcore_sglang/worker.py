@@ -31,13 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.errors import RefitError
+from rlcore.handles import Sample, SamplingParams
 from rlcore.refit.worker import HFWeightSpecs
-from rlcore.runtime.generation_group import EngineWorker
+from rlcore.runtime import engine_http
+from rlcore.runtime.engine_http import Request, sample_seeds
+from rlcore.runtime.generation_group import EngineArgs, EngineWorker
 from rlcore_sglang.server import ServerError, ServerProcess, find_sglang_python
 
 log = logging.getLogger(__name__)
-
-Sample = dict[str, list]  # {"token_ids": [...], "logprobs": [...]}
 
 #: Group names of core refit channels in SGLang (must match the server's sitecustomize).
 GROUP_PREFIX = "rlcore-refit:"
@@ -45,6 +46,63 @@ GROUP_PREFIX = "rlcore-refit:"
 DRAIN = "rlcore_drain"
 #: Routes of SGLang's weight-update session (0.5.21+); older servers have neither.
 SESSION_ROUTES = ("/begin_weight_update", "/end_weight_update")
+
+
+class NativeGenerate:
+    """SGLang's own ``/generate`` as the engine's HTTP API
+    (:class:`rlcore.runtime.engine_http.EngineAPI`): one request per call, a prompt's ``n``
+    samples as ``n`` inputs with their own ``sampling_seed``; logprobs of given tokens
+    through ``logprob_start_len``. ``rank`` names the worker in errors."""
+
+    route = "/generate"
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def generate_requests(
+        self, prompts: list[list[int]], params: SamplingParams, seeds: Sequence[int]
+    ) -> list[Request]:
+        sampling = [
+            {"temperature": float(params.temperature), "max_new_tokens": int(params.max_tokens),
+             "sampling_seed": s}
+            for seed in seeds for s in sample_seeds(seed, params.n)
+        ]
+        ids = [p for p in prompts for _ in range(params.n)]
+        body = {"input_ids": ids, "sampling_params": sampling, "return_logprob": True}
+        return [Request(self.route, body, prompts)]
+
+    def samples(self, answer: Any, request: Request) -> list[Sample]:
+        return [
+            {
+                "token_ids": [int(t) for _, t, _ in o["meta_info"]["output_token_logprobs"]],
+                "logprobs": [float(lp) for lp, _, _ in o["meta_info"]["output_token_logprobs"]],
+            }
+            for o in answer
+        ]
+
+    def logprobs_requests(self, batch: list[tuple[list[int], list[int]]]) -> list[Request]:
+        body = {
+            "input_ids": [p + c for p, c in batch],
+            "sampling_params": [{"temperature": 1.0, "max_new_tokens": 1}] * len(batch),
+            "return_logprob": True,
+            # entry 0 (the last prompt token) has no logprob; the rest are the completion's
+            "logprob_start_len": [len(p) - 1 for p, _ in batch],
+        }
+        return [Request(self.route, body, batch)]
+
+    def rows(self, answer: Any, request: Request) -> list[list[float]]:
+        rows = []
+        for (_, completion), o in zip(request.items, answer, strict=True):
+            # Compare lengths, not ids: SGLang reports the id vocab_size - 1 as 0 (it clips
+            # "padded" ids in input logprobs); the logprob itself is of the real token.
+            entries = o["meta_info"]["input_token_logprobs"][1:]
+            if len(entries) != len(completion):
+                raise RuntimeError(
+                    f"SGLang worker {self.rank}: {len(entries)} input logprobs for a completion "
+                    f"of {len(completion)} tokens"
+                )
+            rows.append([float(lp) for lp, _, _ in entries])
+        return rows
 
 
 def group_name(spec: Any) -> str:
@@ -90,7 +148,8 @@ def launch_args(
 class SGLangWorker(HFWeightSpecs, EngineWorker):
     """One SGLang server of the generation worker group.
 
-    Arguments as :class:`rlcore.runtime.generation_group.EngineWorker`'s: ``model_dir``
+    Arguments as :class:`rlcore.runtime.generation_group.EngineWorker`'s (an
+    :class:`~rlcore.runtime.generation_group.EngineArgs`): ``model_dir``
     gives config and tokenizer always, weights only when not ``refit_fed`` (then the
     server starts with ``--load-format dummy``); ``options`` are the backend's
     :class:`rlcore_sglang.options.SGLangOptions`; ``log_dir`` (required) is where the
@@ -104,10 +163,10 @@ class SGLangWorker(HFWeightSpecs, EngineWorker):
 
     engine = "SGLang"
 
-    def __init__(
-        self, rank: int, world_size: int, model_dir: str, *, log_dir: str, threads: int = 1, **kwargs: Any
-    ) -> None:
-        super().__init__(rank, world_size, model_dir, log_dir=log_dir, **kwargs)
+    def __init__(self, rank: int, world_size: int, args: EngineArgs, *, threads: int = 1) -> None:
+        if args.log_dir is None:
+            raise ValueError("an SGLang worker needs a log_dir (EngineArgs.log_dir) for its server's log")
+        super().__init__(rank, world_size, args)
         self.threads = threads
         self.sessions = False  # the server has begin/end_weight_update
         #: Open collective channels: key -> SGLang group name.
@@ -147,12 +206,7 @@ class SGLangWorker(HFWeightSpecs, EngineWorker):
     # ------------------------------------------------------------- inference
 
     def _generate(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        seeds: Sequence[int],
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
     ) -> list[list[Sample]]:
         """Sample ``j`` of prompt ``i`` is sampled with ``sampling_seed = seeds[i] + j``
         (on CPU through the server-side hook; on CUDA SGLang honours it with
@@ -160,45 +214,15 @@ class SGLangWorker(HFWeightSpecs, EngineWorker):
         ``logprobs`` are the sampled tokens' log-probabilities at temperature 1;
         a completion ends with the EOS token when SGLang stopped on it.
         """
-        ids = [list(map(int, p)) for p in prompt_ids for _ in range(n)]
-        params = [
-            {"temperature": float(temperature), "max_new_tokens": int(max_tokens),
-             "sampling_seed": int(s + j) % (1 << 62)}
-            for s in seeds for j in range(n)
-        ]
-        body = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
-        out = self._server().request("/generate", body, timeout_s=self.options.call_timeout_s)
-        samples = [
-            {
-                "token_ids": [int(t) for _, t, _ in o["meta_info"]["output_token_logprobs"]],
-                "logprobs": [float(lp) for lp, _, _ in o["meta_info"]["output_token_logprobs"]],
-            }
-            for o in out
-        ]
-        return [samples[i * n : (i + 1) * n] for i in range(len(prompt_ids))]
+        return engine_http.generate(
+            self._server(), NativeGenerate(self.rank), prompt_ids, params, seeds,
+            timeout_s=self.options.call_timeout_s,
+        )
 
     def _logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
-        ids = [list(map(int, p)) + list(map(int, c)) for p, c in batch]
-        body = {
-            "input_ids": ids,
-            "sampling_params": [{"temperature": 1.0, "max_new_tokens": 1}] * len(batch),
-            "return_logprob": True,
-            # entry 0 (the last prompt token) has no logprob; the rest are the completion's
-            "logprob_start_len": [len(p) - 1 for p, _ in batch],
-        }
-        out = self._server().request("/generate", body, timeout_s=self.options.call_timeout_s)
-        rows = []
-        for (_, completion), o in zip(batch, out, strict=True):
-            # Compare lengths, not ids: SGLang reports the id vocab_size - 1 as 0 (it clips
-            # "padded" ids in input logprobs); the logprob itself is of the real token.
-            entries = o["meta_info"]["input_token_logprobs"][1:]
-            if len(entries) != len(completion):
-                raise RuntimeError(
-                    f"SGLang worker {self.rank}: {len(entries)} input logprobs for a completion "
-                    f"of {len(completion)} tokens"
-                )
-            rows.append([float(lp) for lp, _, _ in entries])
-        return rows
+        return engine_http.logprobs(
+            self._server(), NativeGenerate(self.rank), batch, timeout_s=self.options.call_timeout_s
+        )
 
     # ----------------------------------------------------------------- refit
 

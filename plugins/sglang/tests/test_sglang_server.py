@@ -18,6 +18,7 @@ import ray
 from sglang_helpers import PROMPTS, ThreadSender, hf_state, named, reference_logprobs
 
 from rlcore.errors import RefitError
+from rlcore.handles import SamplingParams
 from rlcore.refit import channels
 from rlcore.refit.specs import TensorSpec, plan_buckets, spec_of
 from rlcore.runtime.workers import WorkerError, free_port
@@ -95,7 +96,7 @@ def test_refit_loads_the_sent_weights(
 def test_samples_follow_the_handle_formats(server: Any, tiny_model: Path) -> None:
     """Token ids with their temperature-1 logprobs, EOS included and last; n per prompt;
     SGLang's own /v1 answers with the same weights."""
-    groups = server.generate(PROMPTS, n=3, max_tokens=6, temperature=1.5, seed=5)
+    groups = server.generate(PROMPTS, SamplingParams(3, 6, 1.5, 5))
     assert [len(g) for g in groups] == [3] * len(PROMPTS)
     batch = [(p, s["token_ids"]) for p, g in zip(PROMPTS, groups, strict=True) for s in g]
     sampled = [s["logprobs"] for g in groups for s in g]
@@ -126,9 +127,9 @@ def test_samples_follow_the_handle_formats(server: Any, tiny_model: Path) -> Non
 
 def test_generate_is_seeded(server: Any) -> None:
     """Same seed, same samples (whatever else is in the batch); another seed, others."""
-    first = server.generate(PROMPTS, n=2, max_tokens=8, temperature=1.0, seed=7)
-    again = server.generate(PROMPTS[:1], n=2, max_tokens=8, temperature=1.0, seed=7)
-    other = server.generate(PROMPTS, n=2, max_tokens=8, temperature=1.0, seed=8)
+    first = server.generate(PROMPTS, SamplingParams(2, 8, 1.0, 7))
+    again = server.generate(PROMPTS[:1], SamplingParams(2, 8, 1.0, 7))
+    other = server.generate(PROMPTS, SamplingParams(2, 8, 1.0, 8))
     ids = [[s["token_ids"] for s in g] for g in first]
     assert [s["token_ids"] for s in again[0]] == ids[0]  # logprobs may differ in the last bits
     assert [[s["token_ids"] for s in g] for g in other] != ids
@@ -155,7 +156,7 @@ def test_rejected_refit_raises_quoting_the_server_and_keeps_old_weights(
     assert server.weight_versions() == before_version
     assert max_diff(server_logprobs(server, PROBE), before) < 1e-6
     with pytest.raises(WorkerError, match="refuses to generate until a refit succeeds"):
-        server.generate(PROMPTS, n=1, max_tokens=2, temperature=1.0, seed=0)
+        server.generate(PROMPTS, SamplingParams(1, 2, 1.0, 0))
     good = plan_buckets(specs, 256 * 1024)
     refit(server, spec, 22, state, good)
     assert max_diff(server.logprobs(PROBE), reference_logprobs(tiny_model, state, PROBE)) < TOL
@@ -169,4 +170,4 @@ def test_server_killed_mid_run_fails_the_next_call_fast(server: Any) -> None:
     info = ray.get(server.group.actors[0].endpoint_info.remote())
     os.killpg(info["pgid"], signal.SIGKILL)
     with pytest.raises(WorkerError, match="SGLang server .* is gone|SGLang server .* failed"):
-        server.generate(PROMPTS, n=1, max_tokens=2, temperature=1.0, seed=0)
+        server.generate(PROMPTS, SamplingParams(1, 2, 1.0, 0))

@@ -15,6 +15,7 @@ import pytest
 from sglang_helpers import PROMPTS, init_context, make_config
 
 from rlcore.config.placement import Network
+from rlcore.handles import SamplingParams
 
 
 def _status(url: str, body: dict | None = None, token: str | None = None) -> int:
@@ -50,7 +51,7 @@ def test_servers_with_the_runs_token_answer_401_without_it(ray_cluster: None, ti
         assert _status(ours.base_url + "/models", None, network.token) == 200
         assert _status(base + "/health") == 200
         # The handle's own requests carry the token (generate goes over SGLang's HTTP API).
-        groups = gen.generate(PROMPTS[:2], n=1, max_tokens=2, temperature=1.0, seed=0)
+        groups = gen.generate(PROMPTS[:2], SamplingParams(1, 2, 1.0, 0))
         assert [len(g) for g in groups] == [1, 1]
     finally:
         gen.shutdown()

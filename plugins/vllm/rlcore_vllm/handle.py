@@ -14,7 +14,7 @@ from dataclasses import asdict
 from typing import Any
 
 from rlcore.context import InitContext
-from rlcore.runtime.generation_group import GroupGeneration, start_engines
+from rlcore.runtime.generation_group import Engines, GroupGeneration, start_engines
 from rlcore.runtime.workers import cluster_has_gpu
 from rlcore_vllm.options import VLLMOptions
 from rlcore_vllm.worker import VLLMWorker
@@ -56,21 +56,19 @@ def start_generation(ctx: InitContext) -> VLLMGeneration:
     threads = max(1, int(section.devices_per_worker))
     # vLLM's own variables are set by the worker in its process (VLLMWorker._set_vllm_env).
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    group, info, specs, endpoints = start_engines(
-        ctx,
+    engines = Engines(
         VLLMWorker,
-        name=GROUP_NAME,
-        model_dir=model_dir,
-        options=options,
+        GROUP_NAME,
+        model_dir,
+        options,
         cuda=cuda,
         env=env,
         what="starting vLLM servers" if options.serve_openai else "building vLLM engines",
         endpoints=options.serve_openai,
-        kwargs={
-            "log_dir": str(ctx.run_dir / "vllm"),
-            "log_level": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-        },
+        log_dir=str(ctx.run_dir / "vllm"),
+        extra={"log_level": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")},
     )
+    group, info, specs, endpoints = start_engines(ctx, engines)
     ctx.log.info(
         "vllm: %d engine(s) up (%s, %s) in %s",
         section.workers,

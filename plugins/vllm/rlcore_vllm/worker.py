@@ -22,16 +22,16 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from rlcore.handles import Sample, SamplingParams
 from rlcore.refit.worker import HFWeightSpecs
-from rlcore.runtime.generation_group import EngineWorker
+from rlcore.runtime import engine_http
+from rlcore.runtime.engine_http import Request
+from rlcore.runtime.generation_group import EngineArgs, EngineWorker
 
 log = logging.getLogger(__name__)
-
-Sample = dict[str, list]  # {"token_ids": [...], "logprobs": [...]}
 
 
 def kv_cache_bytes(gib: float) -> int:
@@ -39,10 +39,56 @@ def kv_cache_bytes(gib: float) -> int:
     return int(gib * (1 << 30))
 
 
+class Completions:
+    """vLLM server's OpenAI ``/v1/completions`` as the engine's HTTP API
+    (:class:`rlcore.runtime.engine_http.EngineAPI`): one prompt per request, token ids in,
+    ``return_token_ids`` and the sampled tokens' logprobs out; logprobs of given tokens
+    through ``prompt_logprobs``."""
+
+    route = "/v1/completions"
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+
+    def generate_requests(
+        self, prompts: list[list[int]], params: SamplingParams, seeds: Sequence[int]
+    ) -> list[Request]:
+        return [
+            Request(self.route, {
+                "model": self.model, "prompt": p, "n": params.n, "max_tokens": params.max_tokens,
+                "temperature": params.temperature, "seed": int(s), "logprobs": 0,
+                "return_token_ids": True,
+            }, [p])
+            for p, s in zip(prompts, seeds, strict=True)
+        ]
+
+    def samples(self, answer: Any, request: Request) -> list[Sample]:
+        return [
+            {
+                "token_ids": list(c["token_ids"]),
+                "logprobs": [float(x) for x in c["logprobs"]["token_logprobs"]],
+            }
+            for c in sorted(answer["choices"], key=lambda c: c["index"])
+        ]
+
+    def logprobs_requests(self, batch: list[tuple[list[int], list[int]]]) -> list[Request]:
+        return [
+            Request(self.route, {"model": self.model, "prompt": p + c, "max_tokens": 1, "prompt_logprobs": 0}, [(p, c)])
+            for p, c in batch
+        ]
+
+    def rows(self, answer: Any, request: Request) -> list[list[float]]:
+        [(prompt, completion)] = request.items
+        ids = prompt + completion
+        lps = answer["choices"][0]["prompt_logprobs"]  # JSON keys are token ids as strings
+        return [[float(lps[k][str(ids[k])]["logprob"]) for k in range(len(prompt), len(ids))]]
+
+
 class VLLMWorker(HFWeightSpecs, EngineWorker):
     """One vLLM engine of the generation worker group.
 
-    Arguments as :class:`rlcore.runtime.generation_group.EngineWorker`'s: ``model_dir``
+    Arguments as :class:`rlcore.runtime.generation_group.EngineWorker`'s (an
+    :class:`~rlcore.runtime.generation_group.EngineArgs`), and ``log_level``: ``model_dir``
     gives config and tokenizer always, weights only when not ``refit_fed`` (then the
     engine is built with dummy weights); ``options`` are the backend's
     :class:`rlcore_vllm.options.VLLMOptions`; ``log_dir`` is where server mode writes the
@@ -55,8 +101,8 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
     #: The in-process engine (``vllm.LLM``); None in server mode.
     llm: Any = None
 
-    def __init__(self, *args: Any, log_level: str = "WARNING", **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, rank: int, world_size: int, args: EngineArgs, *, log_level: str = "WARNING") -> None:
+        super().__init__(rank, world_size, args)
         self.log_level = log_level
 
     def _set_vllm_env(self) -> None:
@@ -166,35 +212,24 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
     # ------------------------------------------------------------- inference
 
     def _generate(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        seeds: Sequence[int],
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
     ) -> list[list[Sample]]:
         """Prompt ``i`` samples with seed ``seeds[i]`` (vLLM gives its ``j``-th sample
         ``seeds[i] + j``). ``logprobs`` are the sampled tokens' log-probabilities
         under the model (before temperature), as :meth:`logprobs` computes them.
         """
-        if temperature <= 0 and n > 1:
-            # vLLM refuses n > 1 with greedy sampling; every greedy sample is the same one.
-            groups = self._generate(prompt_ids, 1, max_tokens, temperature, seeds)
-            return [[{**g[0], "token_ids": list(g[0]["token_ids"])} for _ in range(n)] for g in groups]
         if self.server is not None:
-            return self._map(
-                lambda i: self._server_generate(
-                    prompt_ids[i], n, max_tokens, temperature, seeds[i]
-                ),
-                len(prompt_ids),
+            return engine_http.generate(
+                self.server, Completions(self.options.served_model_name), prompt_ids, params, seeds,
+                timeout_s=self.options.call_timeout_s,
             )
-        from vllm import SamplingParams
+        from vllm import SamplingParams as VLLMSampling
 
-        params = [
-            SamplingParams(
-                n=n,
-                temperature=temperature,
-                max_tokens=max_tokens,
+        sampling = [
+            VLLMSampling(
+                n=params.n,
+                temperature=params.temperature,
+                max_tokens=params.max_tokens,
                 logprobs=0,
                 seed=int(s),
                 detokenize=False,
@@ -202,7 +237,7 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
             for s in seeds
         ]
         outputs = self.llm.generate(
-            [{"prompt_token_ids": list(p)} for p in prompt_ids], params, use_tqdm=False
+            [{"prompt_token_ids": list(p)} for p in prompt_ids], sampling, use_tqdm=False
         )
         return [
             [
@@ -219,12 +254,15 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
 
     def _logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
         if self.server is not None:
-            return self._map(lambda i: self._server_logprobs(*batch[i]), len(batch))
-        from vllm import SamplingParams
+            return engine_http.logprobs(
+                self.server, Completions(self.options.served_model_name), batch,
+                timeout_s=self.options.call_timeout_s,
+            )
+        from vllm import SamplingParams as VLLMSampling
 
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        sampling = VLLMSampling(max_tokens=1, prompt_logprobs=0, detokenize=False)
         outputs = self.llm.generate(
-            [{"prompt_token_ids": list(p) + list(c)} for p, c in batch], params, use_tqdm=False
+            [{"prompt_token_ids": list(p) + list(c)} for p, c in batch], sampling, use_tqdm=False
         )
         result = []
         for (prompt, completion), o in zip(batch, outputs, strict=True):
@@ -232,44 +270,6 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
             lps = o.prompt_logprobs  # entry k: logprob of ids[k] given ids[:k] (entry 0 is None)
             result.append([float(lps[k][ids[k]].logprob) for k in range(len(prompt), len(ids))])
         return result
-
-    def _map(self, fn: Any, count: int) -> list[Any]:
-        with ThreadPoolExecutor(max_workers=min(count, 16), thread_name_prefix="vllm-http") as pool:
-            return list(pool.map(fn, range(count)))
-
-    def _server_generate(
-        self, prompt: Sequence[int], n: int, max_tokens: int, temperature: float, seed: int
-    ) -> list[Sample]:
-        body = {
-            "model": self.options.served_model_name,
-            "prompt": list(prompt),
-            "n": n,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "seed": int(seed),
-            "logprobs": 0,
-            "return_token_ids": True,
-        }
-        answer = self.server.post("/v1/completions", body, timeout_s=self.options.call_timeout_s)
-        return [
-            {
-                "token_ids": list(c["token_ids"]),
-                "logprobs": [float(x) for x in c["logprobs"]["token_logprobs"]],
-            }
-            for c in sorted(answer["choices"], key=lambda c: c["index"])
-        ]
-
-    def _server_logprobs(self, prompt: Sequence[int], completion: Sequence[int]) -> list[float]:
-        ids = list(prompt) + list(completion)
-        body = {
-            "model": self.options.served_model_name,
-            "prompt": ids,
-            "max_tokens": 1,
-            "prompt_logprobs": 0,
-        }
-        answer = self.server.post("/v1/completions", body, timeout_s=self.options.call_timeout_s)
-        lps = answer["choices"][0]["prompt_logprobs"]  # JSON keys are token ids as strings
-        return [float(lps[k][str(ids[k])]["logprob"]) for k in range(len(prompt), len(ids))]
 
     # ----------------------------------------------------------------- refit
 

@@ -15,6 +15,7 @@ import ray
 from vllm_helpers import PROMPTS, init_context, make_config, max_abs_diff
 
 from rlcore.errors import CancelToken, RefitError
+from rlcore.handles import SamplingParams
 from rlcore.refit.channels import ChannelSpec
 from rlcore.refit.sessions import RefitSessions
 from rlcore.refit.specs import TensorSpec, plan_buckets
@@ -133,7 +134,7 @@ def test_generate_returns_samples_with_matching_logprobs(
     policy.perturb(None)
     do_refit(policy, gen, config, "shared_memory")
     t0 = time.monotonic()
-    groups = gen.generate(PROMPTS, n=4, max_tokens=8, temperature=1.0, seed=5)
+    groups = gen.generate(PROMPTS, SamplingParams(4, 8, 1.0, 5))
     gen_s = time.monotonic() - t0
     assert len(groups) == len(PROMPTS) and all(len(g) == 4 for g in groups)
     for g in groups:
@@ -145,12 +146,12 @@ def test_generate_returns_samples_with_matching_logprobs(
     assert max_abs_diff(sampled, gen.logprobs(batch)) < TOL
     assert max_abs_diff(sampled, policy.logprobs(batch)) < TOL
     # Seeded: the same call gives the same samples; another seed gives others.
-    assert gen.generate(PROMPTS, n=4, max_tokens=8, temperature=1.0, seed=5) == groups
-    assert gen.generate(PROMPTS, n=4, max_tokens=8, temperature=1.0, seed=6) != groups
+    assert gen.generate(PROMPTS, SamplingParams(4, 8, 1.0, 5)) == groups
+    assert gen.generate(PROMPTS, SamplingParams(4, 8, 1.0, 6)) != groups
     assert len({tuple(s["token_ids"]) for s in groups[0]}) > 1
     # Seeds follow the prompt's index, not the engine serving it: with two prompts,
     # prompt 1 moves from engine 0 to engine 1 and still gets the same samples.
-    assert gen.generate(PROMPTS[:2], n=4, max_tokens=8, temperature=1.0, seed=5) == groups[:2]
+    assert gen.generate(PROMPTS[:2], SamplingParams(4, 8, 1.0, 5)) == groups[:2]
     print(
         f"vllm in-process: start {setup['start_s']:.1f}s, generate 3x4x8 tokens {gen_s * 1e3:.0f} ms"
     )
@@ -163,10 +164,10 @@ def test_refit_invalidates_cached_prompts(setup: dict[str, Any], policy: Any) ->
     long_prompts = [[2] + [(7 * i + k) % 36 + 4 for i in range(299)] for k in range(2)]
     policy.perturb(None)
     do_refit(policy, gen, config, "shared_memory")
-    gen.generate(long_prompts, n=2, max_tokens=4, temperature=1.0, seed=5)
+    gen.generate(long_prompts, SamplingParams(2, 4, 1.0, 5))
     policy.perturb(seed=11)
     do_refit(policy, gen, config, "collective")
-    again = gen.generate(long_prompts, n=2, max_tokens=4, temperature=1.0, seed=5)
+    again = gen.generate(long_prompts, SamplingParams(2, 4, 1.0, 5))
     batch = [(p, s["token_ids"]) for p, g in zip(long_prompts, again, strict=True) for s in g]
     assert max_abs_diff([s["logprobs"] for g in again for s in g], policy.logprobs(batch)) < TOL
 
@@ -197,6 +198,6 @@ def test_killed_worker_fails_the_next_call_fast(setup: dict[str, Any]) -> None:
     ray.kill(gen.group.actors[0], no_restart=True)
     # The dead engine is named (WorkerError) instead of the call waiting out its 900 s timeout.
     with pytest.raises(WorkerError, match="vllm-generation"):
-        gen.generate(PROMPTS, n=1, max_tokens=2, temperature=1.0, seed=0)
+        gen.generate(PROMPTS, SamplingParams(1, 2, 1.0, 0))
     gen.shutdown()
     gen.shutdown()  # idempotent

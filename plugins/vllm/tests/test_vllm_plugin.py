@@ -11,6 +11,7 @@ import pytest
 from rlcore.config import resolve_options
 from rlcore.declarations import Role, Transport, validate_declaration
 from rlcore.errors import ConfigError
+from rlcore.runtime.generation_group import EngineArgs
 from rlcore.testing.fixtures import heavy_imports
 from rlcore_vllm.options import VLLMOptions
 from rlcore_vllm.plugin import rlcore_declare_backend
@@ -53,12 +54,12 @@ def test_cpu_engine_gets_the_kv_cache_size_as_an_engine_argument() -> None:
     opts = resolve_options(
         {"kv_cache_gib": 0.0625}, VLLMOptions, section="generation", backend="vllm"
     )
-    worker = VLLMWorker(0, 1, "/model", dtype="float32", refit_fed=True, options=opts)
+    worker = VLLMWorker(0, 1, EngineArgs("/model", dtype="float32", refit_fed=True, options=opts))
     args = worker._engine_args()
     assert args["kv_cache_memory_bytes"] == 64 * 2**20 and args["load_format"] == "dummy"
     assert worker._uncompiled()
     opts.enforce_eager = False
-    assert not VLLMWorker(0, 1, "/m", dtype="float32", refit_fed=False, options=opts)._uncompiled()
+    assert not VLLMWorker(0, 1, EngineArgs("/m", dtype="float32", refit_fed=False, options=opts))._uncompiled()
 
 
 def test_worker_sets_vllms_variables_in_its_own_process(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,7 +71,7 @@ def test_worker_sets_vllms_variables_in_its_own_process(monkeypatch: pytest.Monk
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
     opts = resolve_options({}, VLLMOptions, section="generation", backend="vllm")
-    worker = VLLMWorker(0, 1, "/m", dtype="float32", refit_fed=True, options=opts, log_level="ERROR")
+    worker = VLLMWorker(0, 1, EngineArgs("/m", dtype="float32", refit_fed=True, options=opts), log_level="ERROR")
     worker._set_vllm_env()
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR"
@@ -86,7 +87,8 @@ def test_server_mode_worker_launches_without_importing_torch() -> None:
         "from rlcore_vllm.options import VLLMOptions\n"
         "from rlcore_vllm.worker import VLLMWorker\n"
         "opts = resolve_options({'serve_openai': True}, VLLMOptions, section='generation', backend='vllm')\n"
-        "w = VLLMWorker(0, 1, '/m', dtype='float32', refit_fed=True, options=opts, cuda=False)\n"
+        "from rlcore.runtime.generation_group import EngineArgs\n"
+        "w = VLLMWorker(0, 1, EngineArgs('/m', dtype='float32', refit_fed=True, options=opts, cuda=False))\n"
         "w._set_vllm_env(); args = w._engine_args(); eager = w._uncompiled()\n"
         "import rlcore_vllm.server, rlcore_vllm.transfer\n"
         "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules), 'kv_cache_memory_bytes' in args, eager)\n"

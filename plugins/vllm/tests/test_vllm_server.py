@@ -19,6 +19,7 @@ import ray
 from vllm_helpers import PROMPTS, init_context, make_config, max_abs_diff
 
 from rlcore.errors import CancelToken
+from rlcore.handles import SamplingParams
 from rlcore.refit.sessions import RefitSessions
 from rlcore.refit.sync import refit
 from rlcore.runtime.workers import WorkerError
@@ -95,9 +96,7 @@ def test_endpoint_serves_refit_weights_and_shutdown_leaves_nothing(
 
         long_prompts = [[2] + [(5 * i + k) % 36 + 4 for i in range(199)] for k in range(2)]
         for step, (seed, transport) in enumerate([(None, "collective"), (7, "shared_memory")]):
-            gen.generate(
-                long_prompts, n=2, max_tokens=2, temperature=1.0, seed=step
-            )  # fills the prefix cache
+            gen.generate(long_prompts, SamplingParams(2, 2, 1.0, step))  # fills the prefix cache
             policy.perturb(seed)
             refit(
                 policy,
@@ -110,7 +109,7 @@ def test_endpoint_serves_refit_weights_and_shutdown_leaves_nothing(
             served = endpoint_logprobs(ep, probe)
             assert max_abs_diff(served, policy.logprobs(probe)) < TOL
             assert max_abs_diff(gen.logprobs(probe), served) < TOL
-            again = gen.generate(long_prompts, n=2, max_tokens=3, temperature=1.0, seed=9)
+            again = gen.generate(long_prompts, SamplingParams(2, 3, 1.0, 9))
             batch = [
                 (p, s["token_ids"]) for p, g in zip(long_prompts, again, strict=True) for s in g
             ]
@@ -123,7 +122,7 @@ def test_endpoint_serves_refit_weights_and_shutdown_leaves_nothing(
             {"model": ep.model, "prompt": "12+7=", "max_tokens": 4, "n": 2},
         )
         assert len(out["choices"]) == 2
-        groups = gen.generate(PROMPTS, n=2, max_tokens=6, temperature=1.0, seed=1)
+        groups = gen.generate(PROMPTS, SamplingParams(2, 6, 1.0, 1))
         assert [len(g) for g in groups] == [2] * len(PROMPTS)
     finally:
         gen.shutdown()
