@@ -1032,19 +1032,19 @@ class BackendConformance:
     def _prompts(self) -> list[list[int]]:
         return [list(p) for p, _ in self.probe_batch]
 
-    def _generate(self, e: Engines, *, n: int, max_tokens: int, temperature: float, seed: int) -> list:
+    def _generate(self, e: Engines, params: SamplingParams) -> list:
         """``generate()`` of the generation under test on the probe prompts, checked by
-        :func:`rlcore.app.guards.check_samples` (cached per arguments)."""
-        key = f"generate:{n}:{max_tokens}:{temperature}:{seed}"
+        :func:`rlcore.app.guards.check_samples` (cached per ``params``)."""
+        key = f"generate:{params}"
         if key not in e.cache:
             gen = self._engine(e, Role.GENERATION)
             prompts = self._prompts()
-            out = gen.generate(prompts, SamplingParams(n, max_tokens, temperature, seed))
+            out = gen.generate(prompts, params)
             who = Caller(e.harness.declaration.name, "generation", "generate")
             try:
-                e.cache[key] = check_samples(out, len(prompts), n, max_tokens, who, e.eos_ids())
+                e.cache[key] = check_samples(out, len(prompts), params.n, params.max_tokens, who, e.eos_ids())
             except ProtocolError as err:
-                _fail(f"{err} (temperature={temperature:g}, seed={seed})")
+                _fail(f"{err} (temperature={params.temperature:g}, seed={params.seed})")
         return list(e.cache[key])
 
     def test_logprobs_shape(self, engines: Engines) -> None:
@@ -1087,8 +1087,8 @@ class BackendConformance:
         token, nothing after EOS; greedy (temperature 0) samples of a prompt are equal."""
         self._claimed(engines, Role.GENERATION)
         n, max_tokens, temperature = self.eos_probe
-        self._generate(engines, n=n, max_tokens=max_tokens, temperature=temperature, seed=1234)
-        greedy = self._generate(engines, n=2, max_tokens=8, temperature=0.0, seed=5)
+        self._generate(engines, SamplingParams(n, max_tokens, temperature, 1234))
+        greedy = self._generate(engines, SamplingParams(2, 8, 0.0, 5))
         for i, group in enumerate(greedy):
             if group[0]["token_ids"] != group[1]["token_ids"]:
                 _fail(
@@ -1102,7 +1102,7 @@ class BackendConformance:
         self._claimed(engines, Role.GENERATION)
         name = engines.harness.declaration.name
         n, max_tokens, temperature = self.eos_probe
-        groups = self._generate(engines, n=n, max_tokens=max_tokens, temperature=temperature, seed=1234)
+        groups = self._generate(engines, SamplingParams(n, max_tokens, temperature, 1234))
         eos = engines.eos_ids()
         ended = 0
         for i, group in enumerate(groups):
@@ -1130,7 +1130,7 @@ class BackendConformance:
         name = engines.harness.declaration.name
 
         def ids(seed: int) -> list[list[list[int]]]:
-            out = self._generate(engines, n=2, max_tokens=8, temperature=1.0, seed=seed)
+            out = self._generate(engines, SamplingParams(2, 8, 1.0, seed))
             return [[s["token_ids"] for s in g] for g in out]
 
         first = ids(7)
@@ -1155,7 +1155,7 @@ class BackendConformance:
         h = engines.harness
         name = h.declaration.name
         t = self.sample_temperature
-        groups = self._generate(engines, n=2, max_tokens=12, temperature=t, seed=99)
+        groups = self._generate(engines, SamplingParams(2, 12, t, 99))
         pairs = [(p, s["token_ids"]) for p, g in zip(self._prompts(), groups, strict=True) for s in g]
         got = [s["logprobs"] for g in groups for s in g]
         refs: list[tuple[str, Any, str]] = [("its own logprobs()", self._engine(engines, Role.GENERATION), "generation")]
