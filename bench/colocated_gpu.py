@@ -127,7 +127,7 @@ def main() -> None:  # noqa: PLR0915 - one measurement after the other, top to b
 
     from rlcore.refit.channels import ChannelSpec
     from rlcore.refit.specs import plan_buckets
-    from rlcore.runtime.workers import free_port
+    from rlcore.runtime.addresses import free_port
 
     t_start = time.monotonic()
     if args.small:

@@ -289,9 +289,9 @@ class Bare:
 
 
 def free_port() -> int:
-    """rlcore's :func:`rlcore.runtime.workers.free_port`, imported when called: the bare Gym
+    """rlcore's :func:`rlcore.runtime.addresses.free_port`, imported when called: the bare Gym
     process runs this file from Gym's venv, which has no rlcore."""
-    from rlcore.runtime.workers import free_port as core_free_port
+    from rlcore.runtime.addresses import free_port as core_free_port
 
     return core_free_port()
 

@@ -44,7 +44,7 @@ def main(argv: list[str]) -> None:
     from rlcore.config import load_config
     from rlcore.errors import CancelToken
     from rlcore.runtime.cluster import Cluster
-    from rlcore.runtime.workers import ray_get
+    from rlcore.runtime.waits import ray_get
     from rlcore.setup.registry import load_registry
     from rlcore.setup.runner import refit_context, run_setup
 

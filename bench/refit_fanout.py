@@ -50,7 +50,7 @@ from rlcore.refit.channels import (
 )
 from rlcore.refit.specs import plan_buckets, spec_of
 from rlcore.refit.transports import collective
-from rlcore.runtime.workers import free_port
+from rlcore.runtime.addresses import free_port
 
 _TIMEOUT_S = 300
 

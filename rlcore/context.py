@@ -46,7 +46,7 @@ class InitContext:
             was not made from a plan (then :meth:`artifact_needed` says yes to all).
         network: who reaches this run's servers (:class:`rlcore.config.placement.Network`):
             with ``network.readers_elsewhere`` a server binds its node's address
-            (:func:`rlcore.runtime.workers.server_host`) and checks ``network.token``
+            (:func:`rlcore.runtime.addresses.server_host`) and checks ``network.token``
             (:class:`rlcore.serve.auth.BearerGuard`); otherwise loopback, no token.
             Set by the core from the placement; the default is a single node.
         devices: the run's GPU bundles (:class:`rlcore.config.placement.DeviceGroup`), reserved
@@ -77,7 +77,7 @@ class InitContext:
     def placement(self) -> RolePlacement:
         """The nodes this role's actors may run on (``placement.nodes.<role>``) and, on a
         cluster with GPUs, the GPU bundle of each rank: pass it to
-        :class:`rlcore.runtime.workers.WorkerGroup` (``placement=ctx.placement``)."""
+        :class:`rlcore.runtime.worker_group.WorkerGroup` (``placement=ctx.placement``)."""
         return role_placement(self.config, self.role.value, self.devices)
 
     def artifact_needed(self, name: str) -> bool:

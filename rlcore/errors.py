@@ -114,7 +114,7 @@ class WorkerError(RlcoreError):
 class WorkerLost(WorkerError):
     """A worker's process is gone (a Ray actor death, a killed server), not merely an
     error it raised. A handle call that finds one of its workers gone raises it (handles
-    built on :class:`rlcore.runtime.workers.WorkerGroup` do so by themselves); with
+    built on :class:`rlcore.runtime.worker_group.WorkerGroup` do so by themselves); with
     ``generation.on_worker_loss: replace`` the run then replaces a lost generation.
 
     Attributes:

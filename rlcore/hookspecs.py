@@ -112,7 +112,7 @@ def rlcore_init_generation(ctx: InitContext) -> BackendHandle:
     with workers already dead), then calls this hook with the context ``init:generation``
     had and refits the new handle before it serves. So an init must not depend on state
     a previous init of the run left behind, and a handle whose worker is lost raises
-    ``WorkerLost`` (handles over :class:`rlcore.runtime.workers.WorkerGroup` do).
+    ``WorkerLost`` (handles over :class:`rlcore.runtime.worker_group.WorkerGroup` do).
 
     Returns:
         A generation handle: at least ``shutdown()``; ``endpoint`` (an

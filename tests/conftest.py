@@ -42,4 +42,4 @@ def no_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("Cluster.start or a WorkerGroup was reached: a check ran after the cluster start")
 
     monkeypatch.setattr("rlcore.runtime.cluster.Cluster.start", trap)
-    monkeypatch.setattr("rlcore.runtime.workers.WorkerGroup.__init__", trap)
+    monkeypatch.setattr("rlcore.runtime.worker_group.WorkerGroup.__init__", trap)

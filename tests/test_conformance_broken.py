@@ -406,7 +406,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     from rlcore.config import ClusterConfig, ModelConfig
     from rlcore.models.tiny import ensure_model
     from rlcore.runtime.cluster import Cluster
-    from rlcore.runtime.workers import WorkerGroup
+    from rlcore.runtime.worker_group import WorkerGroup
 
     ray_pickle = ray.cloudpickle
     ray_pickle.register_pickle_by_value(sys.modules[__name__])

@@ -147,7 +147,7 @@ def test_no_devices_in_a_plan_on_cpus() -> None:
 ray = pytest.importorskip("ray")
 
 
-from rlcore.runtime.workers import DistributedWorker, WorkerGroup  # noqa: E402
+from rlcore.runtime.worker_group import DistributedWorker, WorkerGroup  # noqa: E402
 
 
 class GpuIdWorker(DistributedWorker):

@@ -46,7 +46,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     from rlcore.config import ClusterConfig, ModelConfig
     from rlcore.models.tiny import ensure_model
     from rlcore.runtime.cluster import Cluster
-    from rlcore.runtime.workers import WorkerGroup
+    from rlcore.runtime.worker_group import WorkerGroup
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cluster = Cluster(ClusterConfig(num_cpus=2)).start()

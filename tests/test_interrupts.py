@@ -240,7 +240,8 @@ def test_an_abandoned_ray_wait_makes_no_call_after_the_cluster_shut_down() -> No
     from rlcore.config import ClusterConfig
     from rlcore.errors import Cancelled
     from rlcore.runtime.cluster import Cluster, _ray_processes
-    from rlcore.runtime.workers import RAY_GATE, WorkerGroup
+    from rlcore.runtime.gate import RAY_GATE
+    from rlcore.runtime.worker_group import WorkerGroup
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker class travels by value
     cluster = Cluster(ClusterConfig(num_cpus=1)).start()

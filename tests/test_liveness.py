@@ -13,7 +13,7 @@ import pytest
 
 from rlcore.config import ClusterConfig
 from rlcore.runtime.liveness import LIVENESS, WorkerHung
-from rlcore.runtime.workers import DistributedWorker, WorkerGroup
+from rlcore.runtime.worker_group import DistributedWorker, WorkerGroup
 
 ray = pytest.importorskip("ray")
 

@@ -72,7 +72,7 @@ def _clean(placed_before: list[dict[str, Any]], handlers: dict[int, Any]) -> lis
     import ray
 
     from rlcore.runtime.liveness import LIVENESS
-    from rlcore.runtime.workers import placed_groups
+    from rlcore.runtime.placed import placed_groups
 
     left = []
     if ray.is_initialized():
@@ -113,7 +113,7 @@ def test_a_loop_script_refuses_bad_input_before_anything_starts(tmp_path: Path, 
 def test_both_loops_run_in_one_process_and_leave_nothing_behind(tmp_path: Path) -> None:
     pytest.importorskip("rlcore_fsdp")
     pytest.importorskip("rlcore_vllm")
-    from rlcore.runtime.workers import placed_groups
+    from rlcore.runtime.placed import placed_groups
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     placed_before = placed_groups()
@@ -211,7 +211,7 @@ def test_two_sessions_on_an_existing_cluster_leave_it_as_they_found_it(tmp_path:
     existing = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     try:
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        from rlcore.runtime.workers import placed_groups
+        from rlcore.runtime.placed import placed_groups
 
         placed_before = placed_groups()
         for name in NAMES:

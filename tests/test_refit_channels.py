@@ -18,7 +18,7 @@ from rlcore.refit.channels import (
     send_weights,
 )
 from rlcore.refit.specs import TensorSpec, check_specs, plan_buckets, spec_of
-from rlcore.runtime.workers import free_port
+from rlcore.runtime.addresses import free_port
 
 torch = pytest.importorskip("torch")
 

@@ -26,7 +26,7 @@ from rlcore.errors import ConfigError, RefitError
 from rlcore.refit import channels
 from rlcore.refit.specs import ChannelSpec, plan_buckets, spec_of
 from rlcore.refit.transports import cuda_ipc
-from rlcore.runtime.workers import free_port
+from rlcore.runtime.addresses import free_port
 
 
 class ThreadIpc:

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from rlcore.errors import ConfigError
+from rlcore.runtime.addresses import free_port
 from rlcore.runtime.proc import group_members
 from rlcore.runtime.server import GuardedServer, ServerError, find_venv_python
-from rlcore.runtime.workers import free_port
 from rlcore.testing.waits import wait_for
 
 #: A JSON server with the command line GuardedServer gives (``--host H --port P``).

@@ -9,9 +9,10 @@ import time
 import pytest
 
 from rlcore.config import ClusterConfig
-from rlcore.errors import Cancelled, CancelToken, Deadline, DeadlineExceeded
-from rlcore.runtime import workers
-from rlcore.runtime.workers import DistributedWorker, WorkerError, WorkerGroup, actor_runtime_env
+from rlcore.errors import Cancelled, CancelToken, Deadline, DeadlineExceeded, WorkerError
+from rlcore.runtime import resources
+from rlcore.runtime.resources import actor_runtime_env
+from rlcore.runtime.worker_group import DistributedWorker, GroupSpec, WorkerGroup
 from rlcore.testing.waits import wait_for
 
 ray = pytest.importorskip("ray")
@@ -112,7 +113,7 @@ def test_actors_run_in_the_workers_ray_started_ahead(cluster) -> None:
     ended); a variable the workers lack still reaches the actor, as its own runtime_env."""
     assert wait_for(lambda: len(_idle_workers()) >= 2, timeout_s=120), "Ray started no workers ahead"
     ahead = _idle_workers()
-    run_env = dict(workers.WORKER_ENV)
+    run_env = dict(resources.WORKER_ENV)
     assert run_env["TOKENIZERS_PARALLELISM"] == "false" and run_env["OMP_NUM_THREADS"]
     group = WorkerGroup(EchoWorker, 2, name="echo-ahead", num_cpus=0.5, env=run_env, dist_backend=None)
     try:
@@ -137,15 +138,15 @@ def test_cluster_start_leaves_the_drivers_environment_as_it_was(monkeypatch) -> 
 
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     monkeypatch.delenv("RLCORE_TEST_VARIABLE", raising=False)
-    saved = dict(workers.WORKER_ENV)
+    saved = dict(resources.WORKER_ENV)
     try:
         with _worker_environment({"OMP_NUM_THREADS": "1", "RLCORE_TEST_VARIABLE": "on"}):
             assert os.environ["OMP_NUM_THREADS"] == "1" and os.environ["RLCORE_TEST_VARIABLE"] == "on"
         assert os.environ["OMP_NUM_THREADS"] == "7" and "RLCORE_TEST_VARIABLE" not in os.environ
-        assert workers.WORKER_ENV == {"OMP_NUM_THREADS": "1", "RLCORE_TEST_VARIABLE": "on"}
+        assert resources.WORKER_ENV == {"OMP_NUM_THREADS": "1", "RLCORE_TEST_VARIABLE": "on"}
     finally:
-        workers.WORKER_ENV.clear()
-        workers.WORKER_ENV.update(saved)
+        resources.WORKER_ENV.clear()
+        resources.WORKER_ENV.update(saved)
 
 
 def test_group_forms_a_process_group_and_tears_down(cluster) -> None:
@@ -154,6 +155,7 @@ def test_group_forms_a_process_group_and_tears_down(cluster) -> None:
         where = group.call("where")
         assert [w[:2] for w in where] == [(0, 2), (1, 2)]
         assert group.call("all_reduce", 1.5) == [3.0, 3.0]
+        assert group.spec == GroupSpec(EchoWorker, 2, "echo", num_cpus=0.5)
         pids = [w[2] for w in where]
     finally:
         group.shutdown()
@@ -199,7 +201,8 @@ def test_rendezvous_and_gloo_listen_on_loopback_only(cluster) -> None:
 def test_tcp_store_binds_loopback_for_a_loopback_host() -> None:
     import psutil
 
-    from rlcore.runtime.workers import free_port, tcp_store
+    from rlcore.runtime.addresses import free_port
+    from rlcore.runtime.rendezvous import tcp_store
 
     port = free_port()
     store = tcp_store("127.0.0.1", port, 1, True, 10.0)
@@ -219,7 +222,7 @@ def test_a_rendezvous_port_listens_before_its_store_exists() -> None:
 
     import psutil
 
-    from rlcore.runtime.workers import listen_ahead, tcp_store
+    from rlcore.runtime.rendezvous import listen_ahead, tcp_store
 
     port = listen_ahead("127.0.0.1")
     assert listen_ahead("127.0.0.1") != port  # each address gets its own held port
@@ -286,11 +289,23 @@ def test_group_larger_than_cluster_fails_fast(cluster) -> None:
         WorkerGroup(EchoWorker, 3, name="too-big", num_cpus=1.0)
 
 
+def test_a_group_spec_keeps_its_own_copy_of_the_arguments() -> None:
+    """What a restarted rank is built from is what the group started with, whatever the
+    caller does with its arguments afterwards; an unknown keyword is refused."""
+    args, kwargs = [1], {"a": 1}
+    spec = GroupSpec(EchoWorker, 2, "echo", args=args, kwargs=kwargs)
+    args.append(2)
+    kwargs["a"] = 2
+    assert (spec.args, spec.kwargs, spec.role, spec.dist_backend) == ((1,), {"a": 1}, None, "gloo")
+    with pytest.raises(TypeError, match="bogus"):
+        GroupSpec(EchoWorker, 1, "echo", bogus=1)  # type: ignore[call-arg]
+
+
 def test_ray_get_of_nothing_never_touches_ray(monkeypatch) -> None:
     """Handles that work in the driver return no refs; waiting on them must not start Ray."""
     import types
 
-    from rlcore.runtime.workers import ray_get
+    from rlcore.runtime.waits import ray_get
 
     fake = types.ModuleType("ray")
     fake.wait = lambda *a, **k: (_ for _ in ()).throw(AssertionError("ray used"))  # type: ignore[attr-defined]

@@ -27,7 +27,7 @@ from rlcore.testing.waits import wait_for
 
 
 def handle_pids(handle: Any) -> list[int]:
-    """The pids of a handle's Ray workers (handles built on rlcore.runtime.workers.WorkerGroup)."""
+    """The pids of a handle's Ray workers (handles built on rlcore.runtime.worker_group.WorkerGroup)."""
     return list(handle.group.pids())
 
 

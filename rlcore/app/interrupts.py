@@ -116,7 +116,7 @@ def descendants() -> list[Any]:
 def end_leftovers(grace_s: float = 2.0) -> list[str]:
     """After a teardown: SIGTERM what this process still has running (a shutdown that was
     abandoned at its bound), SIGKILL it after ``grace_s``; returns ``name (pid)`` of each."""
-    from rlcore.runtime.workers import wait_exited
+    from rlcore.runtime.proc import wait_exited
 
     procs = descendants()
     names = []

@@ -3,7 +3,7 @@
 How a loss is found: a generation worker's process that dies (SIGKILL, OOM killer, a
 crashed engine) makes the next call on it fail with
 :class:`~rlcore.errors.WorkerLost`, within one polling slice plus the settle
-time of :func:`rlcore.runtime.workers.ray_get` (about 2 s) once Ray sees the actor die.
+time of :func:`rlcore.runtime.waits.ray_get` (about 2 s) once Ray sees the actor die.
 Whose worker it was is said by the caller that knows: the loop's generation
 (:class:`rlcore.app.guards.GuardedGeneration`) for ``generate`` and ``logprobs``, the core's refit
 (:mod:`rlcore.refit.sync`) for a refit. Only a loss known to be the generation's is

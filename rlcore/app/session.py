@@ -76,7 +76,7 @@ from rlcore.handles import (
     SamplingParams,
 )
 from rlcore.runtime.cluster import Cluster
-from rlcore.runtime.workers import forget_placed, placed_groups
+from rlcore.runtime.placed import forget_placed, placed_groups
 from rlcore.setup.preflight import check_before_start
 from rlcore.setup.registry import load_registry
 from rlcore.setup.runner import SetupResult, run_prepared

@@ -4,7 +4,7 @@ Two things a backend reads from its :class:`~rlcore.context.InitContext`:
 
 * ``ctx.placement`` (:class:`RolePlacement`): the nodes the role's actors may run on,
   from ``placement.nodes.<role>`` in Ray's own terms (custom resources each actor asks
-  for, node labels it selects). :class:`rlcore.runtime.workers.WorkerGroup` takes it
+  for, node labels it selects). :class:`rlcore.runtime.worker_group.WorkerGroup` takes it
   (``placement=ctx.placement``) and adds it to every actor's options; a backend that
   starts its actors that way needs nothing else.
 * ``ctx.network`` (:class:`Network`): whether the run's servers (an OpenAI-compatible
@@ -12,7 +12,7 @@ Two things a backend reads from its :class:`~rlcore.context.InitContext`:
   and the run's token. The core derives it from the placement (:func:`spans_nodes`): on
   one node every server binds loopback and needs no token (the single-host default); when
   a role or the driver may run on another node, servers bind their node's address
-  (:func:`rlcore.runtime.workers.server_host`) and every request must carry
+  (:func:`rlcore.runtime.addresses.server_host`) and every request must carry
   ``Authorization: Bearer <token>`` (:mod:`rlcore.serve.auth` checks it; 401 without).
 
 On a cluster with GPUs the core also decides which GPU each policy and generation rank
@@ -122,7 +122,7 @@ class DeviceBundle:
 
     def ray_bundle(self, config: RunConfig) -> dict[str, float]:
         """The bundle as Ray's ``placement_group`` takes it: the GPUs, one CPU per member
-        (what :func:`rlcore.runtime.workers.device_resources` gives a GPU rank) and the
+        (what :func:`rlcore.runtime.resources.device_resources` gives a GPU rank) and the
         members' custom resources (``placement.nodes.<role>.resources``)."""
         out: dict[str, float] = {"GPU": float(self.gpus), "CPU": float(len(self.members))}
         for role, _, _ in self.members:

@@ -14,7 +14,7 @@ from typing import Any
 
 from rlcore.refit.worker import RefitChannels
 from rlcore.runtime.group_handle import GroupHandle
-from rlcore.runtime.workers import DistributedWorker
+from rlcore.runtime.worker_group import DistributedWorker
 
 
 class CaptureWorker(DistributedWorker, RefitChannels):
@@ -79,7 +79,7 @@ def capture_export(policy: Any, ctx: Any) -> dict[str, Any]:
     whose transport the core runs on this host, with sessions of its own, closed here) says,
     by name; the capture actor is gone when this returns."""
     from rlcore.refit.sync import refit
-    from rlcore.runtime.workers import WorkerGroup
+    from rlcore.runtime.worker_group import WorkerGroup
 
     specs = list(policy.weight_specs())
     # No CPU reserved: the run's workers may hold every CPU of the cluster (the quickstart's

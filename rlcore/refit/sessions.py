@@ -58,7 +58,8 @@ class RefitSessions:
 
     def open(self, policy: RefitSender, generation: RefitReceiver, ctx: RefitContext) -> Session:
         """The session for this pair over ``ctx.transport``, opening the channel the first time."""
-        from rlcore.runtime.workers import WorkerLost, ray_get
+        from rlcore.errors import WorkerLost
+        from rlcore.runtime.waits import ray_get
 
         key = (id(policy), id(generation), ctx.transport)
         with self._lock:

@@ -11,11 +11,11 @@ import time
 from typing import Any
 
 from rlcore.context import RefitContext
-from rlcore.errors import RefitError
+from rlcore.errors import RefitError, WorkerLost
 from rlcore.handles import RefitReceiver, RefitReport, RefitSender
 from rlcore.refit import transports
 from rlcore.refit.specs import check_specs, plan_buckets
-from rlcore.runtime.workers import WorkerLost, ray_get
+from rlcore.runtime.waits import ray_get
 
 log = logging.getLogger(__name__)
 

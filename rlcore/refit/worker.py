@@ -17,7 +17,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from rlcore.runtime.workers import listening_address
+from rlcore.runtime.rendezvous import listening_address
 
 if TYPE_CHECKING:
     from rlcore.refit.specs import ChannelSpec, TensorSpec
@@ -26,12 +26,12 @@ log = logging.getLogger(__name__)
 
 
 class RefitChannels:
-    """Channel bookkeeping of one rank (a mixin for :class:`rlcore.runtime.workers.DistributedWorker`)."""
+    """Channel bookkeeping of one rank (a mixin for :class:`rlcore.runtime.worker_group.DistributedWorker`)."""
 
     rank: int
 
     def refit_address(self) -> tuple[str, int]:
-        """Where the channel's store meets (:func:`rlcore.runtime.workers.listening_address`:
+        """Where the channel's store meets (:func:`rlcore.runtime.rendezvous.listening_address`:
         the receivers may connect before this rank's store exists)."""
         return listening_address()
 

@@ -5,12 +5,12 @@ whole process: starting it twice reuses it, and only the owner shuts it down.
 
 The embedded cluster is a single-host one: its node address is 127.0.0.1, so Ray's
 servers and agents, the worker groups' rendezvous stores and gloo all listen on
-loopback only (:func:`rlcore.runtime.workers.tcp_store`). Joining a cluster by address keeps
+loopback only (:func:`rlcore.runtime.rendezvous.tcp_store`). Joining a cluster by address keeps
 Ray's choice (the node's outward address): several hosts must reach each other.
 
 No thread of a run can start a second cluster: Ray's auto-init (which ``ray.get`` and
 friends run when Ray is not connected) is switched off when the cluster starts, and
-:meth:`Cluster.shutdown` first closes :data:`rlcore.runtime.workers.RAY_GATE`, so a thread the
+:meth:`Cluster.shutdown` first closes :data:`rlcore.runtime.gate.RAY_GATE`, so a thread the
 setup abandoned makes no Ray call during or after ``ray.shutdown()``. The shutdown of an
 embedded cluster returns once every process of it (GCS, raylet, Ray's agents, workers)
 has exited. ``ray.init`` replaces the driver's SIGTERM (and, in its C++ core, SIGINT)
@@ -74,7 +74,7 @@ LOCAL_CONNECT_RETRY = {
 def loopback_env() -> dict[str, str]:
     """Environment of the embedded cluster's workers: gloo and NCCL's bootstrap on the
     loopback interface (unless this process already chose interfaces)."""
-    from rlcore.runtime.workers import loopback_interface
+    from rlcore.runtime.addresses import loopback_interface
 
     iface = loopback_interface()
     return {
@@ -115,11 +115,11 @@ def _worker_environment(env_vars: dict[str, str]) -> Iterator[None]:
     the raylet hands its own to every worker it starts. Given this way rather than as the
     job's ``runtime_env``, the variables leave the job's runtime environment empty, so
     the workers the raylet starts ahead of time (one per CPU, while ``ray.init`` returns)
-    match the run's actors (:func:`rlcore.runtime.workers.actor_runtime_env`) instead of
+    match the run's actors (:func:`rlcore.runtime.resources.actor_runtime_env`) instead of
     being ended for fresh processes. The driver's environment is put back afterwards;
-    :data:`rlcore.runtime.workers.WORKER_ENV` records what the workers have.
+    :data:`rlcore.runtime.resources.WORKER_ENV` records what the workers have.
     """
-    from rlcore.runtime import workers
+    from rlcore.runtime import resources
 
     saved = {name: os.environ.get(name) for name in env_vars}
     os.environ.update(env_vars)
@@ -131,8 +131,8 @@ def _worker_environment(env_vars: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    workers.WORKER_ENV.clear()
-    workers.WORKER_ENV.update(env_vars)
+    resources.WORKER_ENV.clear()
+    resources.WORKER_ENV.update(env_vars)
 
 
 def no_auto_init() -> None:
@@ -170,12 +170,12 @@ def _ray_processes() -> list[Any]:
     try:
         from ray._private import worker as ray_worker
 
-        from rlcore.runtime.workers import _processes_of
+        from rlcore.runtime.proc import processes_of
 
         node = ray_worker._global_node
         if node is None:
             return []
-        return _processes_of([proc.pid for _, proc in node.live_processes()])
+        return processes_of([proc.pid for _, proc in node.live_processes()])
     except Exception as err:  # pragma: no cover - a Ray without these internals
         log.debug("cannot list the Ray cluster's processes: %s", err)
         return []
@@ -272,7 +272,7 @@ class Cluster:
         from ray.util.placement_group import placement_group, remove_placement_group
 
         from rlcore.errors import ConfigError, Deadline
-        from rlcore.runtime.workers import ray_get
+        from rlcore.runtime.waits import ray_get
 
         with RAY_GATE.call("reserving the run's GPUs"):
             have = ray.cluster_resources().get("GPU", 0.0)
@@ -324,14 +324,14 @@ class Cluster:
     def shutdown(self, reason: str = "the run's Ray cluster is shut down", exit_s: float = 5.0) -> list[str]:
         """Stop the cluster if this object started it; returns what was left to SIGKILL.
 
-        Ray calls are refused from here on (:data:`rlcore.runtime.workers.RAY_GATE`, with up to
+        Ray calls are refused from here on (:data:`rlcore.runtime.gate.RAY_GATE`, with up to
         2 s for calls in flight to return), then ``ray.shutdown()``; then every process of
         the embedded cluster still there half a second later gets SIGTERM, and ``exit_s`` to
         exit before it is SIGKILLed (Ray's agents otherwise linger for a minute after their
         raylet is gone).
         """
-        from rlcore.runtime import workers
-        from rlcore.runtime.workers import wait_exited
+        from rlcore.runtime import resources
+        from rlcore.runtime.proc import wait_exited
 
         LIVENESS.clear()  # its groups go with the cluster: nothing is probed any more
         with _lock:
@@ -352,7 +352,7 @@ class Cluster:
 
             RAY_GATE.close(reason)
             self._devices = None  # the placement group ends with the cluster
-            workers.WORKER_ENV.clear()  # what the next cluster's workers inherit is its own
+            resources.WORKER_ENV.clear()  # what the next cluster's workers inherit is its own
             procs = _ray_processes()
             with contextlib.suppress(Exception):  # a half-started cluster may not stop cleanly
                 ray.shutdown()

@@ -1,6 +1,6 @@
 """Who may call Ray now: the process's one gate, closed while the run's cluster shuts down.
 
-Kept apart from :mod:`rlcore.runtime.workers` so that everything that calls Ray for the
+Kept apart from :mod:`rlcore.runtime.worker_group` so that everything that calls Ray for the
 core (worker groups, the liveness monitor, the cluster) enters the same gate without
 importing each other.
 """

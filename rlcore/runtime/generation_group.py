@@ -1,4 +1,4 @@
-"""What the generation backends over a :class:`rlcore.runtime.workers.WorkerGroup` of
+"""What the generation backends over a :class:`rlcore.runtime.worker_group.WorkerGroup` of
 independent engines share: the handle's driver-side calls (the generation counterpart of
 :mod:`rlcore.runtime.policy_group`), the start of the engines, and the engine's side.
 
@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from rlcore.handles import Endpoint, Pair, Sample, SamplingParams
 from rlcore.runtime.batches import shard_range
 from rlcore.runtime.group_handle import GroupHandle
-from rlcore.runtime.workers import DistributedWorker, WorkerGroup, free_port, server_host
+from rlcore.runtime.addresses import free_port, server_host
+from rlcore.runtime.worker_group import DistributedWorker, WorkerGroup
 
 if TYPE_CHECKING:
     from pathlib import Path

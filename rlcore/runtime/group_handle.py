@@ -1,4 +1,4 @@
-"""The lifecycle every handle over a :class:`rlcore.runtime.workers.WorkerGroup` shares.
+"""The lifecycle every handle over a :class:`rlcore.runtime.worker_group.WorkerGroup` shares.
 
 A handle is open until ``shutdown()``; every call checks that first, so a call on a
 handle the core (or a failure path) already shut down names the backend instead of

@@ -5,14 +5,14 @@ fails its call: Ray notices only through its keepalive, minutes later, and then 
 "died" without saying what it was doing; a call's own timeout cannot tell a big model's
 slow generate from a frozen process.
 
-:class:`rlcore.runtime.workers.WorkerGroup` gives each actor a concurrency group of its
+:class:`rlcore.runtime.worker_group.WorkerGroup` gives each actor a concurrency group of its
 own (:data:`PROBE_GROUP`, one thread), so ``rlcore_liveness()`` runs beside whatever
 call is busy; it also reports the worker's child processes that are stopped (an engine's
 server). The process's :data:`LIVENESS` monitor, one driver thread, probes every watched
 rank every :attr:`LivenessMonitor.interval_s` seconds. A rank that has not answered
 healthy for :attr:`LivenessMonitor.silence_s` is declared hung; the clock starts at its
 first answer (a rank still starting is bounded by its init deadline). Every wait of the
-core (:func:`rlcore.runtime.workers.ray_get`) asks the monitor at each polling slice and
+core (:func:`rlcore.runtime.waits.ray_get`) asks the monitor at each polling slice and
 raises :class:`WorkerHung`, naming group, role, rank, node, pid and what it waited for,
 so the run ends (or replaces a generation engine) within ``cluster.hang_timeout_s`` of
 the freeze. A long call whose process keeps running answers every probe: not a hang.
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 #: The concurrency group (one thread) every probed actor has besides its default one.
 PROBE_GROUP = "rlcore_liveness"
-#: The method a probed worker class provides (:class:`rlcore.runtime.workers.DistributedWorker` does).
+#: The method a probed worker class provides (:class:`rlcore.runtime.worker_group.DistributedWorker` does).
 PROBE_METHOD = "rlcore_liveness"
 #: ``cluster.hang_timeout_s``'s default: a frozen worker is declared hung within this.
 DEFAULT_HANG_TIMEOUT_S = 30.0
@@ -319,5 +319,5 @@ def _state_of(pid: int | None) -> str:
 
 
 #: The process's monitor: configured by :meth:`rlcore.runtime.cluster.Cluster.start`,
-#: fed by :class:`rlcore.runtime.workers.WorkerGroup`, asked by every ``ray_get``.
+#: fed by :class:`rlcore.runtime.worker_group.WorkerGroup`, asked by every ``ray_get``.
 LIVENESS = LivenessMonitor()

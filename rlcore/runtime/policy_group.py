@@ -1,4 +1,4 @@
-"""Driver-side methods a policy handle over a :class:`rlcore.runtime.workers.WorkerGroup` shares.
+"""Driver-side methods a policy handle over a :class:`rlcore.runtime.worker_group.WorkerGroup` shares.
 
 :class:`GroupPolicy` implements the channel part of
 :class:`rlcore.handles.RefitSender` for handles whose workers are

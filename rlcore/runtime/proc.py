@@ -1,4 +1,5 @@
-"""Stopping the processes a backend started: process groups, the right signals, bounded waits.
+"""Stopping processes: the process groups a backend started, the right signals, bounded
+waits; and a worker group's Ray processes with their children (``psutil``).
 
 Backends that start server processes (vLLM's and SGLang's servers, NeMo Gym's
 launcher, Megatron's converter) start each in a process group of its own and stop
@@ -103,3 +104,46 @@ def log_tail(path: Path, lines: int = 40) -> str:
     except OSError:
         return "(no log)"
     return "\n".join(text[-lines:])
+
+
+def kill_all(procs: Sequence[Any]) -> None:
+    """SIGKILL each ``psutil.Process`` (a stopped one too: SIGKILL needs no cooperation)."""
+    for p in procs:
+        try:
+            p.kill()
+        except Exception as err:  # gone meanwhile, or not ours to kill
+            log.debug("SIGKILL of %d failed: %s", p.pid, err)
+
+
+def processes_of(pids: Sequence[int]) -> list[Any]:
+    """``psutil.Process`` objects of ``pids`` and all their descendants (those still there)."""
+    import psutil
+
+    found: dict[int, Any] = {}
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            for p in [proc, *proc.children(recursive=True)]:
+                found[p.pid] = p
+        except psutil.Error:
+            continue
+    return list(found.values())
+
+
+def wait_exited(procs: Sequence[Any], timeout_s: float, poll_s: float = 0.05) -> list[Any]:
+    """Poll until every ``psutil.Process`` in ``procs`` has exited (a zombie counts as
+    exited) or ``timeout_s`` passes; returns those still running."""
+    import psutil
+
+    def running(p: Any) -> bool:
+        try:
+            return bool(p.is_running()) and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    left = [p for p in procs if running(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        left = [p for p in left if running(p)]
+    return left

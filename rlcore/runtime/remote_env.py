@@ -3,7 +3,7 @@
 An env built on :class:`rlcore.handles.PromptAndScoreEnv` makes prompts and scores texts;
 the core samples through the generation. Such an env is cheap and lives in the driver,
 unless the config pins the env role to some nodes: then :func:`placed_env` moves the env
-object into one Ray actor there (a :class:`~rlcore.runtime.workers.WorkerGroup` of one,
+object into one Ray actor there (a :class:`~rlcore.runtime.worker_group.WorkerGroup` of one,
 with the role's placement) and returns a stand-in whose ``sample_prompts`` and ``score``
 run in it. The env object and its prompts must pickle; the sampling stays in the driver.
 """
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rlcore.handles import PromptAndScoreEnv
-from rlcore.runtime.workers import DistributedWorker, WorkerGroup
+from rlcore.runtime.worker_group import DistributedWorker, WorkerGroup
 
 if TYPE_CHECKING:
     from rlcore.context import InitContext

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.errors import ConfigError, RlcoreError
+from rlcore.runtime.addresses import is_loopback
 from rlcore.runtime.proc import log_tail, stop_group
-from rlcore.runtime.workers import is_loopback
 
 
 class ServerError(RlcoreError):

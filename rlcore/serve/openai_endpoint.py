@@ -663,7 +663,7 @@ class OpenAIEndpoint:
         """Bind, serve in a daemon thread, return once it accepts connections."""
         import uvicorn
 
-        from rlcore.runtime.workers import is_loopback
+        from rlcore.runtime.addresses import is_loopback
 
         if not is_loopback(self.host) and not self.token:
             raise RlcoreError(

@@ -4,7 +4,7 @@
 :class:`rlcore.testing.BackendConformance` use it as the default ``peer_plugin``) that
 serves ``policy`` and ``generation`` with plain Hugging Face ``transformers`` on the
 run's model (``model.path``, or the tiny model of :func:`rlcore.models.tiny.ensure_model`).
-Each role is one worker (a :class:`rlcore.runtime.workers.WorkerGroup` of one Ray actor) and
+Each role is one worker (a :class:`rlcore.runtime.worker_group.WorkerGroup` of one Ray actor) and
 follows every convention of :mod:`rlcore.handles`:
 
 * :class:`ReferencePolicy` implements :class:`~rlcore.handles.PolicyHandle` (logprobs
@@ -39,7 +39,7 @@ from rlcore.hookspecs import hookimpl
 from rlcore.refit.worker import RefitChannels, RefitSenderWorker
 from rlcore.runtime.group_handle import GroupHandle
 from rlcore.runtime.policy_group import GroupPolicy
-from rlcore.runtime.workers import DistributedWorker
+from rlcore.runtime.worker_group import DistributedWorker
 
 #: The reference peer's backend name (``policy.backend`` / ``generation.backend``).
 REFERENCE_NAME = "rlcore-reference"
@@ -302,7 +302,7 @@ class ReferencePlugin:
         import ray
 
         from rlcore.models.tiny import ensure_model
-        from rlcore.runtime.workers import WorkerGroup
+        from rlcore.runtime.worker_group import WorkerGroup
 
         if not ray.is_initialized():
             from rlcore.errors import ConfigError

@@ -8,7 +8,7 @@ from typing import Any
 from rlcore.refit.specs import TensorSpec
 from rlcore.runtime.batches import put_rows
 from rlcore.runtime.policy_group import GroupPolicy
-from rlcore.runtime.workers import WorkerGroup
+from rlcore.runtime.worker_group import WorkerGroup
 
 
 class FSDPPolicy(GroupPolicy):
@@ -17,7 +17,7 @@ class FSDPPolicy(GroupPolicy):
     Implements :class:`rlcore.handles.RefitSender` (rank 0 sends; every rank takes
     part in the export) and the policy side of :func:`rlcore.app.grpo.run_grpo`
     (``logprobs``, ``train_step``). Every call waits through
-    :meth:`rlcore.runtime.workers.WorkerGroup.call`, i.e. with the group's cancellation token
+    :meth:`rlcore.runtime.worker_group.WorkerGroup.call`, i.e. with the group's cancellation token
     and a deadline (``policy.options.timeout_s``), and names the failing rank.
 
     Attributes:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from rlcore.refit.specs import TensorSpec
-    from rlcore.runtime.workers import WorkerGroup
+    from rlcore.runtime.worker_group import WorkerGroup
     from rlcore_fsdp.handle import FSDPPolicy
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,8 @@ def _options(ctx: InitContext) -> FSDPOptions:
 
 def _start_workers(ctx: InitContext, options: FSDPOptions, device: str) -> WorkerGroup:
     """The policy's ranks as Ray actors, one device each (not yet loaded)."""
-    from rlcore.runtime.workers import WorkerGroup, device_resources
+    from rlcore.runtime.resources import device_resources
+    from rlcore.runtime.worker_group import WorkerGroup
     from rlcore_fsdp.worker import FSDPWorker
 
     role = ctx.config.policy
@@ -121,7 +122,7 @@ def _log_ready(ctx: InitContext, info: dict[str, Any], device: str) -> None:
 
 @hookimpl
 def rlcore_init_policy(ctx: InitContext) -> FSDPPolicy:
-    from rlcore.runtime.workers import require_ray, resolve_worker_device
+    from rlcore.runtime.resources import require_ray, resolve_worker_device
 
     require_ray("fsdp", "policy")
     from rlcore.models.tiny import ensure_model

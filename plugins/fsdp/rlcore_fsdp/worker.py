@@ -1,6 +1,6 @@
 """One rank of the FSDP policy: a Hugging Face causal LM sharded with FSDP1.
 
-:class:`FSDPWorker` is a plain class. :class:`rlcore.runtime.workers.WorkerGroup` runs N
+:class:`FSDPWorker` is a plain class. :class:`rlcore.runtime.worker_group.WorkerGroup` runs N
 of them as Ray actors that form a torch.distributed group (gloo on CPU, NCCL on
 CUDA); a test can run one in-process after ``init_process_group`` with world
 size 1.
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from rlcore.refit.specs import TensorSpec, plan_buckets
 from rlcore.refit.worker import RefitSenderWorker
 from rlcore.runtime.losses import PolicyGradientWorker, right_padded
-from rlcore.runtime.workers import DistributedWorker
+from rlcore.runtime.worker_group import DistributedWorker
 
 if TYPE_CHECKING:
     import torch

@@ -27,8 +27,8 @@ from rlcore.context import InitContext
 from rlcore.declarations import Role, validate_declaration
 from rlcore.errors import RlcoreError
 from rlcore.refit.specs import plan_buckets, spec_of
+from rlcore.runtime.addresses import free_port
 from rlcore.runtime.batches import shard_range
-from rlcore.runtime.workers import free_port
 from rlcore.testing import fixtures
 from rlcore.testing.fixtures import tiny_model_dir
 from rlcore.testing.policy_checks import (
@@ -242,7 +242,7 @@ def test_ray_train_step_matches_reference(policy: Any, policy_model_dir: Path) -
 
 def test_ray_refit_disk_roundtrip(policy: Any, policy_tmp: Path) -> None:
     from rlcore.refit.channels import ChannelSpec, receive_weights
-    from rlcore.runtime.workers import ray_get
+    from rlcore.runtime.waits import ray_get
 
     spec = ChannelSpec("disk", "fsdp-test", 2, root=str(policy_tmp / "refit"), timeout_s=30)
     specs = policy.weight_specs()
@@ -258,7 +258,7 @@ def test_ray_refit_disk_roundtrip(policy: Any, policy_tmp: Path) -> None:
 def test_ray_refit_collective_roundtrip(policy: Any) -> None:
     """This process joins the gloo refit channel as the receiving rank 1."""
     from rlcore.refit.channels import ChannelSpec, close_channel, open_channel, receive_weights
-    from rlcore.runtime.workers import ray_get
+    from rlcore.runtime.waits import ray_get
 
     host, port = policy.refit_address()
     spec = ChannelSpec("collective", "fsdp-test-coll", 2, addr=host, port=port, timeout_s=30)
@@ -313,7 +313,7 @@ def test_ray_tied_embeddings_two_ranks(
 @pytest.mark.timeout(240)
 def test_ray_init_failure_cleans_up(ray_cluster: None, policy_tmp: Path, model_dir: Path) -> None:
     """Rank 0 cannot read the weights: every rank fails at once and no actor is left."""
-    from rlcore.runtime.workers import WorkerError
+    from rlcore.errors import WorkerError
 
     broken = policy_tmp / "broken-model"
     shutil.copytree(model_dir, broken)

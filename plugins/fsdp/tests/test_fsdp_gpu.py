@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlcore.runtime.workers import free_port
+from rlcore.runtime.addresses import free_port
 from rlcore.testing.policy_checks import LR, write_hf_model
 from rlcore.testing.reference import GRPO_ADVANTAGES, GRPO_BATCH
 

@@ -40,12 +40,8 @@ from rlcore.refit.specs import TensorSpec
 from rlcore.runtime.batches import put_rows
 from rlcore.runtime.group_handle import GroupHandle
 from rlcore.runtime.policy_group import GroupPolicy
-from rlcore.runtime.workers import (
-    WorkerGroup,
-    device_resources,
-    require_ray,
-    resolve_worker_device,
-)
+from rlcore.runtime.resources import device_resources, require_ray, resolve_worker_device
+from rlcore.runtime.worker_group import WorkerGroup
 from rlcore_megatron.options import CHECKPOINT_ARTIFACT, MegatronOptions, resolve_engine
 
 log = logging.getLogger(__name__)
@@ -192,7 +188,7 @@ class MegatronPolicy(GroupPolicy, _Handle):
 
     Implements :class:`rlcore.handles.RefitSender` (rank 0 sends; the ranks of
     replica 0 gather in lockstep) and the policy side of :func:`rlcore.app.grpo.run_grpo`.
-    Every call waits through :meth:`rlcore.runtime.workers.WorkerGroup.call` (cancellation,
+    Every call waits through :meth:`rlcore.runtime.worker_group.WorkerGroup.call` (cancellation,
     a deadline of ``options.timeout_s``, the failing rank named).
 
     Attributes:
@@ -664,7 +660,7 @@ def _start_endpoint(
     """The OpenAI-compatible endpoint over ``handle.generate`` (``serve_openai``);
     ``tokenizer``: what :func:`rlcore.serve.openai_endpoint.prepare` started loading."""
     from rlcore.config.placement import Network
-    from rlcore.runtime.workers import is_loopback, server_host
+    from rlcore.runtime.addresses import is_loopback, server_host
     from rlcore.serve.openai_endpoint import Batching, Listen, OpenAIEndpoint, ServedModel
     from rlcore_megatron.worker import eos_token_ids
 

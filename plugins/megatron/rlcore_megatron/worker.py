@@ -19,8 +19,8 @@ conversion on either side, no staging, one copy per dtype buffer. Otherwise (vLL
 or SGLang on the other side, another TP, another dtype) it streams the Hugging
 Face plan as before. The policy's ``send_weights`` says which ran.
 
-Both are :class:`rlcore.runtime.workers.DistributedWorker` subclasses: a
-:class:`rlcore.runtime.workers.WorkerGroup` gives them a torch.distributed default group
+Both are :class:`rlcore.runtime.worker_group.DistributedWorker` subclasses: a
+:class:`rlcore.runtime.worker_group.WorkerGroup` gives them a torch.distributed default group
 (gloo on CPU, NCCL on CUDA), over which they initialise megatron-core's parallel
 state; ``bench/megatron_gpu.py`` drives the same classes from
 ``torch.multiprocessing`` processes, and tests drive one rank in-process.
@@ -52,7 +52,7 @@ from rlcore.handles import SamplingParams
 from rlcore.refit.worker import RefitChannels, RefitSenderWorker
 from rlcore.runtime.batches import Row, shard_range
 from rlcore.runtime.losses import LogprobWorker, PolicyGradientWorker, right_padded
-from rlcore.runtime.workers import DistributedWorker
+from rlcore.runtime.worker_group import DistributedWorker
 
 if TYPE_CHECKING:
     import torch
@@ -77,7 +77,7 @@ def quiet_process() -> None:
     """Silence megatron-core in this worker's process, before it is imported: its static
     engine draws a tqdm bar per batch, and its import warns about missing Transformer
     Engine / Apex. Set here rather than as the actor's environment, so the actor can run
-    in a worker Ray started ahead of time (:func:`rlcore.runtime.workers.actor_runtime_env`)."""
+    in a worker Ray started ahead of time (:func:`rlcore.runtime.resources.actor_runtime_env`)."""
     import os
     import warnings
 

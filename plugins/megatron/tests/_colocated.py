@@ -37,7 +37,7 @@ class Host:
         """A TP=1 policy worker with megatron-core's random init (``std``: redraw matrices)."""
         import torch
 
-        from rlcore.runtime.workers import free_port
+        from rlcore.runtime.addresses import free_port
         from rlcore_megatron.options import MegatronOptions
         from rlcore_megatron.worker import MegatronPolicyWorker
 
@@ -54,7 +54,7 @@ class Host:
 
     def start_generation(self, model_dir: str, dtype: str, seed: int, batch: int, seq: int, kv_gib: float) -> dict:
         """A refit-fed TP=1 generation worker (megatron-core's dynamic engine on CUDA)."""
-        from rlcore.runtime.workers import free_port
+        from rlcore.runtime.addresses import free_port
         from rlcore_megatron.options import MegatronOptions
         from rlcore_megatron.worker import MegatronGenerationWorker
 

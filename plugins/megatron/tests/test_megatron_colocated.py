@@ -15,7 +15,7 @@ from rlcore.declarations import Transport
 from rlcore.errors import DeadlineExceeded
 from rlcore.refit.channels import ChannelSpec
 from rlcore.refit.specs import plan_buckets
-from rlcore.runtime.workers import free_port
+from rlcore.runtime.addresses import free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # megatron-core's own
 

@@ -63,7 +63,7 @@ class Pair:
     def __init__(self, model_dir: str, path: str) -> None:
         from rlcore.refit.channels import ChannelSpec
         from rlcore.refit.specs import plan_buckets
-        from rlcore.runtime.workers import free_port
+        from rlcore.runtime.addresses import free_port
 
         self.path = path
         self.policy = ProcActor("policy", ENV)

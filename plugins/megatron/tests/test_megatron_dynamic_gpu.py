@@ -55,7 +55,7 @@ def llama_config() -> dict:
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
-    from rlcore.runtime.workers import free_port
+    from rlcore.runtime.addresses import free_port
     from rlcore_megatron.options import MegatronOptions
     from rlcore_megatron.worker import MegatronGenerationWorker, MegatronPolicyWorker
 

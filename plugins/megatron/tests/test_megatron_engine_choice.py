@@ -15,7 +15,7 @@ import torch
 
 from rlcore.config import resolve_options
 from rlcore.errors import ConfigError
-from rlcore.runtime.workers import free_port
+from rlcore.runtime.addresses import free_port
 from rlcore_megatron import inference, paged_attention
 from rlcore_megatron.convert import ModelSpec
 from rlcore_megatron.options import MegatronOptions

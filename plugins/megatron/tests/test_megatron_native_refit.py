@@ -27,7 +27,7 @@ from rlcore.refit.channels import ChannelSpec
 from rlcore.refit.specs import plan_buckets
 from rlcore.refit.sync import _path
 from rlcore.refit.transports import cuda_ipc
-from rlcore.runtime.workers import free_port
+from rlcore.runtime.addresses import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
 import test_megatron_colocated  # noqa: E402

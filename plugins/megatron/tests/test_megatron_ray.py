@@ -370,7 +370,7 @@ def test_generation_waits_inside_init_for_the_published_checkpoint(
 def test_broken_checkpoint_fails_policy_init_without_leaks(
     ray_cluster: None, tmp_path: Path, llama_dir: Path
 ) -> None:
-    from rlcore.runtime.workers import WorkerError
+    from rlcore.errors import WorkerError
 
     broken = tmp_path / "broken-model"
     shutil.copytree(llama_dir, broken)

@@ -28,7 +28,7 @@ from rlcore.errors import NotServingError
 from rlcore.handles import SamplingParams
 from rlcore.refit.channels import ChannelSpec
 from rlcore.refit.specs import plan_buckets, spec_of
-from rlcore.runtime.workers import free_port
+from rlcore.runtime.addresses import free_port
 from rlcore_megatron import convert
 from rlcore_megatron.options import MegatronOptions
 from rlcore_megatron.worker import MegatronGenerationWorker, MegatronPolicyWorker, shard_range

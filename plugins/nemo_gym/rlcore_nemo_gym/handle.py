@@ -32,7 +32,7 @@ from rlcore.context import InitContext
 from rlcore.declarations import ENDPOINT_EVENT
 from rlcore.errors import Cancelled, CancelToken, ConfigError, Deadline, DeadlineExceeded
 from rlcore.handles import Endpoint, Rollout, RolloutRequest
-from rlcore.runtime.workers import free_port
+from rlcore.runtime.addresses import free_port
 from rlcore_nemo_gym.servers import (
     REPORT_WAIT_S,
     GymError,

@@ -21,7 +21,8 @@ from rlcore.errors import RefitError
 from rlcore.handles import SamplingParams
 from rlcore.refit import channels
 from rlcore.refit.specs import TensorSpec, plan_buckets, spec_of
-from rlcore.runtime.workers import WorkerError, free_port
+from rlcore.errors import WorkerError
+from rlcore.runtime.addresses import free_port
 
 TOL = 1e-4
 PROBE = [(p, [10, 11, 12, 3]) for p in PROMPTS]

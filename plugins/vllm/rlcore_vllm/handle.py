@@ -15,7 +15,7 @@ from typing import Any
 
 from rlcore.context import InitContext
 from rlcore.runtime.generation_group import Engines, GroupGeneration, start_engines
-from rlcore.runtime.workers import cluster_has_gpu
+from rlcore.runtime.resources import cluster_has_gpu
 from rlcore_vllm.options import VLLMOptions
 from rlcore_vllm.worker import VLLMWorker
 

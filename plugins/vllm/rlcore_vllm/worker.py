@@ -110,7 +110,7 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
         then; a server started from here inherits them): the in-process engine without an
         engine-core subprocess, and vLLM's log level. Set here rather than as the actor's
         environment, so the actor can run in a worker Ray started ahead of time
-        (:func:`rlcore.runtime.workers.actor_runtime_env`)."""
+        (:func:`rlcore.runtime.resources.actor_runtime_env`)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ["VLLM_LOGGING_LEVEL"] = self.log_level
 

@@ -20,7 +20,7 @@ from rlcore.refit.channels import ChannelSpec
 from rlcore.refit.sessions import RefitSessions
 from rlcore.refit.specs import TensorSpec, plan_buckets
 from rlcore.refit.sync import refit
-from rlcore.runtime.workers import WorkerError
+from rlcore.errors import WorkerError
 from rlcore.setup.runner import refit_context
 from rlcore_vllm.plugin import rlcore_init_generation
 

@@ -22,7 +22,7 @@ from rlcore.errors import CancelToken
 from rlcore.handles import SamplingParams
 from rlcore.refit.sessions import RefitSessions
 from rlcore.refit.sync import refit
-from rlcore.runtime.workers import WorkerError
+from rlcore.errors import WorkerError
 from rlcore.setup.runner import refit_context
 from rlcore_vllm.plugin import rlcore_init_generation
 

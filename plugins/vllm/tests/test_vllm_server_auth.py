@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rlcore.config.placement import Network
-from rlcore.runtime.workers import free_port
+from rlcore.runtime.addresses import free_port
 from rlcore.testing.fixtures import outward_address
 from rlcore_vllm.server import ServerError, ServerProcess
 

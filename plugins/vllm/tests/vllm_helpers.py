@@ -70,7 +70,7 @@ class _PolicyActor:
         return [spec_of(n, t) for n, t in self.model.state_dict().items()]
 
     def refit_address(self) -> tuple[str, int]:
-        from rlcore.runtime.workers import free_port, node_ip
+        from rlcore.runtime.addresses import free_port, node_ip
 
         return node_ip(), free_port()
 

@@ -209,7 +209,7 @@ class _End:
             raise RefitError(f"cuda_ipc channel {spec.key} has no rendezvous address (addr/port)")
         self.spec, self.rank, self.ipc = spec, rank, ipc
         self.timeout_s = float(spec.timeout_s)
-        from rlcore.runtime.workers import tcp_store  # loopback-only on a single host
+        from rlcore.runtime.rendezvous import tcp_store  # loopback-only on a single host
 
         store = tcp_store(spec.addr, spec.port, spec.world_size, rank == 0, self.timeout_s)
         self.store = dist.PrefixStore(f"rlcore-ipc-{spec.key}", store)
