@@ -108,7 +108,7 @@ def right_padded(rows: Sequence[tuple[list[int], list[int]]], pad_id: int) -> Pa
 
 class LogprobWorker:
     """A rank's ``logprobs`` over the backend's forward pass (a mixin for
-    :class:`rlcore.runtime.workers.DistributedWorker` subclasses).
+    :class:`rlcore.runtime.worker_group.DistributedWorker` subclasses).
 
     The batch is split into contiguous near-equal shards, one per data-parallel replica
     (:meth:`_data_parallel`), each run in micro-batches (:meth:`_micro_batches`). An
@@ -219,9 +219,6 @@ class PolicyGradientWorker(LogprobWorker):
         Returns ``loss``, ``grad_norm`` (before clipping), ``clip_fraction`` (tokens whose
         ratio left the clip range), ``tokens`` and ``lr``; identical on every rank.
         """
-        import torch
-        import torch.distributed as dist
-
         self._require_model()
         assert self.optimizer is not None and self.options is not None
         self._before_step()
@@ -237,8 +234,30 @@ class PolicyGradientWorker(LogprobWorker):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
+        stats = self._accumulate_gradients(local, len(rows), clip_eps, scale)
+        grad_norm = self._finish_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if replicas > 1:
+            stats = self._summed_over_replicas(stats)
+        return {
+            "loss": float(stats[0]) / max(n_tokens, 1),
+            "grad_norm": grad_norm,
+            "clip_fraction": float(stats[1]) / max(n_tokens, 1),
+            "tokens": float(n_tokens),
+            "lr": float(lr),
+        }
+
+    def _accumulate_gradients(
+        self, local: list[tuple[Row, float, Sequence[float] | None]], n_rows: int, clip_eps: float, scale: float
+    ) -> Any:
+        """Forward and backward over this rank's ``local`` rows, micro-batch by micro-batch
+        (a rank with no rows runs padding passes that weigh nothing), each token's loss
+        scaled by ``scale``; returns this rank's (loss sum, clipped tokens) as a float64 tensor."""
+        import torch
+
         stats = torch.zeros(2, dtype=torch.float64)  # loss sum, clipped tokens
-        for chunk in self._micro_batches(local, len(rows)):
+        for chunk in self._micro_batches(local, n_rows):
             token_lp, mask, spans = self._forward_logprobs(
                 self._rows_or_padding([r for r, _, _ in chunk])
             )
@@ -256,17 +275,12 @@ class PolicyGradientWorker(LogprobWorker):
             (token_loss.sum() * scale).backward()
             stats[0] += token_loss.detach().sum().double().cpu()
             stats[1] += n_clipped.double().cpu()
-        grad_norm = self._finish_gradients()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if replicas > 1:
-            stats = stats.to(self.device)
-            dist.all_reduce(stats, group=self._replica_group())
-            stats = stats.cpu()
-        return {
-            "loss": float(stats[0]) / max(n_tokens, 1),
-            "grad_norm": grad_norm,
-            "clip_fraction": float(stats[1]) / max(n_tokens, 1),
-            "tokens": float(n_tokens),
-            "lr": float(lr),
-        }
+        return stats
+
+    def _summed_over_replicas(self, stats: Any) -> Any:
+        """``stats`` summed over the data-parallel replicas (collective)."""
+        import torch.distributed as dist
+
+        stats = stats.to(self.device)
+        dist.all_reduce(stats, group=self._replica_group())
+        return stats.cpu()
