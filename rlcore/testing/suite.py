@@ -127,6 +127,20 @@ class Engines:
         return frozenset(self.cache["eos"])
 
 
+@dataclass
+class _RoundTrip:
+    """A policy and a generation started for the suite's refit round trip, and what each
+    refit between them needs."""
+
+    config: Any
+    policy: Any
+    generation: Any
+    names: tuple[str, str]  # (policy backend, generation backend)
+    refit: Callable[..., Any]  # the rlcore_refit hook of the two backends
+    sessions: Any  # the harness's refit sessions (channels reused between refits)
+    refit_fed: bool  # the generation started without weights: no comparison before step 0
+
+
 class _LazyGeneration:
     """The run's generation for an env's RolloutRequest, started when the env first samples."""
 
@@ -803,9 +817,34 @@ class BackendConformance:
         self._round_trip(harness, refit_fed=True)
 
     def _round_trip(self, h: Harness, *, refit_fed: bool) -> None:
-        from rlcore.refit import transports as core_transports
-        from rlcore.setup.runner import refit_context
+        pol_info, gen_info, common = self._round_trip_peers(h)
+        pol_decl, gen_decl = pol_info.declaration, gen_info.declaration
+        core_refit = self._uses_core_refit(h, Role.POLICY, Role.GENERATION)
+        self._check_transports_run_here(h.declaration, common, core_refit)
+        config = h.config(f"generation.refit_fed={'true' if refit_fed else 'false'}")
+        leaks = self._leaks()
+        policy = self._start(h, Role.POLICY, config)
+        generation = self._start(h, Role.GENERATION, config)
+        if core_refit:
+            self._check_sender(pol_decl.name, policy)
+            self._check_receiver(gen_decl.name, generation)
+        trip = _RoundTrip(
+            config=config, policy=policy, generation=generation, names=(pol_decl.name, gen_decl.name),
+            refit=h.registry.hook("rlcore_refit", [pol_info, gen_info]), sessions=h.refit_sessions,
+            refit_fed=refit_fed,
+        )
+        step = 0
+        for transport in common:
+            for _ in range(2):  # the second refit reuses the channel opened by the first
+                self._refit_and_compare(trip, transport, step)
+                step += 1
+        h.shutdown(generation, what="generation handle")
+        h.shutdown(policy, what="policy handle")
+        self._assert_no_leaks(h, leaks, "refit round trip then shutdown()")
 
+    def _round_trip_peers(self, h: Harness) -> tuple[Any, Any, list[Transport]]:
+        """The policy and generation backends of the round trip and the transports they have
+        in common (skips when the test has no pair, fails when they share no transport)."""
         decl = h.declaration
         if not decl.roles & {Role.POLICY, Role.GENERATION}:
             pytest.skip(f"not claimed: backend '{decl.name}' serves neither policy nor generation")
@@ -825,7 +864,14 @@ class BackendConformance:
                 f"generation backend '{gen_decl.name}' receives over "
                 f"{sorted(map(str, gen_decl.receive_transports))}: no transport in common"
             )
-        core_refit = self._uses_core_refit(h, Role.POLICY, Role.GENERATION)
+        return pol_info, gen_info, common
+
+    @staticmethod
+    def _check_transports_run_here(decl: Any, common: list[Transport], core_refit: bool) -> None:
+        """Fail when the backend under test declares a transport that cannot run here, or
+        (the core's refit moving the bytes) one the core does not implement."""
+        from rlcore.refit import transports as core_transports
+
         accelerator = detect_accelerator()
         everywhere = core_transports.implemented()
         here = core_transports.implemented(accelerator)
@@ -852,68 +898,63 @@ class BackendConformance:
                 f"backend '{decl.name}': declared transport(s) {[str(t) for t in elsewhere]} cannot "
                 f"run on this host ({accelerator})"
             )
-        config = h.config(f"generation.refit_fed={'true' if refit_fed else 'false'}")
-        leaks = self._leaks()
-        policy = self._start(h, Role.POLICY, config)
-        generation = self._start(h, Role.GENERATION, config)
-        if core_refit:
-            self._check_sender(pol_decl.name, policy)
-            self._check_receiver(gen_decl.name, generation)
-        names = (pol_decl.name, gen_decl.name)
-        refit = h.registry.hook("rlcore_refit", [pol_info, gen_info])
-        step = 0
-        for transport in common:
-            for _ in range(2):  # the second refit reuses the channel opened by the first
-                where = f"refit step {step} over {transport}"
-                self._perturb(policy, pol_decl.name)
-                before = None
-                if not (refit_fed and step == 0):  # a refit-fed engine has no weights yet
-                    before = self._logprob_error(policy, generation, names)
-                    if before <= self.max_token_mult_prob_error:
-                        _fail(
-                            f"before {where}: a train step of policy backend '{pol_decl.name}' "
-                            f"left its logprobs equal to generation backend '{gen_decl.name}''s "
-                            f"(token_mult_prob_error {before:.6f}), so the suite cannot see whether "
-                            "refit moves weights: train_step must change the policy's weights"
-                        )
-                ctx = refit_context(
-                    config, step=step, transport=str(transport), cancel=CancelToken(),
-                    sessions=h.refit_sessions,
+
+    def _refit_and_compare(self, trip: _RoundTrip, transport: Transport, step: int) -> None:
+        """Train the policy, refit it into the generation over ``transport``, and require the
+        generation to compute the policy's logprobs and hold its weights afterwards."""
+        where = f"refit step {step} over {transport}"
+        pol_name, gen_name = trip.names
+        self._perturb(trip.policy, pol_name)
+        before = None
+        if not (trip.refit_fed and step == 0):  # a refit-fed engine has no weights yet
+            before = self._logprob_error(trip.policy, trip.generation, trip.names)
+            if before <= self.max_token_mult_prob_error:
+                _fail(
+                    f"before {where}: a train step of policy backend '{pol_name}' "
+                    f"left its logprobs equal to generation backend '{gen_name}''s "
+                    f"(token_mult_prob_error {before:.6f}), so the suite cannot see whether "
+                    "refit moves weights: train_step must change the policy's weights"
                 )
-                out = call_bounded(
-                    lambda ctx=ctx: refit(policy=policy, generation=generation, ctx=ctx),
-                    config.refit.timeout_s + 10,
-                    f"refit {transport}",
-                )
-                if out.timed_out:
-                    _fail(
-                        f"backends '{pol_decl.name}' -> '{gen_decl.name}': {where} did not finish "
-                        f"within refit.timeout_s={config.refit.timeout_s:g}s"
-                    )
-                if out.error is not None:
-                    _fail(
-                        f"backends '{pol_decl.name}' -> '{gen_decl.name}': {where} (a declared "
-                        f"transport) raised {type(out.error).__name__}: {out.error}"
-                    )
-                report = out.value
-                if not isinstance(report, RefitReport) or report.transport != str(transport):
-                    _fail(
-                        f"{where} returned {report!r}; expected a RefitReport for transport {transport}"
-                    )
-                after = self._logprob_error(policy, generation, names)
-                if after > self.max_token_mult_prob_error:
-                    was = "" if before is None else f", {before:.4f} before the refit"
-                    _fail(
-                        f"after {where}, generation backend '{gen_decl.name}' does not compute the "
-                        f"logprobs of policy backend '{pol_decl.name}': token_mult_prob_error "
-                        f"{after:.4f} (max {self.max_token_mult_prob_error:g}{was}): the refit did "
-                        "not change what the engine computes to the weights it was sent"
-                    )
-                self._assert_same_weights(policy, generation, where)
-                step += 1
-        h.shutdown(generation, what="generation handle")
-        h.shutdown(policy, what="policy handle")
-        self._assert_no_leaks(h, leaks, "refit round trip then shutdown()")
+        self._refit_once(trip, transport, step, where)
+        after = self._logprob_error(trip.policy, trip.generation, trip.names)
+        if after > self.max_token_mult_prob_error:
+            was = "" if before is None else f", {before:.4f} before the refit"
+            _fail(
+                f"after {where}, generation backend '{gen_name}' does not compute the "
+                f"logprobs of policy backend '{pol_name}': token_mult_prob_error "
+                f"{after:.4f} (max {self.max_token_mult_prob_error:g}{was}): the refit did "
+                "not change what the engine computes to the weights it was sent"
+            )
+        self._assert_same_weights(trip.policy, trip.generation, where)
+
+    @staticmethod
+    def _refit_once(trip: _RoundTrip, transport: Transport, step: int, where: str) -> None:
+        """One refit through the ``rlcore_refit`` hook, bounded by ``refit.timeout_s``; fails
+        unless it returns a RefitReport of ``transport``."""
+        from rlcore.setup.runner import refit_context
+
+        config, (pol_name, gen_name) = trip.config, trip.names
+        ctx = refit_context(
+            config, step=step, transport=str(transport), cancel=CancelToken(), sessions=trip.sessions,
+        )
+        out = call_bounded(
+            lambda: trip.refit(policy=trip.policy, generation=trip.generation, ctx=ctx),
+            config.refit.timeout_s + 10,
+            f"refit {transport}",
+        )
+        if out.timed_out:
+            _fail(
+                f"backends '{pol_name}' -> '{gen_name}': {where} did not finish "
+                f"within refit.timeout_s={config.refit.timeout_s:g}s"
+            )
+        if out.error is not None:
+            _fail(
+                f"backends '{pol_name}' -> '{gen_name}': {where} (a declared "
+                f"transport) raised {type(out.error).__name__}: {out.error}"
+            )
+        report = out.value
+        if not isinstance(report, RefitReport) or report.transport != str(transport):
+            _fail(f"{where} returned {report!r}; expected a RefitReport for transport {transport}")
 
     def _logprob_error(self, policy: Any, generation: Any, names: tuple[str, str]) -> float:
         """token_mult_prob_error of generation vs policy logprobs on the probe batch
