@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlcore.handles import Endpoint, Pair, Sample, SamplingParams
+from rlcore.runtime.addresses import free_port, server_host
 from rlcore.runtime.batches import shard_range
 from rlcore.runtime.group_handle import GroupHandle
-from rlcore.runtime.addresses import free_port, server_host
 from rlcore.runtime.worker_group import DistributedWorker, WorkerGroup
 
 if TYPE_CHECKING:

@@ -15,8 +15,8 @@ from typing import Any
 from rlcore.context import InitContext
 from rlcore.errors import ConfigError
 from rlcore.handles import Endpoint
-from rlcore.runtime.generation_group import Engines, GroupGeneration, start_engines
 from rlcore.runtime.addresses import server_host
+from rlcore.runtime.generation_group import Engines, GroupGeneration, start_engines
 from rlcore.runtime.resources import cluster_has_gpu
 from rlcore_sglang.options import SGLangOptions
 from rlcore_sglang.worker import SGLangWorker

@@ -17,11 +17,10 @@ import pytest
 import ray
 from sglang_helpers import PROMPTS, ThreadSender, hf_state, named, reference_logprobs
 
-from rlcore.errors import RefitError
+from rlcore.errors import RefitError, WorkerError
 from rlcore.handles import SamplingParams
 from rlcore.refit import channels
 from rlcore.refit.specs import TensorSpec, plan_buckets, spec_of
-from rlcore.errors import WorkerError
 from rlcore.runtime.addresses import free_port
 
 TOL = 1e-4

@@ -14,13 +14,12 @@ import pytest
 import ray
 from vllm_helpers import PROMPTS, init_context, make_config, max_abs_diff
 
-from rlcore.errors import CancelToken, RefitError
+from rlcore.errors import CancelToken, RefitError, WorkerError
 from rlcore.handles import SamplingParams
 from rlcore.refit.channels import ChannelSpec
 from rlcore.refit.sessions import RefitSessions
 from rlcore.refit.specs import TensorSpec, plan_buckets
 from rlcore.refit.sync import refit
-from rlcore.errors import WorkerError
 from rlcore.setup.runner import refit_context
 from rlcore_vllm.plugin import rlcore_init_generation
 

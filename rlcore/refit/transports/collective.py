@@ -46,7 +46,7 @@ class _Collective:
 
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         assert spec.addr is not None and spec.port is not None
-        from rlcore.runtime.workers import tcp_store  # loopback-only on a single host
+        from rlcore.runtime.rendezvous import tcp_store  # loopback-only on a single host
 
         store = tcp_store(spec.addr, spec.port, spec.world_size, rank == 0, spec.timeout_s)
         prefixed = dist.PrefixStore(f"rlcore-refit-{spec.key}", store)
