@@ -2,7 +2,7 @@
 
 One run of a config with ``generation.on_worker_loss=replace``; the engine's process
 (a Ray actor) is SIGKILLed at three seeded steps, before the step's rollouts or its
-refit (the chaos plugin of ``tests/worker_loss_chaos.py``). For each loss it prints the
+refit (the chaos plugin of ``tests/e2e/worker_loss_chaos.py``). For each loss it prints the
 seconds from the kill to the core's detection, and from the kill to serving again (the
 replacement started through the backend's init hook, refitted from the policy's
 current weights, its logprobs checked against the policy's), next to the same run's
@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "e2e"))
 
 
 def main() -> None:

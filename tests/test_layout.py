@@ -94,3 +94,11 @@ def test_the_top_level_holds_only_the_contract() -> None:
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= 8, f"rlcore/ holds {len(top)} modules: {top}"
     assert {"hookspecs.py", "declarations.py", "handles.py", "context.py"} <= set(top)
+
+
+def test_tests_are_laid_out_like_the_package() -> None:
+    """Each folder of tests/ is a part of rlcore/ (or e2e/, whole runs across the parts)."""
+    parts = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    assert folders - parts <= {"e2e"}, f"tests/ folders that are no part of rlcore/: {folders - parts - {'e2e'}}"
+    assert len(list((ROOT / "tests").glob("*/test_*.py"))) > 40  # the layout holds the tests

@@ -1,6 +1,6 @@
 """Synthetic worker groups and instant tasks: the planner and executor at scale, no backend.
 
-``bench/scale.py`` times them and ``tests/test_setup_scale.py`` checks them. A run of
+``bench/scale.py`` times them and ``tests/setup/test_setup_scale.py`` checks them. A run of
 ``n`` groups has one policy that publishes a checkpoint atomically, ``0.6 n``
 generation replicas (every second one reads the checkpoint, so it waits for it inside
 its init; the others are fed by the first refit), and environments: most need the

@@ -6,7 +6,7 @@ Megatron tensors as they are; any difference (an end that offers none, another
 layout) falls back to the Hugging Face plan, and the policy's ``send_weights``
 says which path ran. Here both workers live in one process on CPU: the real
 transport (TCPStore side channel, messages, checks) with the IPC layer alone a test
-double (:class:`ThreadIpc` of ``tests/test_refit_cuda_ipc.py``: ends in two
+double (:class:`ThreadIpc` of ``tests/refit/test_refit_cuda_ipc.py``: ends in two
 threads share CPU tensors) and the channel registry kept per worker (one process
 holds one end per channel otherwise). The GPU run, over real CUDA IPC between two
 processes, is ``test_megatron_colocated_gpu.py``.

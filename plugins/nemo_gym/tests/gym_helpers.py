@@ -3,7 +3,7 @@ endpoint (stdlib HTTP server) and an InitContext built without the rest of setup
 
 The stub is allowed only here: it stands in for the generation endpoint so the
 Gym side can be tested in seconds. The real endpoint (rlcore's vLLM backend in
-server mode) is exercised by tests/test_e2e_nemo_gym.py.
+server mode) is exercised by tests/e2e/test_e2e_nemo_gym.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 every route (SGLang's key check, the token as api and admin key, so weight updates still
 work) and the handle's own calls carry it; rlcore's endpoint in front of it checks it too.
 The embedded cluster's node is loopback, so here the servers stay on 127.0.0.1: where they
-bind across nodes is tests/test_multinode.py's (for vLLM) and rlcore.runtime.addresses'."""
+bind across nodes is tests/e2e/test_multinode.py's (for vLLM) and rlcore.runtime.addresses'."""
 
 from __future__ import annotations
 

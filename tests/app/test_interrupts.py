@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RLCORE = Path(sys.executable).with_name("rlcore")
 MARKER = "RLCORE_INTERRUPT_TEST"
 

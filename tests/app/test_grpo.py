@@ -20,7 +20,7 @@ from rlcore.config import GRPOConfig, RefitConfig, load_config
 from rlcore.errors import DivergenceError, ProtocolError, WorkerLost
 from rlcore.handles import PromptAndScoreEnv, RefitReport
 
-QUICKSTART = str(Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml")
+QUICKSTART = str(Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml")
 
 
 def test_group_advantages_normalise_within_each_group() -> None:
@@ -460,7 +460,7 @@ def test_sampled_checks_a_replaced_generation_too(monkeypatch: pytest.MonkeyPatc
 
         class Setup:
             def engine_replaceable(self, rank: int | None) -> bool:
-                return False  # a whole generation here (one engine alone: tests/test_worker_loss_e2e.py)
+                return False  # a whole generation here (one engine alone: tests/e2e/test_worker_loss_e2e.py)
 
             def restart_generation(self, cancel: Any) -> tuple[Any, float]:
                 dying.die = ""  # the old engine never answers again

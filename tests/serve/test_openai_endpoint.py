@@ -3,7 +3,7 @@
 The engine here is a test double that records its calls and returns tokens
 derived from the prompt, so every field of the responses can be checked
 against what the engine produced. The real engine behind it (Megatron
-generation) is exercised by plugins/megatron/tests and tests/test_e2e_nemo_gym.py.
+generation) is exercised by plugins/megatron/tests and tests/e2e/test_e2e_nemo_gym.py.
 """
 
 from __future__ import annotations

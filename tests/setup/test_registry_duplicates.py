@@ -24,7 +24,7 @@ from rlcore.declarations import Role
 from rlcore.errors import BackendNotFoundError
 from rlcore.setup.registry import ALLOWLIST_ENV, ENTRY_POINT_GROUP, load_registry
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DUPE = "rlcore-dupe-backend"
 DUPE_INFO = "rlcore_dupe_backend-{}.dist-info"
 

@@ -32,7 +32,7 @@ from rlcore.setup.registry import (
     load_registry,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # --------------------------------------------------------------------------
 # Real distributions, installed with pip

@@ -10,7 +10,7 @@ import pytest
 from rlcore.app.cli import _split_overrides, main
 from rlcore.declarations import CONTRACT_VERSION
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_unknown_key_names_closest(capsys, tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from rlcore.errors import RlcoreError  # noqa: E402
 from rlcore.hookspecs import hookimpl  # noqa: E402
 from rlcore.testing.fixtures import listening_sockets  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
 RLCORE = Path(sys.executable).with_name("rlcore")
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
@@ -167,7 +167,7 @@ class KillGenerationWorker:
         return (yield)
 
 
-# tests/test_worker_loss_e2e.py kills the same engine of the same run by default and checks
+# tests/e2e/test_worker_loss_e2e.py kills the same engine of the same run by default and checks
 # more (the role, the metrics written): this one repeats it, so it is soak.
 @pytest.mark.soak
 def test_killed_generation_worker_fails_the_run_naming_it(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from rlcore.hookspecs import hookimpl  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = str(REPO / "examples" / "megatron.yaml")
 STEPS = 14
 PROBE = [([2, 8, 15, 8, 24], [10, 3]), ([2, 6, 15, 7, 24], [11, 3]), ([2, 5, 15, 4], [24, 3])]

@@ -29,7 +29,7 @@ from rlcore.errors import WorkerLost
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
 MEGATRON = str(REPO / "examples" / "megatron.yaml")
 SMALL = ["grpo.prompts_per_step=4", "grpo.samples_per_prompt=4", "grpo.max_new_tokens=3"]

@@ -23,7 +23,7 @@ from rlcore.config import load_config
 from rlcore.errors import ConfigError
 from rlcore.setup.preflight import check_model, check_safetensors, host_cpus, one_line
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
 RLCORE = Path(sys.executable).with_name("rlcore")
 RAY_PROCESSES = ("raylet", "gcs_server", "ray::", "dashboard", "RuntimeEnvAgent")

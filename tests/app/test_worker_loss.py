@@ -27,7 +27,7 @@ from rlcore.setup.executor import ExecutionResult, _Teardown
 from rlcore.setup.preflight import check_plan, check_worker_loss
 from rlcore.setup.registry import load_registry
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 QUICKSTART = str(EXAMPLES / "quickstart.yaml")
 
 

@@ -18,7 +18,7 @@ from rlcore.testing.peers import (
     ReferencePolicyWorker,
 )
 
-QUICKSTART = str(Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml")
+QUICKSTART = str(Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml")
 PROBE = [([2, 5, 6, 7], [8, 9, 10, 3]), ([2, 11, 12], [13, 14, 3])]
 
 

@@ -20,7 +20,7 @@ from rlcore.config.placement import device_layout, role_placement
 from rlcore.errors import ConfigError
 from rlcore.setup.preflight import check_resources
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GPU_EXAMPLES = sorted((REPO / "examples" / "gpu").glob("*.yaml"))
 BASE = ["policy.backend=megatron", "generation.backend=megatron"]
 

@@ -44,7 +44,7 @@ pytestmark = [
     ),
 ]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = str(REPO / "examples" / "nemo_gym.yaml")
 MEGATRON_EXAMPLE = str(REPO / "examples" / "megatron_nemo_gym.yaml")
 STEPS = 3

@@ -34,7 +34,7 @@ from rlcore.testing.waits import wait_for
 pytest.importorskip("rlcore_fsdp")
 pytest.importorskip("rlcore_vllm")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RLCORE = Path(sys.executable).with_name("rlcore")
 NODES = ("a", "b", "c")
 LABEL = "rlcore-test-node"

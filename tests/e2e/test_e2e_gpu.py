@@ -8,7 +8,7 @@ GPU; every refit is checked within its bound; each step line splits the step int
 generate, train, refit, handoff and refit check, and the handoff ran (the generation sleeps
 while the policy trains); the run directory is complete; no Ray process is left.
 
-    source .gpu/setup.sh && python3 -m pytest tests/test_e2e_gpu.py -m gpu
+    source .gpu/setup.sh && python3 -m pytest tests/e2e/test_e2e_gpu.py -m gpu
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 PHASES = ("generate", "train", "refit", "handoff", "refit_check")
 

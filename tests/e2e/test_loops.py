@@ -33,7 +33,7 @@ import pytest
 from rlcore.app.records import read_metrics
 from rlcore.testing.harness import LeakCheck
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LOOPS = REPO / "examples" / "loops"
 NAMES = ("loo_reinforce", "multi_turn")
 SMALL = ["grpo.prompts_per_step=4", "grpo.samples_per_prompt=4"]

@@ -3,7 +3,7 @@
 Fast: bad input refused before anything starts (nothing created, no cluster, the signal
 handlers as they were), and the session's services over scripted handles (the devices
 handed to the role that needs them, the refit check, training health, a lost generation
-replaced, the env's halves checked). Real runs on real backends: ``tests/test_loops.py``.
+replaced, the env's halves checked). Real runs on real backends: ``tests/e2e/test_loops.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from rlcore.config import GRPOConfig, RefitConfig, RunConfig
 from rlcore.errors import ConfigError, DivergenceError, ProtocolError, WorkerLost
 from rlcore.handles import RefitReport, SamplingParams
 
-QUICKSTART = str(Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml")
+QUICKSTART = str(Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml")
 
 
 # ---------------------------------------------------------------- open: refused before anything starts

@@ -39,7 +39,7 @@ from rlcore.setup.executor import TaskSpec, execute
 from rlcore.setup.metrics import setup_metrics
 from rlcore.setup.preflight import check_writable_dir
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
 RLCORE = Path(sys.executable).with_name("rlcore")
 NOSPACE = f"No space left on device [Errno {errno.ENOSPC}]"

@@ -18,7 +18,7 @@ import pytest
 
 from rlcore.app.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
 NEMO_GYM = str(REPO / "examples" / "nemo_gym.yaml")
@@ -34,7 +34,7 @@ class _Generation:
         self.decl = BackendDeclaration(
             name=name, roles={Role.GENERATION}, receive_transports=receive,
             refit_fed=refit_fed, openai_endpoint=endpoint,
-            description="test-only (tests/test_plan_matches_run.py)",
+            description="test-only (tests/setup/test_plan_matches_run.py)",
         )
 
     @hookimpl
