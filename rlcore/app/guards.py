@@ -11,11 +11,13 @@ neither. The conformance suite (:mod:`rlcore.testing`) uses the same checks.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlcore.declarations import porting_note
 from rlcore.errors import ConfigError, ProtocolError, WorkerLost
 from rlcore.handles import (
     EnvHandle,
@@ -229,6 +231,24 @@ class GuardedPolicy:
         return check_train_metrics(out, Caller(self.backend, "policy", "train_step"))
 
 
+def _check_generate_signature(handle: GenerationHandle, backend: str) -> None:
+    """Refuse a handle whose ``generate`` still has contract 1.x's keyword arguments (a
+    plugin that never declared its contract version gets the core's, so the registry could
+    not tell), naming the change and the port instead of a TypeError from deep in a step."""
+    try:
+        signature = inspect.signature(handle.generate)
+    except (TypeError, ValueError):  # a builtin or a proxy: nothing to read
+        return
+    try:
+        signature.bind([], SamplingParams(n=1, max_tokens=1, temperature=0.0, seed=0))
+    except TypeError as err:
+        raise ProtocolError(
+            f"backend '{backend}' (generation): generate{signature} cannot take "
+            f"(prompt_ids, params) ({err}).{porting_note('1.0')}",
+            backend=backend, role="generation", method="generate",
+        ) from None
+
+
 class GuardedGeneration:
     """The generation handle with every result checked (see the module doc).
 
@@ -244,6 +264,7 @@ class GuardedGeneration:
         self.eos_ids = frozenset(eos_ids)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Sample]]:
+        _check_generate_signature(self.handle, self.backend)
         with losses_tagged("generation"):
             out = self.handle.generate(prompt_ids, params)
         who = Caller(self.backend, "generation", "generate")

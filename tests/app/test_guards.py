@@ -128,3 +128,14 @@ def test_train_step_without_loss_is_named() -> None:
     pol = GuardedPolicy(Scripted(train_step={"grad_norm": 1.0}), "pol")
     with pytest.raises(ProtocolError, match=r"metrics\['loss'\]"):
         pol.train_step(BATCH, [1.0, 1.0])
+
+
+def test_a_generate_of_contract_1_is_refused_with_the_port() -> None:
+    """A plugin that never declared its contract version is taken as 2.0; its 1.x-style
+    generate is named with what changed, not a TypeError from inside a step."""
+    class OldEngine:
+        def generate(self, prompt_ids, *, n, max_tokens, temperature, seed):  # noqa: ANN001, ANN201
+            raise AssertionError("must not be called")
+
+    with pytest.raises(ProtocolError, match=r"'old'.*generate\(prompt_ids, \*, n.*to port a 1.x plugin"):
+        GuardedGeneration(OldEngine(), "old").generate([[1]], SamplingParams(n=1, max_tokens=2, temperature=1.0, seed=0))
