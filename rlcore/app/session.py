@@ -47,7 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
@@ -88,7 +88,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ConfigLike", "Handoff", "OpenOptions", "OverHandles", "Session", "open"]
+__all__ = ["ConfigLike", "Handoff", "OpenKeywords", "OpenOptions", "OverHandles", "Session", "open"]
 
 #: What :func:`open` takes as the config: a YAML path, a mapping or an OmegaConf config of
 #: the same keys, a :class:`~rlcore.config.RunConfig`, or ``None`` (``examples/quickstart.yaml``).
@@ -122,9 +122,22 @@ class Handoff:
             self.policy.wake()
 
 
+class OpenKeywords(TypedDict, total=False):
+    """:func:`open`'s keyword arguments, for type checkers and editors (documented there;
+    :class:`OpenOptions` holds them with their defaults)."""
+
+    out: str | os.PathLike[str] | None
+    resume: bool
+    needs_env: bool
+    console: Console | None
+    quiet: bool
+    extra_plugins: Sequence[tuple[str, Any]]
+    handle_signals: bool
+
+
 @dataclass(frozen=True)
 class OpenOptions:
-    """How :func:`open` starts a run: its keyword arguments, documented there."""
+    """How :func:`open` starts a run: its keyword arguments with their defaults."""
 
     out: str | os.PathLike[str] | None = None
     resume: bool = False
@@ -135,7 +148,9 @@ class OpenOptions:
     handle_signals: bool = True
 
 
-def open(config: ConfigLike = None, overrides: Sequence[str] | Mapping[str, Any] = (), **options: Any) -> Session:
+def open(
+    config: ConfigLike = None, overrides: Sequence[str] | Mapping[str, Any] = (), **options: Unpack[OpenKeywords]
+) -> Session:
     """Check, set up and start a run; the :class:`Session` a loop runs on. Use it as a
     context manager (or call :meth:`Session.close`).
 

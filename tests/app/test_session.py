@@ -199,3 +199,15 @@ def test_a_session_over_handles_records_and_traces_through_its_callbacks() -> No
     assert lines == [({"reward/mean": 0.5}, 2)] and spans == [("generate", 2)]
     s.close()
     s.close()  # nothing to tear down, twice
+
+
+def test_open_keywords_type_every_option() -> None:
+    """Editors and type checkers see open()'s keywords through OpenKeywords; it names
+    exactly the options OpenOptions takes (a new option added to one alone fails here)."""
+    import dataclasses
+
+    from rlcore.app.session import OpenKeywords, OpenOptions
+
+    assert set(OpenKeywords.__annotations__) == {f.name for f in dataclasses.fields(OpenOptions)}
+    with pytest.raises(TypeError, match="outt"):
+        rlcore.open(QUICKSTART, outt="/tmp/x")
