@@ -66,11 +66,12 @@ class CaptureReceiver(GroupHandle):
 def file_transport_first(declared: Any, accelerator: str | None) -> str | None:
     """The transport a capture uses: of those the policy declares and the core runs here,
     files first (they leave no channel open), else collective; ``None`` if none."""
-    from rlcore.declarations import Transport
     from rlcore.refit import transports as core_transports
 
     here = core_transports.implemented(accelerator)
-    order = (Transport.DISK, Transport.SHARED_MEMORY, Transport.COLLECTIVE)
+    # Stable sort: the transports that keep no sender waiting (files) first, each group in
+    # the order refit.transport: auto uses apart.
+    order = sorted(core_transports.preferred(colocated=False), key=lambda t: here[t].lockstep if t in here else True)
     return next((str(t) for t in order if t in declared and t in here), None)
 
 

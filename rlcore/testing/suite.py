@@ -881,12 +881,14 @@ class BackendConformance:
             declared |= decl.send_transports
         if Role.GENERATION in decl.roles:
             declared |= decl.receive_transports
-        if Transport.CUDA_IPC in declared and accelerator != "cuda":
-            _fail(
-                f"backend '{decl.name}' declares transport 'cuda_ipc', which cannot run on this "
-                f"host ({accelerator}, no CUDA): declare only the transports the backend can run "
-                "where it is installed"
-            )
+        for t in sorted(declared):
+            needs = everywhere[t].accelerator if t in everywhere else None
+            if needs is not None and needs != accelerator:
+                _fail(
+                    f"backend '{decl.name}' declares transport '{t}', which cannot run on this "
+                    f"host ({accelerator}, no {needs.upper()}): declare only the transports the "
+                    "backend can run where it is installed"
+                )
         if core_refit and (missing := sorted(t for t in declared if t not in everywhere)):
             _fail(
                 f"backend '{decl.name}': declared transport(s) {[str(t) for t in missing]} have no "
