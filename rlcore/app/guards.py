@@ -231,22 +231,34 @@ class GuardedPolicy:
         return check_train_metrics(out, Caller(self.backend, "policy", "train_step"))
 
 
+#: Contract 1.x's generate keywords: a parameter of one of these names is a 1.x signature.
+_V1_SAMPLING_NAMES = frozenset({"n", "max_tokens", "temperature", "seed"})
+#: Handle types whose generate signature was read and found to be 2.x (read once per type).
+_SIGNATURES_OK: set[type] = set()
+
+
 def _check_generate_signature(handle: GenerationHandle, backend: str) -> None:
-    """Refuse a handle whose ``generate`` still has contract 1.x's keyword arguments (a
+    """Refuse a handle whose ``generate`` still has contract 1.x's sampling arguments (a
     plugin that never declared its contract version gets the core's, so the registry could
     not tell), naming the change and the port instead of a TypeError from deep in a step."""
+    if type(handle) in _SIGNATURES_OK:
+        return
     try:
         signature = inspect.signature(handle.generate)
     except (TypeError, ValueError):  # a builtin or a proxy: nothing to read
         return
+    old = sorted(_V1_SAMPLING_NAMES & set(signature.parameters))
     try:
         signature.bind([], SamplingParams(n=1, max_tokens=1, temperature=0.0, seed=0))
     except TypeError as err:
+        old = old or [str(err)]
+    if old:
         raise ProtocolError(
             f"backend '{backend}' (generation): generate{signature} cannot take "
-            f"(prompt_ids, params) ({err}).{porting_note('1.0')}",
+            f"(prompt_ids, params) ({', '.join(old)}).{porting_note('1.0')}",
             backend=backend, role="generation", method="generate",
-        ) from None
+        )
+    _SIGNATURES_OK.add(type(handle))
 
 
 class GuardedGeneration:

@@ -15,11 +15,10 @@ from typing import Any
 from rlcore.refit import transports
 from rlcore.refit.specs import ChannelSpec, TensorSpec
 from rlcore.refit.transports.files import step_dir
-from rlcore.refit.transports.shared_memory import shm_root
 
 __all__ = [
     "ChannelSpec", "ceiling", "close_channel", "open_channel", "receive_weights", "remove_step",
-    "send_weights", "shm_root", "step_dir",
+    "send_weights", "step_dir",
 ]
 
 

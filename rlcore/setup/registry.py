@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.metadata
+import inspect
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -259,7 +260,11 @@ class Registry:
             why = f"pluggy could not register it: {type(err).__name__}: {err}"
             raise _Refused("validate", f"{who}: {why}") from None
         for attr in dir(plugin):  # pluggy ignores a function named like a hook but not marked
-            if not attr.startswith(f"{hookspecs.PROJECT}_") or not callable(getattr(plugin, attr, None)):
+            # Read without running properties or descriptors; only functions can be hooks.
+            value = inspect.getattr_static(plugin, attr, None)
+            if isinstance(value, staticmethod | classmethod):
+                value = value.__func__
+            if not attr.startswith(f"{hookspecs.PROJECT}_") or not inspect.isfunction(value):
                 continue
             if self.pm.parse_hookimpl_opts(plugin, attr) is None:
                 logger.warning(

@@ -47,7 +47,6 @@ from rlcore.setup.executor import ExecutionResult, TaskRun, TaskSpec, call_bound
 from rlcore.setup.metrics import PREFIX, setup_metrics
 from rlcore.setup.plan import REFIT_TASK, Plan, role_of_task
 from rlcore.setup.plan import init_task as init_task_name
-from rlcore.setup.planner import choose_transport
 from rlcore.setup.prepared import PreparedRun, prepare
 
 if TYPE_CHECKING:
@@ -55,7 +54,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SetupResult", "choose_transport", "refit_context", "role_of_task", "run_prepared", "run_setup"]
+__all__ = ["SetupResult", "refit_context", "run_prepared", "run_setup"]
 
 
 @dataclass

@@ -139,3 +139,10 @@ def test_a_generate_of_contract_1_is_refused_with_the_port() -> None:
 
     with pytest.raises(ProtocolError, match=r"'old'.*generate\(prompt_ids, \*, n.*to port a 1.x plugin"):
         GuardedGeneration(OldEngine(), "old").generate([[1]], SamplingParams(n=1, max_tokens=2, temperature=1.0, seed=0))
+
+    class OldWithDefaults:  # 1.x written positionally: params would bind to n
+        def generate(self, prompt_ids, n=1, max_tokens=16, temperature=1.0, seed=0):  # noqa: ANN001, ANN201
+            raise AssertionError("must not be called")
+
+    with pytest.raises(ProtocolError, match=r"'olddef'.*max_tokens, n, seed, temperature.*to port a 1.x plugin"):
+        GuardedGeneration(OldWithDefaults(), "olddef").generate([[1]], SamplingParams(n=1, max_tokens=2, temperature=1.0, seed=0))

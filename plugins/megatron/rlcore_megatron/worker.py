@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlcore.errors import NotServingError
-from rlcore.handles import SamplingParams
+from rlcore.handles import Sample, SamplingParams
 from rlcore.refit.worker import RefitChannels, RefitSenderWorker
 from rlcore.runtime.batches import Row, shard_range
 from rlcore.runtime.losses import LogprobWorker, PolicyGradientWorker, right_padded
@@ -62,10 +62,6 @@ if TYPE_CHECKING:
     from rlcore_megatron.options import MegatronOptions
 
 log = logging.getLogger(__name__)
-
-#: One generated sample: {"token_ids": [...], "logprobs": [...]}.
-Sample = dict[str, list]
-
 
 def sample_seed(seed: int, replica: int) -> int:
     """The sampling seed of data-parallel replica ``replica`` for a call made with ``seed``."""
