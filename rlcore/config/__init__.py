@@ -274,6 +274,12 @@ class GRPOConfig:
     #: PPO-style ratio clip.
     clip_eps: float = bounded(0.2, gt=0)
     seed: int = bounded(0, ge=0)
+    #: How many weight versions a trained sample may lag the policy (k). 0: the
+    #: synchronous loop (generation waits through every train step and refit). k >= 1:
+    #: the rollouts of step t+1..t+k are generated while step t trains, and a sample
+    #: whose oldest token is more than k versions old is not trained on; the policy
+    #: backend must declare it accepts k (``rlcore plan`` shows the schedule).
+    max_staleness: int = bounded(0, ge=0)
 
 
 @dataclass
