@@ -27,6 +27,19 @@ the same tokens compared (``refit/token_mult_prob_error``; above
   compute logprobs of the fixed probe batch; step t's line carries the check of its
   own refit (``refit/checked_step`` t), written before a failed check raises.
   ``on_check`` is not called.
+
+``grpo.max_staleness`` k >= 1 runs the loop ahead (:meth:`Session.rollout_stream`): a
+producer thread generates step t + 1 .. t + k while step t trains, the refit of step t
+lands between the engine's calls (or in flight, where the generation declares it), and
+step t + 1 + k starts once that refit is checked. So step t trains on samples of weights
+up to k versions old (``staleness/lag_mean``, ``staleness/lag_max``; a group with an
+older token is dropped whole, ``staleness/dropped_groups``), its clipped loss takes the
+ratio against the sampling logprobs (the behaviour policy) instead of a policy forward,
+and every refit is checked with the probe (no sample comes from the weights the policy
+has when it trains). ``timing/generate_time_s`` is then the producer's call, beside the
+train step; ``timing/wait_for_rollouts_time_s`` is what the trainer waited for it, and
+``timing/producer_gated_s`` what the producer waited at the bound. k = 0 is the loop above,
+unchanged.
 """
 
 from __future__ import annotations
@@ -45,9 +58,10 @@ from rlcore.app.refit_check import (  # the refit check's helpers, where they we
     token_mult_prob_error,
 )
 from rlcore.app.session import Handoff, Session
+from rlcore.app.stream import RolloutStream, StepRollouts
 from rlcore.config import REFIT_CHECKS, GRPOConfig, RefitConfig, RunConfig
 from rlcore.errors import DivergenceError, ProtocolError
-from rlcore.handles import Pair
+from rlcore.handles import Pair, Rollout
 
 __all__ = [
     "PHASES", "PROBE_TEXTS", "Handoff", "check_divergence", "group_advantages", "probe_batch",
@@ -90,7 +104,7 @@ class _StepClock:
             yield
         finally:
             t1 = time.monotonic()
-            self.times[name] += t1 - t0
+            self.times[name] = self.times.get(name, 0.0) + t1 - t0
             self.session.span(name, t0, t1, step=self.step, lane="grpo")
 
     def metrics(self) -> dict[str, float]:
@@ -101,7 +115,7 @@ def _step_metrics(
     step: int,
     rewards: list[list[float]],
     train: dict[str, float],
-    gen_vs_policy: float,
+    gen_vs_policy: float | None,
     report: Any,
     check: dict[str, Any],
     tokens: int = 0,
@@ -157,24 +171,35 @@ def run_grpo_on(
     record_step = on_step or (lambda m: s.record(m, m["step"]))
     record_check = on_check or (lambda m: s.record(m, m["step"], step_done=False))
     history: list[dict[str, Any]] = []
-    step = 0
+    k = s.config.grpo.max_staleness
     try:
+        if k > 0:
+            _run_ahead(s, k, history, record_step)
+            return history
         for step in range(1, s.config.grpo.steps + 1):
             if s.cancelled:
                 break
             metrics, failure = _step(s, step, sampled, record_check)
-            history.append(metrics)
-            record_step(metrics)
-            if failure is not None:
-                raise failure
+            _done(history, record_step, metrics, failure)
     except ProtocolError as err:
         # The guards name backend, role and method; the step is the loop's to say.
         raise ProtocolError(
-            f"at step {step}: {err}", backend=err.backend, role=err.role, method=err.method
+            f"at step {len(history) + 1}: {err}", backend=err.backend, role=err.role, method=err.method
         ) from err
     if sampled and history and not s.cancelled:
         _check_last_refit(s, history[-1]["step"], record_check)
     return history
+
+
+def _done(
+    history: list[dict[str, Any]], record_step: Callable[[dict[str, Any]], None],
+    metrics: dict[str, Any], failure: DivergenceError | None,
+) -> None:
+    """A step's line kept and recorded, then its failed check raised."""
+    history.append(metrics)
+    record_step(metrics)
+    if failure is not None:
+        raise failure
 
 
 def _check_last_refit(s: Session, last: int, record_check: Callable[[dict[str, Any]], None]) -> None:
@@ -284,10 +309,101 @@ def _step(
         check, failure = _probe_check(s, step, clock)
     tokens = sum(len(completion) for _, completion in got.batch)
     metrics = _step_metrics(step, got.rewards, train, gen_vs_policy, report, check, tokens)
+    _add_timing(metrics, clock, t_step, len(got.batch))
+    return metrics, failure
+
+
+def _add_timing(metrics: dict[str, Any], clock: _StepClock, t_step: float, samples: int) -> None:
+    """The step's phase times, its wall time, the check's share of it and what the
+    policy trained on per second of it."""
     step_time = time.monotonic() - t_step
     metrics.update(clock.metrics())
     metrics["timing/step_time_s"] = step_time
     metrics["timing/refit_check_share"] = clock.times["refit_check"] / step_time if step_time > 0 else 0.0
+    metrics["train/samples"] = samples
+    metrics["throughput/train_samples_per_s"] = samples / step_time if step_time > 0 else 0.0
+    metrics["throughput/train_tokens_per_s"] = metrics["generate/tokens"] / step_time if step_time > 0 else 0.0
+
+
+# ---------------------------------------------------------------- grpo.max_staleness >= 1
+
+
+def _run_ahead(
+    s: Session, k: int, history: list[dict[str, Any]], record_step: Callable[[dict[str, Any]], None]
+) -> None:
+    """The loop with rollouts generated up to ``k`` weight versions ahead of the train step
+    (:meth:`Session.rollout_stream`): step t trains on what the producer made while earlier
+    steps trained; after its refit is checked with the probe batch, step t + 1 + k may be
+    generated."""
+    with s.rollout_stream(k) as stream:
+        for step in range(1, s.config.grpo.steps + 1):
+            if s.cancelled:
+                break
+            metrics, failure = _step_ahead(s, step, k, stream)
+            _done(history, record_step, metrics, failure)
+            stream.release(step)
+
+
+def _sample_versions(groups: list[list[Rollout]], version: int) -> list[list[int]]:
+    """Each rollout's token versions: its own (an engine that reports them), else
+    ``version``, the weights' when the call began, for every token (a lower bound)."""
+    return [list(r.get("versions") or [version] * len(r["token_ids"])) for g in groups for r in g]
+
+
+def _fresh(got: StepRollouts, policy_version: int, k: int) -> tuple[list[list[Rollout]], list[int], int]:
+    """The groups whose every sample is at most ``k`` versions behind the policy, the lag
+    of each kept sample (policy version - its oldest token's), and how many groups were
+    dropped. A group goes whole: its advantages are normalised within it."""
+    kept: list[list[Rollout]] = []
+    lags: list[int] = []
+    for group in got.groups:
+        group_lags = [policy_version - min(r.get("versions") or [got.version]) for r in group]
+        if max(group_lags, default=0) <= k:
+            kept.append(group)
+            lags.extend(group_lags)
+    return kept, lags, len(got.groups) - len(kept)
+
+
+def _step_ahead(
+    s: Session, step: int, k: int, stream: RolloutStream
+) -> tuple[dict[str, Any], DivergenceError | None]:
+    """One step of the loop that runs ahead: its metrics line, and a failed check to raise.
+
+    The ratio of the clipped loss is against the sampling logprobs (the behaviour policy,
+    up to ``k`` versions old), so no policy forward of the samples precedes the train step."""
+    t_step = time.monotonic()
+    clock = _StepClock(step, s)
+    with clock("wait_for_rollouts"):
+        got = stream.next(step)
+        groups, lags, dropped = _fresh(got, step - 1, k)
+        if not groups:  # only an env or engine that misreports versions gets here
+            got = stream.regenerate(step)
+            groups, lags, more = _fresh(got, step - 1, k)
+            dropped += more
+    s.now = f"step {step}"
+    with clock("reward"):
+        rewards = [[r["reward"] for r in g] for g in groups]
+        advantages = [a for g in group_advantages(rewards) for a in g]
+    batch: list[Pair] = [(r["prompt_ids"], r["token_ids"]) for g in groups for r in g]
+    with clock("train"):
+        train = s.train(step, batch, advantages, [r["logprobs"] for g in groups for r in g])
+    with clock("refit"):
+        report = s.refit(step)
+    check, failure = _probe_check(s, step, clock)
+    tokens = sum(len(completion) for _, completion in batch)
+    metrics = _step_metrics(step, rewards, train, None, report, check, tokens)
+    _add_timing(metrics, clock, t_step, len(batch))
+    versions = _sample_versions(groups, got.version)
+    metrics.update({
+        "timing/generate_time_s": got.generate_s,  # the producer's call, beside earlier steps
+        "staleness/max_staleness": k,
+        "staleness/lag_mean": statistics.fmean(lags),
+        "staleness/lag_max": max(lags),
+        "staleness/dropped_groups": dropped,
+        "staleness/mixed_version_samples": sum(len(set(v)) > 1 for v in versions),
+        "generate/weight_versions": sorted({v for vs in versions for v in vs}),
+        "timing/producer_gated_s": stream.take_gated_s(),
+    })
     return metrics, failure
 
 

@@ -42,18 +42,26 @@ def plot_setup_timeline(
 
 
 def plot_reward(history: Sequence[Mapping[str, Any]], path: Path, *, title: str) -> Path:
-    """Mean (and exact-answer rate, if logged) reward per step."""
+    """Mean (and exact-answer rate, if logged) reward per step, and against the wall time
+    since step 1 began where the lines carry ``time`` (a loop that runs ahead,
+    ``grpo.max_staleness``, trades steps for seconds: both axes tell whether it paid)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    timed = bool(history) and all("time" in h for h in history)
+    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(12 if timed else 7, 4), squeeze=False)
     steps = [h["step"] for h in history]
-    ax.plot(steps, [h["reward/mean"] for h in history], marker="o", label="reward/mean")
-    if history and "reward/exact" in history[0]:
-        ax.plot(steps, [h["reward/exact"] for h in history], marker=".", label="reward/exact")
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    xs: list[tuple[Any, list[float], str]] = [(axes[0][0], [float(s) for s in steps], "step")]
+    if timed:
+        t0 = history[0]["time"] - float(history[0].get("timing/step_time_s") or 0.0)
+        xs.append((axes[0][1], [h["time"] - t0 for h in history], "seconds since step 1 began"))
+    for ax, x, label in xs:
+        ax.plot(x, [h["reward/mean"] for h in history], marker="o", label="reward/mean")
+        if history and "reward/exact" in history[0]:
+            ax.plot(x, [h["reward/exact"] for h in history], marker=".", label="reward/exact")
+        ax.set_xlabel(label)
+        ax.set_ylabel("reward")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
     fig.tight_layout()
     return _save(plt, fig, path)
 

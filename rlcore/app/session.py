@@ -39,11 +39,14 @@ else.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -62,6 +65,7 @@ from rlcore.app.records import MetricsWriter, write_atomic
 from rlcore.app.recovery import GenerationRecovery, retry_on_generation_loss
 from rlcore.app.refit_check import check_divergence, probe_batch, token_mult_prob_error
 from rlcore.app.rundir import RunStatus, check_run_dir, close_records, make_run_dir
+from rlcore.app.stream import RolloutStream
 from rlcore.app.trace import TraceRecorder
 from rlcore.config import RunConfig, cache_dir, load_config
 from rlcore.config.placement import Network
@@ -311,6 +315,10 @@ class Session:
         self._phase = RunPhase()
         self._handoff = given.handoff or Handoff()
         self._holder: str | None = None  # which role the handoff last gave the devices to
+        #: The generation's weight version: train steps in its weights (0: the initial ones);
+        #: :meth:`refit` of step t makes it t.
+        self.weight_version = 0
+        self._generation_epoch = 0  # generation recoveries so far (a rollout stream's losses are told apart by it)
         self._refit, self._record, self._span, self._cancelled = given.refit, given.record, given.span, given.cancelled
         # Given handles take the place of the cached properties that build them from a run.
         handles = {
@@ -403,7 +411,13 @@ class Session:
         """``fn()``; a lost generation worker replaced and ``fn()`` run again when the run
         replaces (:func:`rlcore.app.recovery.retry_on_generation_loss`)."""
         recovery = self._recovery
-        recover = None if recovery is None else (lambda err, name: recovery(err, step, name))
+        if recovery is None:
+            return retry_on_generation_loss(fn, None, phase)
+
+        def recover(err: WorkerLost, name: str) -> None:
+            recovery(err, step, name)
+            self._generation_epoch += 1
+
         return retry_on_generation_loss(fn, recover, phase)
 
     # ---------------------------------------------------------------- devices
@@ -446,23 +460,65 @@ class Session:
         replaced and the rollout run again with the same request (``on_worker_loss:
         replace``).
         """
+        self.now = f"step {step}"
+        given = {
+            "prompts": prompts, "samples_per_prompt": samples_per_prompt, "max_new_tokens": max_new_tokens,
+            "temperature": temperature, "seed": seed,
+        }
+        request = dataclasses.replace(
+            self._default_request(step), **{k: v for k, v in given.items() if v is not None}
+        )
+        self._turn("generation")
+        return self._retry(lambda: self._collect(request), step, "rollout")  # type: ignore[no-any-return]
+
+    def _collect(self, request: RolloutRequest) -> list[list[Rollout]]:
         env = self.env
         if env is None:
             raise ConfigError("rollouts need an env: set env.backend (e.g. env.backend=arithmetic)", key="env.backend")
+        return env.collect_rollouts(request)
+
+    def _default_request(self, step: int) -> RolloutRequest:
+        """The request :meth:`rollouts` makes for ``step`` with every argument left out."""
         g = self.config.grpo
-        self.now = f"step {step}"
-        request = RolloutRequest(
-            step=step,
-            prompts=g.prompts_per_step if prompts is None else prompts,
-            samples_per_prompt=g.samples_per_prompt if samples_per_prompt is None else samples_per_prompt,
-            max_new_tokens=g.max_new_tokens if max_new_tokens is None else max_new_tokens,
-            temperature=g.temperature if temperature is None else temperature,
-            seed=g.seed * 1_000_003 + step if seed is None else seed,
-            generation=self.generation,
-            tokenizer=self.tokenizer,
+        return RolloutRequest(
+            step=step, prompts=g.prompts_per_step, samples_per_prompt=g.samples_per_prompt,
+            max_new_tokens=g.max_new_tokens, temperature=g.temperature, seed=g.seed * 1_000_003 + step,
+            generation=self.generation, tokenizer=self.tokenizer,
         )
-        self._turn("generation")
-        return self._retry(lambda: env.collect_rollouts(request), step, "rollout")  # type: ignore[no-any-return]
+
+    @contextlib.contextmanager
+    def rollout_stream(self, max_staleness: int | None = None) -> Iterator[RolloutStream]:
+        """Rollouts generated ahead of the train step, up to ``max_staleness`` (k, default
+        ``grpo.max_staleness``, >= 1) weight versions ahead (:mod:`rlcore.app.stream`)::
+
+            with s.rollout_stream() as stream:
+                for step in range(1, n + 1):
+                    got = stream.next(step)      # StepRollouts: groups, version, timing
+                    ...train(step)...; s.refit(step); s.check_refit(step)
+                    stream.release(step)         # step + 1 + k may now be generated
+
+        The producer thread asks the env for each step's rollouts as :meth:`rollouts` does
+        (same request and seed), once the refit of step - 1 - k has been released. A
+        generation worker it loses is replaced on the caller's thread, inside ``next``,
+        and the step generated again (``on_worker_loss: replace``); any other failure of
+        the producer is raised by ``next`` of its step. Leaving the block stops the
+        producer. Needs an env and roles that do not take turns on the devices.
+        """
+        if self.env is None:
+            raise ConfigError("rollouts need an env: set env.backend (e.g. env.backend=arithmetic)", key="env.backend")
+        g = self.config.grpo
+        self._default_request(0)  # the handles built here, not first on the producer's thread
+        with RolloutStream(
+            lambda step: self._collect(self._default_request(step)),
+            version=lambda: self.weight_version,
+            epoch=lambda: self._generation_epoch,
+            cancelled=lambda: self.cancelled,
+            max_staleness=g.max_staleness if max_staleness is None else max_staleness,
+            last_step=g.steps,
+            span=lambda name, t0, t1, step: self.span(name, t0, t1, step=step, lane="rollouts"),
+            retry=lambda fn, step: self._retry(fn, step, "rollout"),
+        ) as stream:
+            yield stream
 
     def generate(
         self, step: int, prompt_ids: Sequence[Sequence[int]], params: SamplingParams | None = None
@@ -519,8 +575,11 @@ class Session:
         """Copy the policy's current weights to the generation (after the train step of
         ``step``) over the run's transport; the :class:`~rlcore.handles.RefitReport`
         (``weight_sync_time_s``, ``bytes``, ``transport``...). A generation worker lost
-        during it is replaced and the refit run again."""
-        return self._retry(lambda: self._refit_once(step), step, "refit")  # type: ignore[no-any-return]
+        during it is replaced and the refit run again. :attr:`weight_version` is then
+        ``step``."""
+        report = self._retry(lambda: self._refit_once(step), step, "refit")
+        self.weight_version = step
+        return report  # type: ignore[no-any-return]
 
     def _refit_once(self, step: int) -> RefitReport:
         run = self._run
@@ -556,11 +615,7 @@ class Session:
             raise ValueError("check_refit takes both generation_logprobs and policy_logprobs, or neither")
         if generation_logprobs is None or policy_logprobs is None:
             self._turn("generation")
-            err = self._retry(
-                lambda: token_mult_prob_error(self.generation.logprobs(self.probe), self.policy.logprobs(self.probe)),
-                step,
-                "probe",
-            )
+            err = self._retry(self._probe_error, step, "probe")
         else:
             err = token_mult_prob_error(generation_logprobs, policy_logprobs)
         check_divergence(
@@ -568,6 +623,16 @@ class Session:
             generation=self.generation.backend, sampled_by=sampled_by,
         )
         return float(err)
+
+    def _probe_error(self) -> float:
+        """``token_mult_prob_error`` of the probe batch, generation against policy, both at
+        once (logprobs work on a sleeping handle: :class:`~rlcore.handles.MemoryHandoff`)."""
+        pool = ThreadPoolExecutor(1, thread_name_prefix="rlcore-probe")
+        try:  # not waited for on an interrupt: the teardown ends the call
+            policy_lp = pool.submit(self.policy.logprobs, self.probe)
+            return token_mult_prob_error(self.generation.logprobs(self.probe), policy_lp.result())
+        finally:
+            pool.shutdown(wait=False)
 
     # ---------------------------------------------------------------- records
 
@@ -766,7 +831,7 @@ class _Run:
         self.writer.write(metrics, step=step)
         if done:
             if "reward/mean" in metrics:
-                self.history.append({"step": step, **metrics})
+                self.history.append({"step": step, "time": time.time(), **metrics})
             if self.plot is not None:
                 self.plot.start()
 
@@ -785,7 +850,7 @@ class _Run:
         """After a loop that finished: ``reward.png`` and the reward's trend (of the steps
         recorded with a reward), then the setup timeline joined."""
         if self.history:
-            plot_reward(self.history, self.run_dir / "reward.png", title=f"{self.config.name}: reward per step")
+            plot_reward(self.history, self.run_dir / "reward.png", title=f"{self.config.name}: reward")
             trend = reward_trend(self.history)
             if trend is not None:
                 self.writer.write(trend, step=self.history[-1]["step"])
