@@ -28,7 +28,7 @@ from rlcore.errors import DeclarationError
 #: declared); a major version may change or remove. A plugin declares the version it
 #: was written against (:attr:`BackendDeclaration.contract_version`) and loads when
 #: its major equals the core's and its minor is not newer.
-CONTRACT_VERSION = "2.0"
+CONTRACT_VERSION = "2.1"
 _VERSION_RE = re.compile(r"^(\d+)\.(\d+)$")
 
 #: What each major version changed that a plugin of the major before must change, and how.
@@ -184,6 +184,60 @@ class OverlapSafety:
     reason: str = ""
 
 
+class RefitLanding(StrEnum):
+    """When a refit reaches a generation engine that is serving calls (contract 2.1).
+
+    The asynchronous loop (``grpo.max_staleness`` > 0) sends a refit while the rollouts
+    of later steps are being sampled; the landing says what the engine does with the
+    requests it holds when the new weights arrive.
+    """
+
+    #: The refit waits until the engine's calls in flight have returned, and the next
+    #: call runs on the new weights: every token of a sample comes from one version.
+    #: Every backend does this (the core serialises the two calls); the default.
+    BETWEEN_CALLS = "between_calls"
+    #: The engine's own pause holds its requests in flight, the weights land, and the
+    #: requests resume on the new weights: a sample's later tokens may come from a
+    #: newer version than its first ones.
+    PAUSE = "pause"
+    #: The worker applies the refit between two steps of the engine's decode loop,
+    #: without stopping its requests: as with ``PAUSE``, a sample may span versions.
+    BETWEEN_STEPS = "between_steps"
+
+
+@dataclass(frozen=True)
+class InflightRefit:
+    """How a generation backend takes a refit while it serves, under some config (contract 2.1).
+
+    Attributes:
+        landing: when the new weights reach the engine (:class:`RefitLanding`).
+        token_versions: the samples it returns carry the weight version of each token
+            (``versions`` beside ``token_ids``), so a sample a refit landed in the middle
+            of says which tokens came from which weights. Only meaningful for a landing
+            in flight (``PAUSE``, ``BETWEEN_STEPS``): between calls a sample has one version.
+        when: conditions on the generation's config view under which this landing
+            applies (all must hold); empty: always.
+    """
+
+    landing: RefitLanding
+    token_versions: bool = False
+    when: tuple[Condition, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Authors may write the landing as its string; an unknown one is left for the
+        # declaration's validation to name with the plugin.
+        if isinstance(self.landing, str) and not isinstance(self.landing, RefitLanding):
+            try:
+                object.__setattr__(self, "landing", RefitLanding(self.landing))
+            except ValueError:
+                pass
+        object.__setattr__(self, "when", tuple(self.when))
+
+
+#: What a generation backend that declares no in-flight refit does: it waits for its calls.
+BETWEEN_CALLS = InflightRefit(RefitLanding.BETWEEN_CALLS)
+
+
 @dataclass(frozen=True)
 class BackendDeclaration:
     """Everything the core needs to know about a backend before starting it.
@@ -212,6 +266,20 @@ class BackendDeclaration:
             preflight refuses any other before anything starts, and the conformance
             suite exercises each. Empty: not declared (the suite runs ``float32``, the
             preflight does not check). Since contract 1.1.
+        inflight_refit: (generation) how it takes a refit while it serves calls
+            (contract 2.1): the first entry whose ``when`` holds under the
+            generation's config applies (:meth:`refit_landing`); none (the default),
+            :data:`BETWEEN_CALLS`: a refit waits for the calls in flight. A landing
+            in flight (``PAUSE``, ``BETWEEN_STEPS``) promises that a refit sent while
+            the engine samples completes without ending those requests, and that the
+            tokens after it come from the new weights.
+        max_staleness: (policy) the most weight versions a sample it trains on may lag
+            its current weights (contract 2.1): its ``train_step`` takes the sampling
+            logprobs as ``old_logprobs`` and corrects for them per token (the clipped
+            importance ratio of :func:`rlcore.runtime.losses.clipped_pg_loss`), so
+            samples from older weights still give the right gradient. The preflight
+            refuses ``grpo.max_staleness`` above it. 0 (the default): it trains only
+            on samples from its current weights (the synchronous loop).
         memory_handoff: (policy, generation) its handles implement
             :class:`rlcore.handles.MemoryHandoff` (``sleep``/``wake``): with
             ``placement.colocated`` the loop has it give device memory back while the
@@ -240,6 +308,8 @@ class BackendDeclaration:
     openai_endpoint_when: tuple[Condition, ...] = ()
     memory_handoff: bool = False
     dtypes: frozenset[str] = frozenset()
+    inflight_refit: tuple[InflightRefit, ...] = ()
+    max_staleness: int = 0
     contract_version: str = CONTRACT_VERSION
     options: type | None = None
     description: str = ""
@@ -259,6 +329,7 @@ class BackendDeclaration:
         object.__setattr__(self, "produces", tuple(self.produces))
         object.__setattr__(self, "needs", tuple(self.needs))
         object.__setattr__(self, "openai_endpoint_when", tuple(self.openai_endpoint_when))
+        object.__setattr__(self, "inflight_refit", tuple(self.inflight_refit))
 
     def serves(self, role: Role) -> bool:
         return role in self.roles
@@ -274,6 +345,11 @@ class BackendDeclaration:
     def serves_endpoint(self, view: Mapping[str, Any]) -> bool:
         """Whether the generation serves an OpenAI-compatible endpoint under the config ``view``."""
         return self.openai_endpoint and _conditions_hold(self.openai_endpoint_when, view)
+
+    def refit_landing(self, view: Mapping[str, Any]) -> InflightRefit:
+        """How a refit reaches this generation under the config ``view``: the first
+        :attr:`inflight_refit` entry whose conditions hold, else :data:`BETWEEN_CALLS`."""
+        return next((r for r in self.inflight_refit if _conditions_hold(r.when, view)), BETWEEN_CALLS)
 
     def option_names(self) -> list[str] | None:
         if self.options is None:
@@ -321,6 +397,11 @@ class BackendDeclaration:
             "openai_endpoint_when": cond(self.openai_endpoint_when),
             "memory_handoff": self.memory_handoff,
             "dtypes": sorted(self.dtypes),
+            "inflight_refit": [
+                {"landing": str(r.landing), "token_versions": r.token_versions, "when": cond(r.when)}
+                for r in self.inflight_refit
+            ],
+            "max_staleness": self.max_staleness,
             "contract_version": self.contract_version,
             "options": self.option_names(),
             "description": self.description,
@@ -351,7 +432,7 @@ def _overlap(d: BackendDeclaration) -> Iterator[str]:
 
 def _generation_only(d: BackendDeclaration) -> Iterator[str]:
     if Role.GENERATION not in d.roles:
-        for field_name in ("refit_fed", "openai_endpoint"):
+        for field_name in ("refit_fed", "openai_endpoint", "inflight_refit"):
             if getattr(d, field_name):
                 yield f"{field_name} is only meaningful for a backend that serves generation"
         if d.receive_transports:
@@ -373,6 +454,30 @@ def _dtypes(d: BackendDeclaration) -> Iterator[str]:
 def _memory_handoff(d: BackendDeclaration) -> Iterator[str]:
     if d.memory_handoff and not d.roles & {Role.POLICY, Role.GENERATION}:
         yield "memory_handoff is only meaningful for a backend that serves policy or generation"
+
+
+def _inflight_refit(d: BackendDeclaration) -> Iterator[str]:
+    for i, r in enumerate(d.inflight_refit):
+        where = f"inflight_refit[{i}]"
+        if not isinstance(r, InflightRefit):
+            yield f"{where} {r!r} is not an InflightRefit"
+            continue
+        if not isinstance(r.landing, RefitLanding):
+            yield f"{where}: landing {r.landing!r} is not one of {[x.value for x in RefitLanding]}"
+        elif r.token_versions and r.landing is RefitLanding.BETWEEN_CALLS:
+            yield (
+                f"{where}: token_versions with landing between_calls is contradictory (a refit "
+                "never lands inside a call, so every token of a sample has one version)"
+            )
+        yield from _condition_problems(d, where, r.when)
+
+
+def _max_staleness(d: BackendDeclaration) -> Iterator[str]:
+    k = d.max_staleness
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        yield f"max_staleness must be an int >= 0 (weight versions), got {k!r}"
+    elif k and Role.POLICY not in d.roles:
+        yield "max_staleness is only meaningful for a backend that serves policy"
 
 
 def _refit_fed(d: BackendDeclaration) -> Iterator[str]:
@@ -476,7 +581,7 @@ def _needs(d: BackendDeclaration) -> Iterator[str]:
 #: One check per rule a declaration must keep; each yields what it finds wrong.
 _RULES: tuple[Callable[[BackendDeclaration], Iterator[str]], ...] = (
     _name, _roles, _overlap, _generation_only, _refit_fed, _dtypes, _memory_handoff,
-    _endpoint_conditions,
+    _endpoint_conditions, _inflight_refit, _max_staleness,
     _contract_version, _transports, _options, _artifacts, _needs,
 )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -84,8 +85,9 @@ def test_plugins_in_a_pipe_prints_whole_names() -> None:
     import sys
 
     rlcore = Path(sys.executable).with_name("rlcore")
-    out = subprocess.run([str(rlcore), "plugins"], capture_output=True, text=True, check=True,
-                         env={"PATH": "/usr/bin:/bin", "COLUMNS": "60"}).stdout
+    # The code under test (PYTHONPATH: a checkout other than the installed one).
+    env = {"PATH": "/usr/bin:/bin", "COLUMNS": "60", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([str(rlcore), "plugins"], capture_output=True, text=True, check=True, env=env).stdout
     assert "…" not in out
     for name in ("arithmetic", "rlcore-arithmetic", "shared_memory"):
         assert name in out

@@ -811,3 +811,16 @@ def test_in_tree_policies_declare_the_dtypes_they_train_in() -> None:
         decl = registry.backends[name].declaration
         assert decl is not None and decl.dtypes == {"float32", "bfloat16"}, name
         assert decl.to_dict()["dtypes"] == ["bfloat16", "float32"]
+
+
+def test_in_tree_policies_declare_the_staleness_their_loss_corrects_for() -> None:
+    """Both train through rlcore.runtime.losses.clipped_pg_loss with the sampling logprobs as
+    old_logprobs (the conformance suite checks the ratio with stale ones)."""
+    registry = load_registry()
+    for name in ("fsdp", "megatron"):
+        decl = registry.backends[name].declaration
+        assert decl is not None and decl.max_staleness == 8, name
+        assert decl.to_dict()["max_staleness"] == 8
+    for name in ("arithmetic", "nemo_gym"):
+        decl = registry.backends[name].declaration
+        assert decl is not None and decl.max_staleness == 0 and decl.inflight_refit == (), name

@@ -45,8 +45,12 @@ def rlcore_declare_backend() -> BackendDeclaration:
         send_transports=_send_transports(),
         # Trained and exported in the run's dtype (float16 would need loss scaling).
         dtypes={"float32", "bfloat16"},
+        # Its train_step corrects per token for the weights that sampled (old_logprobs, the
+        # clipped ratio of rlcore.runtime.losses.clipped_pg_loss), so a sample a few
+        # versions old still gives the right gradient.
+        max_staleness=8,
         options=FSDPOptions,
-        contract_version="2.0",
+        contract_version="2.1",
         description=(
             "Hugging Face causal LM trained with PyTorch FSDP (FSDP1, full shard, gloo on "
             "CPU / NCCL on CUDA); streams HF-named weights one FSDP unit at a time"

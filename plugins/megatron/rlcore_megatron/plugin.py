@@ -81,7 +81,11 @@ def rlcore_declare_backend() -> BackendDeclaration:
         openai_endpoint_when=(Condition("options.serve_openai", True),),
         # Trained and exported in the run's dtype (float16 would need loss scaling).
         dtypes={"float32", "bfloat16"},
-        contract_version="2.0",
+        # Its train_step corrects per token for the weights that sampled (old_logprobs, the
+        # clipped ratio of rlcore.runtime.losses.clipped_pg_loss), so a sample a few
+        # versions old still gives the right gradient.
+        max_staleness=8,
+        contract_version="2.1",
         options=MegatronOptions,
         description=(
             "megatron-core GPTModel (local layer spec, tensor parallel over gloo/NCCL) as "

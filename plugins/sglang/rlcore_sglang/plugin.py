@@ -37,7 +37,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
         receive_transports={Transport.COLLECTIVE, Transport.SHARED_MEMORY, Transport.DISK},
         openai_endpoint=True,
         options=SGLangOptions,
-        contract_version="2.0",
+        contract_version="2.1",
         description=DESCRIPTION,
     )
 

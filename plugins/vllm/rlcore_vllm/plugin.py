@@ -38,7 +38,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
         receive_transports={Transport.COLLECTIVE, Transport.SHARED_MEMORY, Transport.DISK},
         openai_endpoint=True,
         openai_endpoint_when=(Condition("options.serve_openai", True),),
-        contract_version="2.0",
+        contract_version="2.1",
         options=VLLMOptions,
         description=DESCRIPTION,
     )

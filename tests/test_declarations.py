@@ -1,0 +1,107 @@
+"""The declaration fields of contract 2.1 (``inflight_refit``, ``max_staleness``): what
+each promises is checked at registration, selected under the config, and listed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from rlcore.declarations import (
+    BETWEEN_CALLS,
+    CONTRACT_VERSION,
+    BackendDeclaration,
+    Condition,
+    InflightRefit,
+    RefitLanding,
+    Role,
+    contract_compatible,
+    validate_declaration,
+)
+from rlcore.errors import DeclarationError
+
+
+@dataclasses.dataclass
+class EngineOptions:
+    serve_openai: bool = False
+
+
+def generation(**fields) -> BackendDeclaration:
+    return BackendDeclaration(
+        name="engine", roles={Role.GENERATION}, receive_transports={"disk"}, options=EngineOptions, **fields
+    )
+
+
+def policy(**fields) -> BackendDeclaration:
+    return BackendDeclaration(name="trainer", roles={Role.POLICY}, send_transports={"disk"}, **fields)
+
+
+def problems(decl: BackendDeclaration) -> str:
+    with pytest.raises(DeclarationError) as info:
+        validate_declaration(decl, plugin="p", distribution="d")
+    return str(info.value)
+
+
+def test_contract_2_1_adds_fields_a_2_0_plugin_still_loads_without() -> None:
+    assert CONTRACT_VERSION == "2.1"
+    assert contract_compatible("2.0") and not contract_compatible("2.2")
+    plain = policy()
+    assert plain.max_staleness == 0 and plain.inflight_refit == ()
+    assert plain.refit_landing({}) == BETWEEN_CALLS
+
+
+def test_the_first_landing_whose_conditions_hold_applies() -> None:
+    server = InflightRefit(RefitLanding.PAUSE, True, when=(Condition("options.serve_openai", True),))
+    stepped = InflightRefit("between_steps", token_versions=True, when=[Condition("options.serve_openai", False)])
+    decl = validate_declaration(generation(inflight_refit=[server, stepped]), plugin="p", distribution="d")
+    assert stepped.landing is RefitLanding.BETWEEN_STEPS and stepped.when == (Condition("options.serve_openai", False),)
+    assert decl.refit_landing({"options": {"serve_openai": True}}) is server
+    assert decl.refit_landing({"options": {"serve_openai": False}}) is stepped
+    # No entry holds (the key is missing from the view): between calls, which every backend does.
+    assert decl.refit_landing({"options": {}}) == InflightRefit(RefitLanding.BETWEEN_CALLS)
+    unconditional = generation(inflight_refit=(InflightRefit(RefitLanding.PAUSE), stepped))
+    assert unconditional.refit_landing({"options": {"serve_openai": False}}).landing is RefitLanding.PAUSE
+
+
+@pytest.mark.parametrize(
+    ("decl", "words"),
+    [
+        (policy(inflight_refit=(InflightRefit(RefitLanding.PAUSE),)),
+         "inflight_refit is only meaningful for a backend that serves generation"),
+        (generation(inflight_refit=("pause",)), "inflight_refit[0] 'pause' is not an InflightRefit"),
+        (generation(inflight_refit=(InflightRefit("paused"),)), "inflight_refit[0]: landing 'paused' is not one of"),
+        (generation(inflight_refit=(InflightRefit(RefitLanding.BETWEEN_CALLS, token_versions=True),)),
+         "token_versions with landing between_calls is contradictory"),
+        (generation(inflight_refit=(InflightRefit(RefitLanding.PAUSE, when=(Condition("options.serve", True),)),)),
+         "inflight_refit[0]: condition tests option 'serve', which the options dataclass EngineOptions"),
+        (generation(inflight_refit=(InflightRefit(RefitLanding.PAUSE, when=(Condition("replicas", 2),)),)),
+         "inflight_refit[0]: condition key 'replicas' is not one of"),
+        (generation(max_staleness=2), "max_staleness is only meaningful for a backend that serves policy"),
+        (policy(max_staleness=-1), "max_staleness must be an int >= 0"),
+        (policy(max_staleness=1.5), "max_staleness must be an int >= 0"),
+        (policy(max_staleness=True), "max_staleness must be an int >= 0"),
+    ],
+    ids=["policy-landing", "not-inflight", "bad-landing", "versions-between-calls", "unknown-option",
+         "unknown-view-key", "generation-staleness", "negative", "float", "bool"],
+)
+def test_a_contradictory_declaration_is_refused(decl: BackendDeclaration, words: str) -> None:
+    assert words in problems(decl)
+
+
+def test_to_dict_lists_both_fields() -> None:
+    decl = BackendDeclaration(
+        name="both",
+        roles={Role.POLICY, Role.GENERATION},
+        send_transports={"disk"},
+        receive_transports={"disk"},
+        options=EngineOptions,
+        max_staleness=4,
+        inflight_refit=(InflightRefit(RefitLanding.PAUSE, True, (Condition("options.serve_openai", True),)),),
+    )
+    d = json.loads(json.dumps(validate_declaration(decl, plugin="p", distribution="d").to_dict()))
+    assert d["max_staleness"] == 4
+    assert d["inflight_refit"] == [
+        {"landing": "pause", "token_versions": True, "when": [{"key": "options.serve_openai", "equals": True}]}
+    ]
+    assert policy().to_dict()["inflight_refit"] == [] and policy().to_dict()["max_staleness"] == 0
