@@ -1,4 +1,5 @@
-"""The setup plan as data: tasks, edges with reasons, in-init waits, critical path.
+"""The setup plan as data: tasks, edges with reasons, in-init waits, critical path, and
+the loop's schedule.
 
 The planner (:mod:`rlcore.setup.planner`) builds a :class:`Plan`; the executor runs
 it; ``rlcore plan`` prints it; tests assert on it directly.
@@ -70,6 +71,89 @@ class Wait:
     reason: str
 
 
+#: How each landing reads in the schedule line (:meth:`Schedule.describe`).
+_LANDS = {
+    "between_calls": "refits land between the engine's calls",
+    "pause": "refits land while the engine pauses its requests in flight",
+    "between_steps": "refits land between two engine steps, requests in flight",
+}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How the training loop overlaps generation with training, decided before start.
+
+    Built from ``grpo.max_staleness`` and the declarations of the policy
+    (``max_staleness``) and generation (``inflight_refit``) backends
+    (:func:`rlcore.setup.schedule.plan_schedule`); ``rlcore plan`` prints it and the
+    loop reads it (``session.plan.schedule``).
+
+    Attributes:
+        max_staleness: ``grpo.max_staleness`` (k): the rollouts of up to k steps ahead are
+            sampled while a step trains, and no sample more than k versions old is trained
+            on. 0: synchronous.
+        landing: how a refit reaches the generation (a
+            :class:`rlcore.declarations.RefitLanding` value), from its declaration under
+            this config.
+        token_versions: the generation reports the version of each token.
+        policy_max: the most the policy backend declares it trains on (its ``max_staleness``).
+        policy: the policy backend's name.
+        generation: the generation backend's name.
+        reason: why this landing: the declaration entry that applies, or that none does.
+        handoff: the colocated roles hand the devices to each other each step
+            (``placement.memory_handoff`` and a backend that declares it), so they take
+            turns and nothing can overlap (k must be 0).
+    """
+
+    max_staleness: int
+    landing: str
+    token_versions: bool
+    policy_max: int
+    policy: str
+    generation: str
+    reason: str = ""
+    handoff: bool = False
+
+    @property
+    def asynchronous(self) -> bool:
+        """Generation runs ahead of training (k > 0)."""
+        return self.max_staleness > 0
+
+    def describe(self) -> str:
+        """The one line ``rlcore plan`` prints."""
+        k = self.max_staleness
+        if not self.asynchronous:
+            allows = (
+                f"; {self.policy} allows grpo.max_staleness up to {self.policy_max}"
+                + (" with placement.memory_handoff=false" if self.handoff else "")
+                if self.policy_max else ""
+            )
+            return (
+                f"schedule: synchronous (grpo.max_staleness {k}): generation waits through each "
+                f"train step and refit{allows}"
+            )
+        versions = ", per-token versions" if self.token_versions else ""
+        return (
+            f"schedule: asynchronous, grpo.max_staleness {k} ({self.policy} trains on samples up "
+            f"to {self.policy_max} versions old); {_LANDS.get(self.landing, self.landing)} "
+            f"({self.generation}{': ' + self.reason if self.reason else ''}){versions}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (``rlcore plan --json``'s ``schedule``)."""
+        return {
+            "max_staleness": self.max_staleness,
+            "asynchronous": self.asynchronous,
+            "landing": self.landing,
+            "token_versions": self.token_versions,
+            "policy_max": self.policy_max,
+            "policy": self.policy,
+            "generation": self.generation,
+            "reason": self.reason,
+            "handoff": self.handoff,
+        }
+
+
 @dataclass(frozen=True)
 class Plan:
     tasks: tuple[Task, ...]
@@ -86,6 +170,9 @@ class Plan:
     #: On a cluster with GPUs: which GPU bundle each policy and generation rank gets, and
     #: which ranks share a GPU (:func:`rlcore.config.placement.device_layout`); None on CPUs.
     devices: DeviceLayout | None = None
+    #: How the loop overlaps generation with training (``grpo.max_staleness`` and the
+    #: declarations); None for a plan built without the run's declarations.
+    schedule: Schedule | None = None
 
     # Indexes built once per plan (a plan of 1,000 groups is walked task by task).
     @cached_property
@@ -183,6 +270,7 @@ class Plan:
             "artifacts_needed": {k: list(v) for k, v in self.consumed.items()},
             "overlapping": [list(p) for p in self.overlapping_pairs()],
             "devices": self.devices.to_dict() if self.devices is not None else None,
+            "schedule": self.schedule.to_dict() if self.schedule is not None else None,
         }
 
 

@@ -17,6 +17,9 @@ The rules apply to worker groups: a run from a config has one per role, and
 linear in groups and edges (``bench/scale.py``: 1,000 groups planned and run with
 instant tasks well under a second).
 
+The plan also carries the loop's schedule (:func:`rlcore.setup.schedule.plan_schedule`:
+``grpo.max_staleness`` against the policy's and generation's declarations).
+
 The planner imports no heavy dependency: ``rlcore plan`` runs anywhere.
 """
 
@@ -34,6 +37,7 @@ from rlcore.declarations import ENDPOINT_EVENT, BackendDeclaration, Role, Transp
 from rlcore.errors import ConfigError, PlanError
 from rlcore.setup.graph import topological_order
 from rlcore.setup.plan import REFIT_TASK, Edge, Plan, Task, Wait, init_task, longest_path
+from rlcore.setup.schedule import plan_schedule
 
 # When two inits may not overlap, this order decides who goes first: generation
 # engines that profile free device memory must measure before policy fills it.
@@ -510,6 +514,11 @@ def plan_groups(
     if len({g.task for g in groups}) != len(groups):
         raise PlanError("two groups have the same task name")
     p = _Planning(config, groups)
+    schedule = plan_schedule(
+        config,
+        list({id(g.declaration): g.declaration for g in p.policy}.values()),
+        [(g.declaration, g.view) for g in p.generation],
+    )
     transport = _choose_group_transport(p, accelerator)
     if p.gen.declaration.serves_endpoint(p.gen.view):
         p.posts[p.endpoint_producer] = (ENDPOINT_EVENT,)
@@ -531,6 +540,7 @@ def plan_groups(
         consumed={task: tuple(names) for task, names in p.consumed.items()},
         refit_transport=transport,
         devices=_devices(config, accelerator),
+        schedule=schedule,
     )
 
 

@@ -7,7 +7,9 @@ heavy dependency and reads only small files, so a bad input fails in well under
 a second with one line that names the key and the fix:
 
 1. the selected backends exist and serve their roles, their options are valid, the
-   declarations make a plan (refit transport included) and ``setup.task_deadline_s``
+   declarations make a plan (refit transport included), ``grpo.max_staleness`` is
+   one the policy backend declares and the placement lets overlap
+   (:func:`rlcore.setup.schedule.plan_schedule`), and ``setup.task_deadline_s``
    names tasks of that plan: the run is prepared once (:func:`rlcore.setup.prepared.prepare`),
    and what this returns is what setup runs;
 2. ``generation.on_worker_loss: replace`` is not asked of a run whose env holds the

@@ -11,6 +11,7 @@ resolving and validating nothing again.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,8 @@ from rlcore.config import RunConfig, resolve_options
 from rlcore.declarations import BackendDeclaration, Role
 from rlcore.errors import ConfigError, PlanError
 from rlcore.setup.plan import REFIT_TASK, Plan, role_of_task
-from rlcore.setup.planner import build_plan, choose_transport, selected_roles
+from rlcore.setup.planner import build_plan, choose_transport, role_view, selected_roles
+from rlcore.setup.schedule import plan_schedule
 
 if TYPE_CHECKING:
     from rlcore.setup.registry import PluginInfo, Registry
@@ -39,7 +41,7 @@ class PreparedRun:
             ``env.backend`` is set), in plan order.
         options: each role's ``<role>.options``, resolved against its backend's options
             dataclass (a plain dict for a backend that declares none).
-        plan: the setup plan the run executes.
+        plan: the setup plan the run executes, with the loop's schedule (``plan.schedule``).
         deadlines: the deadline in seconds of every task of the plan
             (``setup.task_deadline_s`` where it names the task, else ``setup.deadline_s``).
         transport: the refit transport (the plan's, else the one the declarations agree on).
@@ -74,7 +76,9 @@ def prepare(
     Raises:
         BackendNotFoundError: a role's backend is missing (every bad key at once).
         ConfigError: bad options, a ``model.dtype`` the backends do not run, a
-            ``setup.task_deadline_s`` that names no task of the plan.
+            ``grpo.max_staleness`` the backends or the placement cannot give
+            (:func:`rlcore.setup.schedule.plan_schedule`), a ``setup.task_deadline_s``
+            that names no task of the plan.
         PlanError: the declarations make no plan, or ``plan`` is one setup cannot run.
     """
     backends = selected_backends(registry, config)
@@ -86,6 +90,11 @@ def prepare(
     }
     if plan is None:
         plan = build_plan(config, declarations, options=options, accelerator=accelerator)
+    elif plan.schedule is None:  # a plan made elsewhere: the loop still needs its schedule
+        generation = declarations[Role.GENERATION]
+        view = role_view(config, Role.GENERATION, generation, resolved=options[Role.GENERATION])
+        schedule = plan_schedule(config, [declarations[Role.POLICY]], [(generation, view)])
+        plan = dataclasses.replace(plan, schedule=schedule)
     _check_runnable(plan, list(backends))
     transport = plan.refit_transport or choose_transport(
         config, declarations[Role.POLICY], declarations[Role.GENERATION]

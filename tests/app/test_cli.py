@@ -65,6 +65,46 @@ def test_plan_json_of_quickstart(capsys) -> None:
     assert plan["refit_transport"] == "collective"
 
 
+def test_plan_shows_the_schedule(capsys) -> None:
+    """``rlcore plan`` says how the loop overlaps generation with training; nothing starts."""
+    pytest.importorskip("rlcore_fsdp")
+    pytest.importorskip("rlcore_vllm")
+    quickstart = str(REPO / "examples" / "quickstart.yaml")
+    assert main(["plan", quickstart]) == 0
+    assert (
+        "schedule: synchronous (grpo.max_staleness 0): generation waits through each train step "
+        "and refit; fsdp allows grpo.max_staleness up to 8"
+    ) in capsys.readouterr().out
+    assert main(["plan", quickstart, "grpo.max_staleness=1"]) == 0
+    assert (
+        "schedule: asynchronous, grpo.max_staleness 1 (fsdp trains on samples up to 8 versions old); "
+        "refits land between the engine's calls (vllm)"
+    ) in capsys.readouterr().out
+    assert main(["plan", quickstart, "grpo.max_staleness=1", "--json"]) == 0
+    schedule = json.loads(capsys.readouterr().out)["schedule"]
+    assert schedule["asynchronous"] and schedule["max_staleness"] == 1 and schedule["policy_max"] == 8
+
+
+@pytest.mark.parametrize(
+    ("example", "overrides", "words"),
+    [
+        ("quickstart.yaml", ["grpo.max_staleness=9"],
+         "policy backend 'fsdp' declares max_staleness 8: it trains on samples up to 8 versions old; "
+         "set grpo.max_staleness <= 8"),
+        ("gpu/megatron_colocated.yaml", ["grpo.max_staleness=1"],
+         "megatron declares memory_handoff: the roles take turns on the devices, so generation cannot "
+         "run while the policy trains; set placement.memory_handoff=false"),
+    ],
+    ids=["beyond-the-policy", "colocated-handoff"],
+)
+def test_plan_refuses_a_staleness_the_run_cannot_give(capsys, example: str, overrides: list[str], words: str) -> None:
+    pytest.importorskip("rlcore_fsdp")
+    pytest.importorskip("rlcore_megatron")
+    assert main(["plan", str(REPO / "examples" / example), *overrides]) == 2
+    err = " ".join(capsys.readouterr().err.split())  # rich folds long lines
+    assert "config key 'grpo.max_staleness'" in err and words in err
+
+
 def test_overrides_after_options(monkeypatch, tmp_path: Path) -> None:
     seen = {}
 
