@@ -38,13 +38,13 @@ pytest.importorskip("rlcore_vllm")
 class Run:
     """A real ``rlcore run`` whose output is read line by line in a thread."""
 
-    def __init__(self, tmp_path: Path, steps: int) -> None:
+    def __init__(self, tmp_path: Path, steps: int, *overrides: str) -> None:
         self.marker = uuid.uuid4().hex
         self.run_dir = tmp_path / "run"
         env = {**os.environ, MARKER: self.marker}
         self.proc = subprocess.Popen(
             [str(RLCORE), "run", str(REPO / "examples" / "quickstart.yaml"), f"grpo.steps={steps}",
-             "--out", str(self.run_dir)],
+             *overrides, "--out", str(self.run_dir)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
             start_new_session=True,
         )
@@ -131,7 +131,7 @@ def _records(run_dir: Path) -> tuple[list[dict], dict]:
     return metrics, trace
 
 
-# (id, signal, steps, the phase to wait for, what the line must say it interrupted)
+# (id, signal, steps, the phase to wait for, what the line must say it interrupted, overrides)
 CASES = [
     # Both inits running, the vLLM actor mid-start.
     ("inits-sigint", signal.SIGINT, 2,
@@ -145,6 +145,8 @@ CASES = [
      lambda r: r.saw(r"setup: refit:initial running"), r"refit:initial"),
     # Training: step 1 done, a 30-step run goes on.
     ("step-sigint", signal.SIGINT, 30, lambda r: r.saw(r"^step +1 "), r"step \d+"),
+    # The loop that runs ahead: the producer thread mid-generate, the trainer mid-step.
+    ("ahead-sigint", signal.SIGINT, 30, lambda r: r.saw(r"^step +2 "), r"step \d+", ("grpo.max_staleness=1",)),
 ]
 
 
@@ -153,14 +155,15 @@ CASES = [
 # generation-sigterm interrupts setup as inits-sigint does (one init done, not both):
 # the same teardown path, so soak.
 @pytest.mark.parametrize(
-    ("sig", "steps", "ready", "during"),
-    [pytest.param(*c[1:], id=c[0], marks=[pytest.mark.soak] if c[0] == "generation-sigterm" else [])
+    ("sig", "steps", "ready", "during", "overrides"),
+    [pytest.param(*c[1:5], c[5] if len(c) > 5 else (), id=c[0],
+                  marks=[pytest.mark.soak] if c[0] == "generation-sigterm" else [])
      for c in CASES],
 )
 def test_a_signal_stops_the_run_cleanly(
-    tmp_path: Path, sig: int, steps: int, ready: Callable[[Run], bool], during: str
+    tmp_path: Path, sig: int, steps: int, ready: Callable[[Run], bool], during: str, overrides: tuple[str, ...]
 ) -> None:
-    run = Run(tmp_path, steps)
+    run = Run(tmp_path, steps, *overrides)
     try:
         run.wait_for(lambda: ready(run), "the phase to interrupt")
         sent = run.signal(sig)

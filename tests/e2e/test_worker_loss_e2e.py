@@ -153,3 +153,41 @@ def test_a_killed_policy_rank_aborts_even_with_replace(tmp_path: Path) -> None:
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records if "reward/mean" in r] == [1]
     assert not [r for r in records if "generation/lost_worker" in r]
+
+
+def test_the_loop_that_runs_ahead_replaces_a_lost_engine_as_the_synchronous_loop_does(tmp_path: Path) -> None:
+    """grpo.max_staleness=1: an engine killed before a step's rollouts (on the producer's
+    thread, while the policy trains the step before) and one killed before a refit (while
+    the producer generates the next step on it) are each replaced once, on the trainer's
+    thread, whichever thread meets the loss first: the other's failure of the same loss is
+    not replaced again. Every step trains, every refit after is exact."""
+    pytest.importorskip("rlcore_fsdp")
+    pytest.importorskip("rlcore_vllm")
+    steps = 10
+    chaos = Chaos({4: "rollout", 8: "refit"})
+    records = chaos_run(
+        tmp_path, QUICKSTART, steps, chaos, "generation.on_worker_loss=replace", "grpo.max_staleness=1",
+        "generation.workers=2", "generation.devices_per_worker=0.5",
+    )
+    step_records = [r for r in records if "reward/mean" in r]
+    assert [r["step"] for r in step_records] == list(range(1, steps + 1))
+    losses = [r for r in records if "generation/lost_worker" in r]
+    assert len(losses) == len(chaos.kills) == 2, losses
+    for loss, kill in zip(losses, chaos.kills, strict=True):
+        # Met by the producer's call of the step, or by the refit that waited behind it.
+        assert loss["generation/lost_step"] in (kill.step - 1, kill.step), (loss, kill)
+        assert loss["generation/lost_worker"] == f"vllm-generation rank {kill.rank}", loss
+        assert abs(loss["generation/replace_mult_prob_error"] - 1.0) < EXACT, loss
+    assert all(abs(r["refit/token_mult_prob_error"] - 1.0) < EXACT for r in step_records)
+    assert all(r["staleness/lag_max"] <= 1 and r["staleness/dropped_groups"] == 0 for r in step_records)
+
+
+def test_the_loop_that_runs_ahead_aborts_on_a_killed_policy_rank(tmp_path: Path) -> None:
+    pytest.importorskip("rlcore_fsdp")
+    pytest.importorskip("rlcore_vllm")
+    chaos = Chaos({3: "refit"}, role="policy")
+    with pytest.raises(WorkerLost, match="fsdp-policy rank 1 died") as info:
+        chaos_run(tmp_path, QUICKSTART, 5, chaos, "generation.on_worker_loss=replace", "grpo.max_staleness=1")
+    assert info.value.role == "policy" and len(chaos.kills) == 1
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records if "reward/mean" in r] == [1, 2]
