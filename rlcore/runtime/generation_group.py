@@ -9,16 +9,20 @@ shards. Its workers provide ``open_refit_channel(spec, rank)``,
 ``receive_weights(spec, step, buckets)``, ``refit_ceiling(spec, rank, step, nbytes)``,
 ``generate(prompt_ids, params, seeds)`` (``params`` a :class:`rlcore.handles.SamplingParams`) and ``logprobs(batch)``;
 :class:`EngineWorker` is a base for them. :func:`start_engines` starts the group of a
-backend's init hook.
+backend's init hook. An engine class that takes refits while a call is in flight
+(:attr:`EngineWorker.inflight_refit`) gets its refit-side calls on a thread of their own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rlcore.handles import Endpoint, Pair, Sample, SamplingParams
 from rlcore.runtime.addresses import free_port, server_host
@@ -27,10 +31,13 @@ from rlcore.runtime.group_handle import GroupHandle
 from rlcore.runtime.worker_group import DistributedWorker, WorkerGroup
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
     from pathlib import Path
 
     from rlcore.context import InitContext
     from rlcore.errors import Deadline
+
+log = logging.getLogger(__name__)
 
 
 def prompt_seed(seed: int, index: int) -> int:
@@ -98,15 +105,28 @@ class GroupGeneration(GroupHandle):
 
     def open_refit_channel(self, spec: Any) -> list[Any]:
         """Every engine joins channel ``spec`` (engine ``i`` as rank ``1 + i``); Ray refs."""
-        return [a.open_refit_channel.remote(spec, 1 + i) for i, a in enumerate(self._actors())]
+        return [self.refit_side(a, "open_refit_channel").remote(spec, 1 + i) for i, a in enumerate(self._actors())]
 
     def refit_ceiling(self, spec: Any, step: int, nbytes: int) -> list[Any]:
         """Every engine receives ``nbytes`` raw over the channel (``bench/``); Ray refs."""
-        return [a.refit_ceiling.remote(spec, 1 + i, step, nbytes) for i, a in enumerate(self._actors())]
+        return [
+            self.refit_side(a, "refit_ceiling").remote(spec, 1 + i, step, nbytes) for i, a in enumerate(self._actors())
+        ]
 
     def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
-        """Every engine receives and loads the buckets; Ray refs that resolve when all have loaded."""
-        return [a.receive_weights.remote(spec, step, buckets) for a in self._actors()]
+        """Every engine receives and loads the buckets; Ray refs that resolve when all have loaded.
+
+        An engine that takes refits in flight (:attr:`EngineWorker.inflight_refit`) loads
+        beside a generate or logprobs call it is running; any other waits for it to end."""
+        return [self.refit_side(a, "receive_weights").remote(spec, step, buckets) for a in self._actors()]
+
+    def refit_side(self, actor: Any, method: str) -> Any:
+        """``actor``'s ``method`` as a refit-side call: on the engines' refit thread
+        (:attr:`rlcore.runtime.worker_group.WorkerGroup.refit_group`) when they take refits in
+        flight, so it does not queue behind a running generate; else the plain method."""
+        call = getattr(actor, method)
+        group = self.group.refit_group
+        return call.options(concurrency_group=group) if group is not None else call
 
     # -------------------------------------------------------- training loop
 
@@ -188,10 +208,11 @@ class EngineReceiver:
         return [actors[r] for r in self.engine_ranks]
 
     def open_refit_channel(self, spec: Any) -> list[Any]:
-        return [a.open_refit_channel.remote(spec, 1 + i) for i, a in enumerate(self._engines())]
+        side = self.handle.refit_side
+        return [side(a, "open_refit_channel").remote(spec, 1 + i) for i, a in enumerate(self._engines())]
 
     def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
-        return [a.receive_weights.remote(spec, step, buckets) for a in self._engines()]
+        return [self.handle.refit_side(a, "receive_weights").remote(spec, step, buckets) for a in self._engines()]
 
 
 @dataclass(frozen=True)
@@ -222,6 +243,24 @@ class EngineArgs:
     network: Any = None
     cuda: bool | None = None
     specs_cache: str | None = None
+
+
+@dataclass(frozen=True)
+class PauseRoutes:
+    """How an engine's server holds its requests in flight while a refit loads
+    (:meth:`EngineWorker._held_for_refit`): each a ``(route, JSON body)`` POSTed to it, a
+    body of None sent as ``{}``.
+
+    Attributes:
+        pause: stop scheduling and keep the requests, their KV cache freed (it was
+            computed with the old weights; it is recomputed with the new ones once resumed).
+        resume: schedule them again.
+        abort: end every request of the server (a load failed half-way: none may go on).
+    """
+
+    pause: tuple[str, dict[str, Any] | None]
+    resume: tuple[str, dict[str, Any] | None]
+    abort: tuple[str, dict[str, Any] | None]
 
 
 @dataclass(frozen=True)
@@ -337,6 +376,15 @@ class EngineWorker(DistributedWorker):
     """
 
     engine = "engine"
+    #: Whether this engine takes a refit while a generate or logprobs call is in flight:
+    #: its actors then get a refit thread
+    #: (:attr:`rlcore.runtime.worker_group.WorkerGroup.refit_group`), where
+    #: :class:`GroupGeneration` sends ``open_refit_channel``, ``receive_weights`` and
+    #: ``refit_ceiling``. Such a class's ``receive_weights`` holds the engine's requests
+    #: for the load itself (a server's own pause: :meth:`_held_for_refit`), and nothing
+    #: else it touches may race with ``generate``. False: a refit waits for the call in
+    #: flight to end (the actor runs one call at a time).
+    inflight_refit: ClassVar[bool] = False
 
     def __init__(self, rank: int, world_size: int, args: EngineArgs) -> None:
         super().__init__(rank, world_size)
@@ -353,6 +401,9 @@ class EngineWorker(DistributedWorker):
         self.server: Any = None
         #: Why the engine's weights cannot be trusted (a refit failed half-way), or None.
         self.stale: str | None = None
+        #: Refits that failed half-way while requests were held, and aborted them: a call
+        #: in flight across one fails instead of returning cut samples.
+        self.refit_aborts = 0
 
     def _on_cuda(self) -> bool:
         """Whether this engine runs on a GPU: :attr:`cuda` as the handle decided, else torch's
@@ -379,16 +430,19 @@ class EngineWorker(DistributedWorker):
             return []
         if params.temperature <= 0 and params.n > 1:
             # Every greedy sample is the same one (and vLLM refuses n > 1 greedy): sample once.
-            groups = self._generate(prompt_ids, dataclasses.replace(params, n=1), seeds)
+            with self._not_cut_by_refit():
+                groups = self._generate(prompt_ids, dataclasses.replace(params, n=1), seeds)
             return [[{**g[0], "token_ids": list(g[0]["token_ids"])} for _ in range(params.n)] for g in groups]
-        return self._generate(prompt_ids, params, seeds)
+        with self._not_cut_by_refit():
+            return self._generate(prompt_ids, params, seeds)
 
     def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
         """Log-probabilities of each completion's tokens given its prompt (and the tokens before)."""
         self._check_weights()
         if not batch:
             return []
-        return self._logprobs(batch)
+        with self._not_cut_by_refit():
+            return self._logprobs(batch)
 
     def _generate(
         self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
@@ -404,6 +458,60 @@ class EngineWorker(DistributedWorker):
                 f"{self.engine} worker {self.rank}: {self.stale}; its weights may mix two versions, "
                 "so it refuses to generate until a refit succeeds"
             )
+
+    @contextlib.contextmanager
+    def _not_cut_by_refit(self) -> Iterator[None]:
+        """Fail the call if a refit aborted its requests meanwhile (:meth:`_held_for_refit`):
+        an engine answers an aborted request with the tokens it had, which are no sample."""
+        aborts = self.refit_aborts
+        yield
+        if self.refit_aborts != aborts:
+            raise RuntimeError(
+                f"{self.engine} worker {self.rank}: a refit failed half-way during this call and "
+                f"aborted its requests ({self.stale})"
+            )
+
+    # ----------------------------------------------------------------- refit
+
+    @contextlib.contextmanager
+    def _held_for_refit(self, routes: PauseRoutes, step: int, timeout_s: float) -> Iterator[None]:
+        """Hold :attr:`server`'s requests in flight while the body loads refit ``step``
+        (for an :attr:`inflight_refit` engine): pause them, and resume them afterwards
+        whatever happened, while the server lives; each request waits at most ``timeout_s``.
+
+        When the body fails with :attr:`stale` set (the weights may be half-loaded), the
+        held requests are aborted before the resume, so no sample mixes two versions, and
+        the calls they belong to fail (:attr:`refit_aborts`); the error propagates. A
+        resume that fails marks the engine stale (it would hold requests forever), and
+        raises :class:`rlcore.errors.RefitError` unless the body failed already.
+        """
+        from rlcore.errors import RefitError
+        from rlcore.runtime.server import ServerError
+
+        s = self.server
+        t0 = time.monotonic()
+        loaded = False
+        try:
+            s.post(*routes.pause, timeout_s=timeout_s)
+            yield
+            loaded = True
+        except BaseException:
+            if self.stale is not None and s.alive():
+                self.refit_aborts += 1  # before the abort: a call it ends must see it
+                try:
+                    s.post(*routes.abort, timeout_s=timeout_s)
+                except ServerError as err:
+                    log.warning("%s worker %d: aborting held requests failed: %s", self.engine, self.rank, err)
+            raise
+        finally:
+            if s.alive():
+                try:
+                    s.post(*routes.resume, timeout_s=timeout_s)
+                except ServerError as err:
+                    self.stale = f"generation was not resumed after refit step {step}: {err}"
+                    if loaded:
+                        raise RefitError(f"{self.engine} worker {self.rank}: {self.stale}") from None
+            log.debug("%s worker %d: requests held %.3fs for refit step %d", self.engine, self.rank, time.monotonic() - t0, step)
 
     def _bind(self) -> dict[str, Any]:
         """``port``, ``host`` and ``token`` of this engine's server: ``options.port + rank``

@@ -36,6 +36,11 @@ from rlcore.runtime.waits import ray_get
 
 log = logging.getLogger(__name__)
 
+#: The concurrency group (one thread) of the actors of a class that takes refits while a
+#: call is busy (``inflight_refit = True``, see
+#: :class:`rlcore.runtime.generation_group.EngineWorker`): the refit-side calls go there.
+REFIT_GROUP = "rlcore_refit"
+
 
 class DistributedWorker:
     """Base for worker classes: rank bookkeeping and torch.distributed setup.
@@ -150,6 +155,10 @@ class GroupOptions(TypedDict, total=False):
 class WorkerGroup:
     """N actors of ``cls`` (a :class:`DistributedWorker` subclass), ranks 0..N-1.
 
+    Each actor runs its calls one at a time on a default thread; besides, the liveness
+    probe has a thread of its own, and so do the refit-side calls of a class that takes
+    refits while a call is busy (:attr:`refit_group`).
+
     Args:
         cls, world_size, name, and ``options`` (args, kwargs, num_cpus, num_gpus, env,
             dist_backend, timeout_s, placement): the group, as :class:`GroupSpec` documents
@@ -199,6 +208,13 @@ class WorkerGroup:
     def timeout_s(self) -> float:
         return self.spec.timeout_s
 
+    @property
+    def refit_group(self) -> str | None:
+        """:data:`REFIT_GROUP` when the class takes refits while a call is busy (its
+        ``inflight_refit`` is true), else None: every call then runs on the one default
+        thread, one after the other."""
+        return REFIT_GROUP if getattr(self.spec.cls, "inflight_refit", False) else None
+
     def _prepare(self) -> None:
         """Check the cluster can hold the group and make the actor class and its options."""
         import ray
@@ -210,9 +226,10 @@ class WorkerGroup:
             check_fits(self.name, spec.world_size, spec.num_cpus, spec.num_gpus, spec.placement)
             # The probe's own thread answers while the default group's call is busy.
             self._probed = LIVENESS.enabled and hasattr(spec.cls, PROBE_METHOD)
-            self._remote_cls = (
-                ray.remote(concurrency_groups={PROBE_GROUP: 1})(spec.cls) if self._probed else ray.remote(spec.cls)
-            )
+            groups = {PROBE_GROUP: 1} if self._probed else {}
+            if self.refit_group is not None:
+                groups[REFIT_GROUP] = 1  # a refit runs beside a busy generate
+            self._remote_cls = ray.remote(concurrency_groups=groups)(spec.cls) if groups else ray.remote(spec.cls)
             runtime_env = actor_runtime_env(spec.env)
         self._actor_options: dict[str, Any] = {
             "num_cpus": spec.num_cpus,

@@ -8,9 +8,15 @@ from typing import Any
 import pytest
 
 from rlcore.config.placement import Network
-from rlcore.errors import RlcoreError
+from rlcore.errors import RefitError, RlcoreError
 from rlcore.handles import SamplingParams
-from rlcore.runtime.generation_group import EngineArgs, EngineWorker, GroupGeneration, prompt_seed
+from rlcore.runtime.generation_group import (
+    EngineArgs,
+    EngineWorker,
+    GroupGeneration,
+    PauseRoutes,
+    prompt_seed,
+)
 
 
 class Remote:
@@ -30,6 +36,7 @@ class Engine:
 
 class Group:
     name = "fake-generation"
+    refit_group = None  # engines that take refits only between calls
 
     def __init__(self, engines: int) -> None:
         self.calls: list[tuple[int, str, Any]] = []
@@ -145,3 +152,94 @@ def test_a_greedy_call_samples_once_and_copies_it_n_times() -> None:
     assert out[0][1]["token_ids"] == [5]
     w.generate([[1]], SamplingParams(3, 4, 0.5, 0), [5])
     assert asked == [1, 3]
+
+
+class FakeServer:
+    """Records the routes posted to it; ``refuse`` names routes that answer an error."""
+
+    def __init__(self, refuse: tuple[str, ...] = ()) -> None:
+        self.posted: list[str] = []
+        self.refuse = refuse
+        self.up = True
+
+    def post(self, path: str, body: Any = None, *, timeout_s: float = 300.0) -> None:
+        from rlcore.runtime.server import ServerError
+
+        self.posted.append(path)
+        if path in self.refuse:
+            raise ServerError(f"{path} refused", status=500, message="refused")
+
+    def alive(self) -> bool:
+        return self.up
+
+
+ROUTES = PauseRoutes(pause=("/pause", None), resume=("/resume", None), abort=("/abort", {"all": True}))
+
+
+def _held(w: Worker, *, load: Any = None) -> None:
+    """A refit of step 4 through ``_held_for_refit``: ``load()`` is the update (may raise)."""
+    with w._held_for_refit(ROUTES, 4, 30.0):
+        w.stale = "refit step 4 over collective did not complete"
+        if load is not None:
+            load()
+        w.stale = None
+
+
+def test_a_refit_holds_the_requests_in_flight_and_always_resumes_them() -> None:
+    w = _worker()
+    w.server = FakeServer()
+    _held(w)
+    assert w.server.posted == ["/pause", "/resume"] and w.stale is None and w.refit_aborts == 0
+
+    def half_loaded() -> None:
+        raise RefitError("bucket 2 rejected")
+
+    w.server = FakeServer()
+    with pytest.raises(RefitError, match="bucket 2 rejected"):
+        _held(w, load=half_loaded)
+    # Weights may be half-loaded: the held requests are aborted before they resume.
+    assert w.server.posted == ["/pause", "/abort", "/resume"] and w.refit_aborts == 1 and w.stale
+
+    w.stale, w.server = None, FakeServer()
+    with pytest.raises(RefitError, match="nothing loaded"):
+        with w._held_for_refit(ROUTES, 5, 30.0):
+            raise RefitError("nothing loaded")  # stale never set: the requests go on
+    assert w.server.posted == ["/pause", "/resume"] and w.refit_aborts == 1
+
+    w.server = FakeServer()
+    w.server.up = False  # died in the update: nothing to resume
+    with pytest.raises(RefitError):
+        _held(w, load=half_loaded)
+    assert w.server.posted == ["/pause"]
+
+
+def test_a_refit_whose_resume_fails_leaves_the_engine_refusing_to_generate() -> None:
+    w = _worker()
+    w.server = FakeServer(refuse=("/resume",))
+    with pytest.raises(RefitError, match=r"^Fake worker 1: generation was not resumed after refit step 4: /resume refused$"):
+        _held(w)
+    with pytest.raises(RuntimeError, match="refuses to generate until a refit succeeds"):
+        w.generate([[1]], SamplingParams(1, 4, 1.0, 0), [5])
+    # A failed load stays the error raised; the failed resume only marks the engine.
+    w.stale, w.server = None, FakeServer(refuse=("/resume",))
+    with pytest.raises(RefitError, match="bucket 1"):
+        _held(w, load=lambda: (_ for _ in ()).throw(RefitError("bucket 1")))
+    assert w.stale is not None and w.stale.startswith("generation was not resumed after refit step 4")
+
+
+def test_a_call_whose_requests_a_failed_refit_aborted_fails() -> None:
+    """The engine answers aborted requests with the tokens it had: no samples to return."""
+
+    class Cut(Worker):
+        def _generate(self, prompt_ids: Any, params: SamplingParams, seeds: Any) -> Any:
+            with pytest.raises(RefitError):  # the refit, on its own thread in a real actor
+                _held(self, load=lambda: (_ for _ in ()).throw(RefitError("half")))
+            return super()._generate(prompt_ids, params, seeds)
+
+        _logprobs = _generate  # type: ignore[assignment]
+
+    w = Cut(1, 2, EngineArgs("/m", dtype="float32", refit_fed=True, options=Options()))
+    w.server = FakeServer()
+    with pytest.raises(RuntimeError, match=r"^Fake worker 1: a refit failed half-way during this call and aborted its requests \(refit step 4"):
+        w.generate([[1]], SamplingParams(1, 4, 1.0, 0), [5])
+    assert w.server.posted == ["/pause", "/abort", "/resume"]
