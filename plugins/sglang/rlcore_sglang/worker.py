@@ -35,7 +35,7 @@ from rlcore.handles import Sample, SamplingParams
 from rlcore.refit.worker import HFWeightSpecs
 from rlcore.runtime import engine_http
 from rlcore.runtime.engine_http import Request, sample_seeds
-from rlcore.runtime.generation_group import EngineArgs, EngineWorker
+from rlcore.runtime.generation_group import EngineArgs, EngineWorker, PauseRoutes
 from rlcore_sglang.server import ServerError, ServerProcess, find_sglang_python
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,15 @@ GROUP_PREFIX = "rlcore-refit:"
 DRAIN = "rlcore_drain"
 #: Routes of SGLang's weight-update session (0.5.21+); older servers have neither.
 SESSION_ROUTES = ("/begin_weight_update", "/end_weight_update")
+#: How a refit holds the requests in flight: ``retract`` puts the running ones back in the
+#: waiting queue with their KV cache freed (recomputed with the new weights on continue),
+#: so the update's ``flush_cache`` succeeds; while paused, updates skip the writer lock
+#: that every running request would otherwise hold them behind.
+PAUSE = PauseRoutes(
+    pause=("/pause_generation", {"mode": "retract"}),
+    resume=("/continue_generation", None),
+    abort=("/abort_request", {"abort_all": True}),
+)
 
 
 class NativeGenerate:
@@ -162,6 +171,7 @@ class SGLangWorker(HFWeightSpecs, EngineWorker):
     """
 
     engine = "SGLang"
+    inflight_refit = True
 
     def __init__(self, rank: int, world_size: int, args: EngineArgs, *, threads: int = 1) -> None:
         if args.log_dir is None:
@@ -244,15 +254,20 @@ class SGLangWorker(HFWeightSpecs, EngineWorker):
     def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> float:
         """Receive the buckets of ``step`` over ``spec`` and load them; returns seconds taken.
 
+        Runs beside a generate in flight (:attr:`inflight_refit`): its requests are held
+        (:data:`PAUSE`) while the weights load, and go on with the new ones; each
+        finished request's ``meta_info.weight_versions`` says which tokens came from which.
+
         Raises :class:`RefitError` quoting the server if it rejects the update; the
         server's ``weight_version`` then stays the old one. Unless the rejection
         came before anything was loaded, this worker refuses to sample until a
-        refit succeeds.
+        refit succeeds, and the requests it held are aborted.
         """
         t0 = time.monotonic()
         version = f"step-{step}"
         if spec.transport == "collective":
-            self._receive_collective(spec, step, buckets, version)
+            with self._held_for_refit(PAUSE, step, spec.timeout_s + 30):
+                self._receive_collective(spec, step, buckets, version)
         else:
             self._receive_files(spec, step, version)
         return time.monotonic() - t0
@@ -269,16 +284,18 @@ class SGLangWorker(HFWeightSpecs, EngineWorker):
             "model_path": str(directory), "load_format": "safetensors",
             "weight_version": version, "flush_cache": True,
         }
-        self.stale = f"refit step {step} over {spec.transport} did not complete"
-        try:
-            self._server().request("/update_weights_from_disk", body, timeout_s=spec.timeout_s + 30)
-        except ServerError as err:
-            if err.message.startswith("Failed to get"):  # loader or file list: nothing loaded
-                self.stale = None
-            raise RefitError(
-                f"SGLang worker {self.rank} rejected refit step {step} from {directory}: {err}"
-            ) from None
-        self.stale = None
+        timeout = spec.timeout_s + 30
+        with self._held_for_refit(PAUSE, step, timeout):
+            self.stale = f"refit step {step} over {spec.transport} did not complete"
+            try:
+                self._server().request("/update_weights_from_disk", body, timeout_s=timeout)
+            except ServerError as err:
+                if err.message.startswith("Failed to get"):  # loader or file list: nothing loaded
+                    self.stale = None
+                raise RefitError(
+                    f"SGLang worker {self.rank} rejected refit step {step} from {directory}: {err}"
+                ) from None
+            self.stale = None
 
     def _receive_collective(self, spec: Any, step: int, buckets: list[list[Any]], version: str) -> None:
         name = self.groups.get(spec.key)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import urllib.request
 import uuid
 from pathlib import Path
@@ -161,6 +162,106 @@ def test_rejected_refit_raises_quoting_the_server_and_keeps_old_weights(
     refit(server, spec, 22, state, good)
     assert max_diff(server.logprobs(PROBE), reference_logprobs(tiny_model, state, PROBE)) < TOL
     assert server.weight_versions() == ["step-22"]
+    channels.close_channel(spec)
+
+
+class InFlight:
+    """``copies`` long greedy requests of ``prompt`` to SGLang's own /generate, one batch
+    streamed from a thread (several, so that each decoding step takes longer and the
+    refit lands well before the end): in flight once built; :meth:`result` is each one's
+    last chunk (the whole output, ``meta_info.weight_versions`` included)."""
+
+    def __init__(self, gen: Any, prompt: list[int], max_new_tokens: int, copies: int = 8) -> None:
+        self.base = gen.endpoints[0].base_url.removesuffix("/v1")
+        self.body = {
+            "input_ids": [prompt] * copies, "return_logprob": True, "stream": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+        }
+        self.first = threading.Event()
+        self.sender = ThreadSender()
+        self.sender.run(self._read)
+        assert self.first.wait(120), "the requests never started"
+
+    def _read(self) -> list[dict[str, Any]]:
+        req = urllib.request.Request(self.base + "/generate", json.dumps(self.body).encode(), {"Content-Type": "application/json"})
+        last: dict[int, dict[str, Any]] = {}
+        with urllib.request.urlopen(req, timeout=300) as r:
+            for line in r:
+                text = line.decode().strip()
+                if text.startswith("data:") and text != "data: [DONE]":
+                    out = json.loads(text[5:])
+                    last[out.get("index", 0)] = out
+                    self.first.set()
+        return [last[i] for i in sorted(last)]
+
+    def result(self) -> list[dict[str, Any]]:
+        return self.sender.join(300)
+
+
+def _spans(out: dict[str, Any]) -> list[tuple[str, int, int]]:
+    return [(v["version"], v["start"], v["end"]) for v in out["meta_info"]["weight_versions"]]
+
+
+def test_a_refit_lands_in_a_request_in_flight(
+    server: Any, tiny_model: Path, specs: list[TensorSpec], tmp_path: Path
+) -> None:
+    """The request is held while the weights load, then goes on with them: its tokens up
+    to the landing are the old weights' (greedy, their logprobs transformers'), the rest
+    the new ones', recomputed from scratch (retract), and SGLang's spans say where."""
+    spec = channel("collective", tmp_path)
+    open_both(server, spec)
+    buckets = plan_buckets(specs, 256 * 1024)
+    old, new = hf_state(tiny_model, seed=31), hf_state(tiny_model, seed=32)
+    refit(server, spec, 31, old, buckets)
+    tokens = 400
+    flight = InFlight(server, PROMPTS[0], tokens)
+    refit(server, spec, 32, new, buckets)  # GroupGeneration.receive_weights: the refit thread
+    outs = flight.result()
+    print("weight_versions of the requests in flight:", [o["meta_info"]["weight_versions"] for o in outs])
+    for out in outs:
+        spans = _spans(out)
+        assert [v for v, _, _ in spans] == ["step-31", "step-32"], spans
+        landed = spans[0][2]
+        assert spans == [("step-31", 0, landed), ("step-32", landed, tokens)] and 0 < landed < tokens
+        entries = out["meta_info"]["output_token_logprobs"]
+        ids, lps = [int(t) for _, t, _ in entries], [float(lp) for lp, _, _ in entries]
+        assert len(ids) == tokens
+        [before] = reference_logprobs(tiny_model, old, [(PROMPTS[0], ids)])
+        [after] = reference_logprobs(tiny_model, new, [(PROMPTS[0], ids)])
+        assert max_diff([lps[:landed]], [before[:landed]]) < TOL
+        assert max_diff([lps[landed:]], [after[landed:]]) < TOL
+    assert server.weight_versions() == ["step-32"]
+    channels.close_channel(spec)
+
+
+def test_a_refit_that_fails_in_flight_aborts_the_held_requests_and_pauses_nothing(
+    server: Any, tiny_model: Path, specs: list[TensorSpec], tmp_path: Path
+) -> None:
+    """A tensor SGLang's loader refuses, after other buckets loaded: the request held
+    meanwhile ends aborted with the old weights' tokens only (none from half-loaded ones),
+    the server is no longer paused (a new request completes), and the engine refuses to
+    sample until a good refit."""
+    state = hf_state(tiny_model, seed=41)
+    bad = dict(state)
+    bad["model.norm.weight"] = state["model.norm.weight"][:-1].clone()
+    order = [s.name for s in specs if s.name != "model.norm.weight"] + ["model.norm.weight"]
+    buckets = plan_buckets([spec_of(n, bad[n]) for n in order], 256 * 1024)
+    spec = channel("collective", tmp_path)
+    open_both(server, spec)
+    version = server.weight_versions()[0]
+    flight = InFlight(server, PROMPTS[1], 400)
+    with pytest.raises(RefitError, match="rejected refit step 42"):
+        refit(server, spec, 42, bad, buckets)
+    outs = flight.result()
+    print("the held requests:", [(o["meta_info"]["finish_reason"], o["meta_info"]["weight_versions"]) for o in outs])
+    for out in outs:
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert [v for v, _, _ in _spans(out)] == [version] and len(out["meta_info"]["output_token_logprobs"]) < 400
+    assert len(server_logprobs(server, PROBE)) == len(PROBE)  # served: not paused
+    with pytest.raises(WorkerError, match="refuses to generate until a refit succeeds"):
+        server.generate(PROMPTS, SamplingParams(1, 2, 1.0, 0))
+    refit(server, spec, 43, state, plan_buckets(specs, 256 * 1024))
+    assert max_diff(server.logprobs(PROBE), reference_logprobs(tiny_model, state, PROBE)) < TOL
     channels.close_channel(spec)
 
 
