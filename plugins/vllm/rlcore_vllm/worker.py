@@ -29,9 +29,20 @@ from rlcore.handles import Sample, SamplingParams
 from rlcore.refit.worker import HFWeightSpecs
 from rlcore.runtime import engine_http
 from rlcore.runtime.engine_http import Request
-from rlcore.runtime.generation_group import EngineArgs, EngineWorker
+from rlcore.runtime.generation_group import EngineArgs, EngineWorker, PauseRoutes
 
 log = logging.getLogger(__name__)
+
+
+#: How a refit holds the server's requests in flight: ``keep`` freezes them in the
+#: scheduler, and ``clear_cache`` (which vLLM 0.32 applies to ``keep`` too, whatever its
+#: route's docstring says) preempts the running ones: their KV cache and the prefix cache
+#: are dropped, and recomputed with the new weights after ``/resume``.
+PAUSE = PauseRoutes(
+    pause=("/pause?mode=keep&clear_cache=true", None),
+    resume=("/resume", None),
+    abort=("/abort_requests", None),
+)
 
 
 def kv_cache_bytes(gib: float) -> int:
@@ -299,9 +310,14 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
     def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> float:
         """Receive the buckets of ``step`` over ``spec`` and load them; returns seconds taken.
 
-        vLLM's start/update/finish weight update, then the prefix cache is reset
-        (cached KV blocks were computed with the old weights). In server mode,
-        generation is paused (running requests finish first) for the duration.
+        vLLM's start/update/finish weight update. In server mode the requests in flight
+        are held meanwhile (:data:`PAUSE`, which also drops the KV and prefix caches
+        computed with the old weights) and go on with the new weights; with
+        :class:`VLLMServerWorker` this runs beside a generate in flight. In-process, the
+        prefix cache is reset after the update (no call is in flight then).
+
+        A failure leaves the worker refusing to sample until a refit succeeds; in server
+        mode the requests it held are aborted (none may go on with half-loaded weights).
         """
         from rlcore_vllm.transfer import update_info
 
@@ -310,20 +326,11 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
         version = f"step-{step}"
         self.stale = f"refit step {step} over {spec.transport} did not complete"
         if self.server is not None:
-            s = self.server
-            s.post("/pause?mode=wait")
-            try:
-                s.post("/start_weight_update")
-                s.post("/update_weights", {"update_info": info}, timeout_s=spec.timeout_s + 30)
-                s.post("/finish_weight_update", {"weight_version": version})
-                if not (s.post("/reset_prefix_cache") or {}).get("success", False):
-                    log.warning(
-                        "vLLM worker %d: prefix cache not reset after refit step %d",
-                        self.rank,
-                        step,
-                    )
-            finally:
-                s.post("/resume")
+            s, timeout = self.server, spec.timeout_s + 30
+            with self._held_for_refit(PAUSE, step, timeout):
+                s.post("/start_weight_update", timeout_s=timeout)
+                s.post("/update_weights", {"update_info": info}, timeout_s=timeout)
+                s.post("/finish_weight_update", {"weight_version": version}, timeout_s=timeout)
         else:
             self.llm.start_weight_update()
             self.llm.update_weights({"update_info": info})
@@ -352,3 +359,12 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
         # No DistributedWorker.teardown: the default process group here is vLLM's own.
 
     shutdown = teardown
+
+
+class VLLMServerWorker(VLLMWorker):
+    """A :class:`VLLMWorker` in server mode (``serve_openai``) that takes refits while a
+    generate is in flight (:attr:`inflight_refit`): the server's own pause holds its
+    requests for the load. The in-process engine cannot: ``vllm.LLM`` is not thread-safe,
+    and its step loop runs inside ``generate``."""
+
+    inflight_refit = True
