@@ -205,9 +205,10 @@ def _spans(out: dict[str, Any]) -> list[tuple[str, int, int]]:
 def test_a_refit_lands_in_a_request_in_flight(
     server: Any, tiny_model: Path, specs: list[TensorSpec], tmp_path: Path
 ) -> None:
-    """The request is held while the weights load, then goes on with them: its tokens up
-    to the landing are the old weights' (greedy, their logprobs transformers'), the rest
-    the new ones', recomputed from scratch (retract), and SGLang's spans say where."""
+    """The requests are held while the weights load, then go on with them: their tokens
+    up to the landing are the old weights' (greedy, their logprobs transformers'), the
+    rest the new ones', recomputed from scratch (retract), and SGLang's spans say where;
+    the landing is mid-request for some."""
     spec = channel("collective", tmp_path)
     open_both(server, spec)
     buckets = plan_buckets(specs, 256 * 1024)
@@ -218,18 +219,21 @@ def test_a_refit_lands_in_a_request_in_flight(
     refit(server, spec, 32, new, buckets)  # GroupGeneration.receive_weights: the refit thread
     outs = flight.result()
     print("weight_versions of the requests in flight:", [o["meta_info"]["weight_versions"] for o in outs])
+    landings, truth = [], {}
     for out in outs:
         spans = _spans(out)
-        assert [v for v, _, _ in spans] == ["step-31", "step-32"], spans
-        landed = spans[0][2]
-        assert spans == [("step-31", 0, landed), ("step-32", landed, tokens)] and 0 < landed < tokens
+        landed = spans[0][2] if len(spans) == 2 else 0  # 0: not scheduled yet when it landed
+        landings.append(landed)
+        assert spans == [("step-31", 0, landed), ("step-32", landed, tokens)][2 - len(spans):] and landed < tokens
         entries = out["meta_info"]["output_token_logprobs"]
         ids, lps = [int(t) for _, t, _ in entries], [float(lp) for lp, _, _ in entries]
         assert len(ids) == tokens
-        [before] = reference_logprobs(tiny_model, old, [(PROMPTS[0], ids)])
-        [after] = reference_logprobs(tiny_model, new, [(PROMPTS[0], ids)])
-        assert max_diff([lps[:landed]], [before[:landed]]) < TOL
+        if tuple(ids) not in truth:  # the copies are greedy: mostly the same tokens
+            truth[tuple(ids)] = [reference_logprobs(tiny_model, w, [(PROMPTS[0], ids)])[0] for w in (old, new)]
+        before, after = truth[tuple(ids)]
+        assert landed == 0 or max_diff([lps[:landed]], [before[:landed]]) < TOL
         assert max_diff([lps[landed:]], [after[landed:]]) < TOL
+    assert max(landings) > 0  # mid-request for some
     assert server.weight_versions() == ["step-32"]
     channels.close_channel(spec)
 
