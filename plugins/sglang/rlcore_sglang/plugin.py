@@ -10,7 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rlcore.context import InitContext
-from rlcore.declarations import BackendDeclaration, OverlapSafety, Role, Transport
+from rlcore.declarations import (
+    BackendDeclaration,
+    InflightRefit,
+    OverlapSafety,
+    RefitLanding,
+    Role,
+    Transport,
+)
 from rlcore.hookspecs import hookimpl
 from rlcore_sglang.options import SGLangOptions
 
@@ -36,6 +43,9 @@ def rlcore_declare_backend() -> BackendDeclaration:
         refit_fed=True,
         receive_transports={Transport.COLLECTIVE, Transport.SHARED_MEMORY, Transport.DISK},
         openai_endpoint=True,
+        # /pause_generation retract holds requests in flight (SGLangWorker.receive_weights);
+        # SGLang reports each finished request's weight_versions spans.
+        inflight_refit=(InflightRefit(RefitLanding.PAUSE, token_versions=True),),
         options=SGLangOptions,
         contract_version="2.1",
         description=DESCRIPTION,

@@ -23,6 +23,16 @@ def test_declaration_validates() -> None:
     assert d.overlap.non_colocated and not d.overlap.colocated and "memory" in d.overlap.reason
 
 
+def test_the_declared_landing_is_the_workers() -> None:
+    """PAUSE with per-token versions, under any config: the worker takes refits in flight."""
+    from rlcore.declarations import RefitLanding
+    from rlcore_sglang.worker import SGLangWorker
+
+    landing = rlcore_declare_backend().refit_landing({"options": {}})
+    assert landing.landing is RefitLanding.PAUSE and landing.token_versions
+    assert SGLangWorker.inflight_refit
+
+
 def test_options_are_checked() -> None:
     opts = resolve_options(
         {"port": 8123, "extra_args": ["--log-level", "info"]}, SGLangOptions, section="generation", backend="sglang"

@@ -10,7 +10,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rlcore.context import InitContext
-from rlcore.declarations import BackendDeclaration, Condition, OverlapSafety, Role, Transport
+from rlcore.declarations import (
+    BackendDeclaration,
+    Condition,
+    InflightRefit,
+    OverlapSafety,
+    RefitLanding,
+    Role,
+    Transport,
+)
 from rlcore.hookspecs import hookimpl
 from rlcore_vllm.options import VLLMOptions
 
@@ -38,6 +46,11 @@ def rlcore_declare_backend() -> BackendDeclaration:
         receive_transports={Transport.COLLECTIVE, Transport.SHARED_MEMORY, Transport.DISK},
         openai_endpoint=True,
         openai_endpoint_when=(Condition("options.serve_openai", True),),
+        # The server's own pause holds requests in flight (VLLMServerWorker); in-process,
+        # a refit waits for the call (vllm.LLM's step loop runs inside generate).
+        inflight_refit=(
+            InflightRefit(RefitLanding.PAUSE, token_versions=True, when=(Condition("options.serve_openai", True),)),
+        ),
         contract_version="2.1",
         options=VLLMOptions,
         description=DESCRIPTION,

@@ -26,6 +26,18 @@ def test_declaration_validates() -> None:
     assert "serve_openai" in (d.option_names() or [])
 
 
+@pytest.mark.parametrize("serve", [True, False])
+def test_the_declared_landing_is_the_workers(serve: bool) -> None:
+    """Server mode declares PAUSE and builds a worker that takes refits in flight; the
+    in-process engine declares nothing (between calls) and builds one that does not."""
+    from rlcore.declarations import RefitLanding
+    from rlcore_vllm.worker import VLLMServerWorker, VLLMWorker
+
+    landing = rlcore_declare_backend().refit_landing({"options": {"serve_openai": serve}})
+    assert landing.landing is (RefitLanding.PAUSE if serve else RefitLanding.BETWEEN_CALLS)
+    assert (VLLMServerWorker if serve else VLLMWorker).inflight_refit is serve
+
+
 def test_options_are_checked() -> None:
     opts = resolve_options(
         {"serve_openai": True, "port": 8123}, VLLMOptions, section="generation", backend="vllm"
