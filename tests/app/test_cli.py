@@ -78,7 +78,8 @@ def test_plan_shows_the_schedule(capsys) -> None:
     assert main(["plan", quickstart, "grpo.max_staleness=1"]) == 0
     assert (
         "schedule: asynchronous, grpo.max_staleness 1 (fsdp trains on samples up to 8 versions old); "
-        "refits land between the engine's calls (vllm: no inflight_refit entry holds under this config)"
+        "refits land between two engine steps, requests in flight (vllm: when options.serve_openai == False), "
+        "per-token versions"
     ) in capsys.readouterr().out
     assert main(["plan", quickstart, "grpo.max_staleness=1", "generation.options.serve_openai=true"]) == 0
     assert (

@@ -39,7 +39,7 @@ RLCORE = Path(sys.executable).with_name("rlcore")
 NODES = ("a", "b", "c")
 LABEL = "rlcore-test-node"
 #: Processes of the run whose sockets are sampled (Ray names actors' processes ray::<Class>).
-WORKERS = ("ray::FSDPWorker", "ray::VLLMWorker", "ray::VLLMServerWorker", "ray::EnvWorker", "vllm.entrypoints.openai.api_server")
+WORKERS = ("ray::FSDPWorker", "ray::VLLMWorker", "ray::EnvWorker", "vllm.entrypoints.openai.api_server")
 WILDCARD = {"0.0.0.0", "::"}
 
 

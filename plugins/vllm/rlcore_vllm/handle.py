@@ -17,7 +17,7 @@ from rlcore.context import InitContext
 from rlcore.runtime.generation_group import Engines, GroupGeneration, start_engines
 from rlcore.runtime.resources import cluster_has_gpu
 from rlcore_vllm.options import VLLMOptions
-from rlcore_vllm.worker import VLLMServerWorker, VLLMWorker
+from rlcore_vllm.worker import VLLMWorker
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def start_generation(ctx: InitContext) -> VLLMGeneration:
     # vLLM's own variables are set by the worker in its process (VLLMWorker._set_vllm_env).
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     engines = Engines(
-        VLLMServerWorker if options.serve_openai else VLLMWorker,
+        VLLMWorker,
         GROUP_NAME,
         model_dir,
         options,

@@ -46,10 +46,13 @@ def rlcore_declare_backend() -> BackendDeclaration:
         receive_transports={Transport.COLLECTIVE, Transport.SHARED_MEMORY, Transport.DISK},
         openai_endpoint=True,
         openai_endpoint_when=(Condition("options.serve_openai", True),),
-        # The server's own pause holds requests in flight (VLLMServerWorker); in-process,
-        # a refit waits for the call (vllm.LLM's step loop runs inside generate).
+        # VLLMWorker.receive_weights: the server's own pause holds the requests in flight;
+        # in-process, the worker's step loop loads between two steps (rlcore_vllm.stepped).
         inflight_refit=(
             InflightRefit(RefitLanding.PAUSE, token_versions=True, when=(Condition("options.serve_openai", True),)),
+            InflightRefit(
+                RefitLanding.BETWEEN_STEPS, token_versions=True, when=(Condition("options.serve_openai", False),)
+            ),
         ),
         contract_version="2.1",
         options=VLLMOptions,

@@ -30,6 +30,7 @@ from rlcore.refit.worker import HFWeightSpecs
 from rlcore.runtime import engine_http
 from rlcore.runtime.engine_http import Request
 from rlcore.runtime.generation_group import EngineArgs, EngineWorker, PauseRoutes
+from rlcore_vllm.stepped import StepGate
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +110,14 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
     """
 
     engine = "vLLM"
+    #: Refits land in a generate in flight: in server mode the server's pause holds its
+    #: requests (:data:`PAUSE`); in-process they load between two engine steps (:attr:`gate`).
+    inflight_refit = True
     #: The in-process engine (``vllm.LLM``); None in server mode.
     llm: Any = None
+    #: Drives the in-process engine's step loop (:class:`rlcore_vllm.stepped.StepGate`):
+    #: every call into ``llm`` from the refit thread goes through it.
+    gate: Any = None
 
     def __init__(self, rank: int, world_size: int, args: EngineArgs, *, log_level: str = "WARNING") -> None:
         super().__init__(rank, world_size, args)
@@ -180,6 +187,7 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
         self.llm = LLM(
             **self._engine_args(), weight_transfer_config=WeightTransferConfig(backend=BACKEND)
         )
+        self.gate = StepGate(self.llm)
         t2 = time.monotonic()
         return {"import_s": t1 - t0, "engine_s": t2 - t1, "total_s": t2 - t0}
 
@@ -294,7 +302,7 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
                 "/init_weight_transfer_engine", {"init_info": info}, timeout_s=spec.timeout_s + 30
             )
         else:
-            self.llm.init_weight_transfer_engine({"init_info": info})
+            self.gate.run(lambda: self.llm.init_weight_transfer_engine({"init_info": info}))
 
     def refit_ceiling(self, spec: Any, rank: int, step: int, nbytes: int) -> float:
         """Receive ``nbytes`` raw over an open channel (bench: the transport's ceiling).
@@ -310,14 +318,14 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
     def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> float:
         """Receive the buckets of ``step`` over ``spec`` and load them; returns seconds taken.
 
-        vLLM's start/update/finish weight update. In server mode the requests in flight
-        are held meanwhile (:data:`PAUSE`, which also drops the KV and prefix caches
-        computed with the old weights) and go on with the new weights; with
-        :class:`VLLMServerWorker` this runs beside a generate in flight. In-process, the
-        prefix cache is reset after the update (no call is in flight then).
+        vLLM's start/update/finish weight update, beside a generate in flight
+        (:attr:`inflight_refit`). In server mode the requests in flight are held meanwhile
+        (:data:`PAUSE`, which also drops the KV and prefix caches computed with the old
+        weights) and go on with the new weights. In-process the update runs between two
+        engine steps (:meth:`_load_between_steps`), with the same effect.
 
-        A failure leaves the worker refusing to sample until a refit succeeds; in server
-        mode the requests it held are aborted (none may go on with half-loaded weights).
+        A failure leaves the worker refusing to sample until a refit succeeds, and the
+        requests in flight are aborted (none may go on with half-loaded weights).
         """
         from rlcore_vllm.transfer import update_info
 
@@ -332,15 +340,25 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
                 s.post("/update_weights", {"update_info": info}, timeout_s=timeout)
                 s.post("/finish_weight_update", {"weight_version": version}, timeout_s=timeout)
         else:
+            self.gate.run(lambda: self._load_between_steps(info, step, version))
+        self.stale = None
+        return time.monotonic() - t0
+
+    def _load_between_steps(self, info: Any, step: int, version: str) -> None:
+        """The in-process update, between two steps of a generate in flight (or alone):
+        then the running requests are preempted and the prefix cache reset, so their KV
+        is recomputed with the new weights. A failure aborts the requests in flight (the
+        call they belong to fails: :attr:`refit_aborts`)."""
+        try:
             self.llm.start_weight_update()
             self.llm.update_weights({"update_info": info})
             self.llm.finish_weight_update(weight_version=version)
-            if not self.llm.reset_prefix_cache():
-                log.warning(
-                    "vLLM worker %d: prefix cache not reset after refit step %d", self.rank, step
-                )
-        self.stale = None
-        return time.monotonic() - t0
+        except BaseException:
+            self.refit_aborts += 1
+            self.gate.abort_all()
+            raise
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
+            log.warning("vLLM worker %d: prefix cache not reset after refit step %d", self.rank, step)
 
     # ------------------------------------------------------------- lifecycle
 
@@ -359,12 +377,3 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
         # No DistributedWorker.teardown: the default process group here is vLLM's own.
 
     shutdown = teardown
-
-
-class VLLMServerWorker(VLLMWorker):
-    """A :class:`VLLMWorker` in server mode (``serve_openai``) that takes refits while a
-    generate is in flight (:attr:`inflight_refit`): the server's own pause holds its
-    requests for the load. The in-process engine cannot: ``vllm.LLM`` is not thread-safe,
-    and its step loop runs inside ``generate``."""
-
-    inflight_refit = True

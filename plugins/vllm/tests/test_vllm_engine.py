@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import ray
-from vllm_helpers import PROMPTS, init_context, make_config, max_abs_diff
+from vllm_helpers import PROMPTS, engine_busy, init_context, long_greedy, make_config, max_abs_diff
 
 from rlcore.errors import CancelToken, RefitError, WorkerError
 from rlcore.handles import SamplingParams
@@ -20,6 +20,7 @@ from rlcore.refit.channels import ChannelSpec
 from rlcore.refit.sessions import RefitSessions
 from rlcore.refit.specs import TensorSpec, plan_buckets
 from rlcore.refit.sync import refit
+from rlcore.runtime.worker_group import REFIT_GROUP
 from rlcore.setup.runner import refit_context
 from rlcore_vllm.plugin import rlcore_init_generation
 
@@ -184,6 +185,67 @@ def test_failed_refit_blocks_generation_until_a_good_one(
     buckets = plan_buckets(gen.weight_specs(), 2**20)
     with pytest.raises(ray.exceptions.RayTaskError, match="never-published"):
         ray.get(gen.receive_weights(spec, 123, buckets))
+    with pytest.raises(WorkerError, match="refuses to generate"):
+        gen.logprobs(PROBE)
+    policy.perturb(None)
+    do_refit(policy, gen, config, "disk")
+    assert max_abs_diff(gen.logprobs(PROBE), policy.logprobs(PROBE)) < TOL
+
+
+def _in_flight(gen: Any, tokens: int, copies: int = 8) -> Any:
+    """Long greedy completions on engine 0's default thread (a generate of its own), in
+    flight once this returns: its step gate has seen the requests (no sleep, no timing)."""
+    engine = gen.group.actors[0]
+    running = engine.__ray_call__.remote(long_greedy, PROMPTS[0], tokens, copies)
+    busy = engine.__ray_call__.options(concurrency_group=REFIT_GROUP)
+    for _ in range(10_000):
+        if ray.get(busy.remote(engine_busy), timeout=120):
+            return running
+    raise AssertionError("the requests never reached the engine")
+
+
+def test_a_refit_lands_between_two_steps_of_a_generate_in_flight(setup: dict[str, Any], policy: Any) -> None:
+    """The refit waits for no call: it loads between two engine steps of engine 0's
+    generate, whose requests are preempted and go on with the new weights. Their tokens up
+    to the landing are the old weights' (greedy; logprobs the policy's), the rest the new
+    ones' from the first token on, and vLLM's spans say where."""
+    gen, config = setup["gen"], setup["config"]
+    policy.perturb(5)
+    old_step = do_refit(policy, gen, config, "collective").step
+    policy.perturb(6)  # sent by the next refit
+    tokens = 400
+    running = _in_flight(gen, tokens)
+    new_step = do_refit(policy, gen, config, "collective").step
+    outs = ray.get(running, timeout=300)
+    print("weight versions of the requests in flight:", [spans for _, _, spans in outs])
+    after = policy.logprobs([(PROMPTS[0], ids) for ids, _, _ in outs])
+    policy.perturb(5)
+    before = policy.logprobs([(PROMPTS[0], ids) for ids, _, _ in outs])
+    landings = []
+    for (ids, lps, spans), old, new in zip(outs, before, after, strict=True):
+        assert len(ids) == len(lps) == tokens
+        landed = spans[0][2] if len(spans) == 2 else 0  # 0: not scheduled yet when it landed
+        landings.append(landed)
+        assert spans == [(f"step-{old_step}", 0, landed), (f"step-{new_step}", landed, tokens)][2 - len(spans):]
+        assert landed == 0 or max_abs_diff([lps[:landed]], [old[:landed]]) < TOL
+        assert max_abs_diff([lps[landed:]], [new[landed:]]) < TOL
+    assert max(landings) > 0
+
+
+def test_a_refit_that_fails_between_steps_aborts_the_call_in_flight(
+    setup: dict[str, Any], policy: Any, tmp_path: Path
+) -> None:
+    """A file channel whose step never comes: the update fails between two steps of a
+    generate in flight. Its requests are aborted and the call fails (none of its samples
+    mixes weights); the engine refuses to sample until a good refit."""
+    gen, config = setup["gen"], setup["config"]
+    spec = ChannelSpec("shared_memory", "never-in-flight", 1 + gen.refit_ranks, root=str(tmp_path), timeout_s=1.0)
+    ray.get(gen.open_refit_channel(spec))
+    running = _in_flight(gen, 400)
+    with pytest.raises(ray.exceptions.RayTaskError, match="gave up waiting for artifact"):
+        ray.get(gen.receive_weights(spec, 321, plan_buckets(gen.weight_specs(), 2**20)))
+    with pytest.raises(ray.exceptions.RayTaskError, match="a refit failed half-way during this call"):
+        ray.get(running, timeout=300)
     with pytest.raises(WorkerError, match="refuses to generate"):
         gen.logprobs(PROBE)
     policy.perturb(None)

@@ -142,3 +142,26 @@ class FakePolicy:
 def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     assert [len(r) for r in a] == [len(r) for r in b]
     return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+def long_greedy(worker: Any, prompt: list[int], tokens: int, copies: int) -> list[tuple[list[int], list[float], list[tuple[str, int, int]]]]:
+    """Run on an in-process VLLMWorker's actor (``__ray_call__``): ``copies`` greedy
+    completions of ``prompt`` that ignore EOS, as a generate of the worker's own would run
+    (through the worker's step gate); each ``(token ids, logprobs, weight version spans)``.
+    A refit that fails half-way during it makes it raise, as the worker's generate does."""
+    from vllm import SamplingParams as VLLMSampling
+
+    params = VLLMSampling(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0, detokenize=False)
+    with worker._not_cut_by_refit():
+        outs = worker.llm.generate([{"prompt_token_ids": prompt}] * copies, params, use_tqdm=False)
+    return [
+        (list(c.token_ids), [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs, strict=True)],
+         [(s.version, s.start, s.end) for s in c.weight_versions or []])
+        for o in outs for c in o.outputs
+    ]
+
+
+def engine_busy(worker: Any) -> int:
+    """Run on an in-process VLLMWorker's actor, on its refit thread: the requests its engine
+    holds, read between two steps (through the step gate, as a refit would)."""
+    return int(worker.gate.run(worker.llm.llm_engine.get_num_unfinished_requests))
