@@ -48,13 +48,26 @@ Batches
     A *batch* is a sequence of ``(prompt_ids, completion_ids)`` pairs; results
     come back in the batch's order, one row per pair, one value per completion
     token.
+
+Weight versions
+    Version ``v`` of the weights is the number of train steps in them: the
+    weights an engine starts with (and those of setup's ``refit:initial``, step 0)
+    are version 0; after the refit of step ``t`` they are version ``t``. A
+    :class:`Sample` (and the :class:`Rollout` made from it) may carry
+    ``versions``, the version of the weights that sampled each token of
+    ``token_ids`` (same length, ints >= 0, never decreasing). A refit that lands
+    while a sequence is being sampled gives that sample tokens of two versions,
+    which is why the version is per token. A backend that cannot tell leaves
+    ``versions`` out; the loop then knows nothing of the sample's age. A handle
+    whose engines can say which weights they hold implements
+    :class:`WeightVersioned` (since contract 2.1).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
+from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypedDict, runtime_checkable
 
 if TYPE_CHECKING:
     from rlcore.refit.specs import ChannelSpec, TensorSpec
@@ -107,10 +120,14 @@ class Sample(TypedDict):
         token_ids: the completion's token ids, 1 to ``max_tokens`` of them, ending
             with EOS when the engine stopped on it.
         logprobs: one per token of ``token_ids``, at temperature 1.
+        versions: (optional, since contract 2.1) the weight version of each token of
+            ``token_ids`` (see the module's conventions); left out by an engine that
+            cannot tell.
     """
 
     token_ids: list[int]
     logprobs: list[float]
+    versions: NotRequired[list[int]]
 
 
 class Rollout(TypedDict, total=False):
@@ -123,6 +140,8 @@ class Rollout(TypedDict, total=False):
         logprobs: the generation's logprobs of ``token_ids``, at temperature 1.
         reward: a finite float.
         model_turns: (optional) how many model turns the rollout took.
+        versions: (optional, since contract 2.1) the weight version of each token of
+            ``token_ids``, as the :class:`Sample` carried it (the module's conventions).
     """
 
     prompt_ids: list[int]
@@ -130,6 +149,7 @@ class Rollout(TypedDict, total=False):
     logprobs: list[float]
     reward: float
     model_turns: int
+    versions: list[int]
 
 
 @dataclass
@@ -226,6 +246,23 @@ class GenerationHandle(BackendHandle, Protocol):
     def logprobs(self, batch: Sequence[Pair]) -> list[list[float]]:
         """Per-token logprobs of each pair's completion under the engine's current
         weights (same format and convention as :meth:`PolicyHandle.logprobs`)."""
+        ...
+
+
+@runtime_checkable
+class WeightVersioned(Protocol):
+    """A generation handle whose engines say which weights they hold (optional, since
+    contract 2.1).
+
+    The core calls :meth:`weight_versions` when the handle has it, after each refit,
+    to check that every engine reports that refit's version (a refit that returned
+    without loading everywhere is then caught, naming the engine).
+    """
+
+    def weight_versions(self) -> list[int]:
+        """The weight version each engine holds (the module's conventions), one int per
+        engine (engine ``i`` is refit rank ``1 + i``): 0 before any refit, ``t`` after
+        the refit of step ``t`` succeeded."""
         ...
 
 
@@ -390,14 +427,21 @@ class PromptAndScoreEnv:
         texts = [[tok.decode(s["token_ids"], skip_special_tokens=True) for s in g] for g in groups]
         rewards = self.score(prompts, texts)
         return [
-            [
-                Rollout(
-                    prompt_ids=pid,
-                    token_ids=list(s["token_ids"]),
-                    logprobs=list(s["logprobs"]),
-                    reward=float(r),
-                )
-                for s, r in zip(group, group_rewards, strict=True)
-            ]
+            [_rollout(pid, s, r) for s, r in zip(group, group_rewards, strict=True)]
             for pid, group, group_rewards in zip(prompt_ids, groups, rewards, strict=True)
         ]
+
+
+def _rollout(prompt_ids: Sequence[int], sample: Sample, reward: float) -> Rollout:
+    """The :class:`Rollout` of ``sample`` of ``prompt_ids`` with its ``reward``: what an env
+    that samples through the generation returns, its weight versions kept when the sample
+    carries them."""
+    rollout = Rollout(
+        prompt_ids=list(prompt_ids),
+        token_ids=list(sample["token_ids"]),
+        logprobs=list(sample["logprobs"]),
+        reward=float(reward),
+    )
+    if "versions" in sample:
+        rollout["versions"] = list(sample["versions"])
+    return rollout

@@ -28,6 +28,7 @@ from rlcore.handles import (
     RolloutRequest,
     Sample,
     SamplingParams,
+    WeightVersioned,
 )
 
 #: Logprobs may exceed 0 by float rounding only.
@@ -96,6 +97,36 @@ def _check_tokens(ids: Any, who: Caller, where: str) -> list[int]:
     return [int(t) for t in ids]
 
 
+def _check_versions(versions: Any, n_tokens: int, who: Caller, where: str) -> list[int]:
+    """The weight versions of a sample's tokens (:mod:`rlcore.handles`, "Weight versions"):
+    one int >= 0 per token, never decreasing (a refit only moves an engine forward)."""
+    if not isinstance(versions, Sequence) or isinstance(versions, str | bytes):
+        raise who.fail(f"{where}: versions, a list of {n_tokens} ints", _brief(versions))
+    if len(versions) != n_tokens:
+        raise who.fail(f"{where}: {n_tokens} versions (one per token)", f"{len(versions)}")
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in versions):
+        raise who.fail(f"{where}: versions, ints >= 0 (train steps in the weights)", _brief(versions))
+    for k in range(1, n_tokens):
+        if versions[k] < versions[k - 1]:
+            raise who.fail(
+                f"{where}: versions that never decrease",
+                f"{versions[k - 1]} then {versions[k]} at token {k}",
+            )
+    return [int(v) for v in versions]
+
+
+def check_weight_versions(versions: Any, who: Caller) -> list[int]:
+    """``weight_versions()`` (:class:`rlcore.handles.WeightVersioned`): one int >= 0 per engine."""
+    if (
+        not isinstance(versions, Sequence)
+        or isinstance(versions, str | bytes)
+        or not versions
+        or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in versions)
+    ):
+        raise who.fail("one weight version (an int >= 0) per engine", _brief(versions))
+    return [int(v) for v in versions]
+
+
 def _check_eos(ids: list[int], eos_ids: Collection[int], who: Caller, where: str) -> None:
     for k, t in enumerate(ids[:-1]):
         if t in eos_ids:
@@ -115,7 +146,8 @@ def check_samples(
     eos_ids: Collection[int] = (),
 ) -> list[list[Sample]]:
     """``groups`` must hold ``n`` samples per prompt: token ids (1..``max_tokens``, nothing
-    after EOS) and one logprob per token."""
+    after EOS) and one logprob per token; and one weight version per token where a sample
+    carries ``versions`` (kept)."""
     if not isinstance(groups, Sequence) or len(groups) != n_prompts:
         got = f"{len(groups)} groups" if isinstance(groups, Sequence) else type(groups).__name__
         raise who.fail(f"one group of samples per prompt ({n_prompts})", got)
@@ -132,15 +164,18 @@ def check_samples(
             if not 1 <= len(ids) <= max_tokens:
                 raise who.fail(f"{where}: 1 to max_tokens={max_tokens} tokens", f"{len(ids)}")
             _check_eos(ids, eos_ids, who, where)
-            lps = _check_logprob_row(s["logprobs"], len(ids), who, where)
-            checked.append(Sample(token_ids=ids, logprobs=lps))
+            sample = Sample(token_ids=ids, logprobs=_check_logprob_row(s["logprobs"], len(ids), who, where))
+            if "versions" in s:
+                sample["versions"] = _check_versions(s["versions"], len(ids), who, where)
+            checked.append(sample)
         out.append(checked)
     return out
 
 
 def check_rollouts(groups: Any, request: RolloutRequest, who: Caller) -> list[list[Rollout]]:
     """``groups`` must hold ``request.prompts`` groups of ``request.samples_per_prompt``
-    rollouts, each with prompt ids, token ids, one logprob per token and a finite reward."""
+    rollouts, each with prompt ids, token ids, one logprob per token and a finite reward;
+    ``model_turns`` and the tokens' weight ``versions`` are kept where a rollout has them."""
     if not isinstance(groups, Sequence) or len(groups) != request.prompts:
         got = f"{len(groups)} groups" if isinstance(groups, Sequence) else type(groups).__name__
         raise who.fail(f"{request.prompts} groups of rollouts (one per prompt)", got)
@@ -179,6 +214,8 @@ def check_rollouts(groups: Any, request: RolloutRequest, who: Caller) -> list[li
             )
             if "model_turns" in r:
                 row["model_turns"] = r["model_turns"]
+            if "versions" in r:
+                row["versions"] = _check_versions(r["versions"], len(ids), who, where)
             checked.append(row)
         out.append(checked)
     return out
@@ -287,6 +324,15 @@ class GuardedGeneration:
         with losses_tagged("generation"):
             rows = self.handle.logprobs(batch)
         return check_logprobs(rows, batch, who)
+
+    def weight_versions(self) -> list[int] | None:
+        """The weight version of each engine (:class:`rlcore.handles.WeightVersioned`), or
+        None for a handle that cannot say."""
+        if not isinstance(self.handle, WeightVersioned):
+            return None
+        with losses_tagged("generation"):
+            versions = self.handle.weight_versions()
+        return check_weight_versions(versions, Caller(self.backend, "generation", "weight_versions"))
 
     def shutdown(self) -> None:  # the run shuts the real handle down; never this view
         raise RuntimeError("GuardedGeneration is a view; shut down the handle itself")

@@ -146,3 +146,53 @@ def test_a_generate_of_contract_1_is_refused_with_the_port() -> None:
 
     with pytest.raises(ProtocolError, match=r"'olddef'.*max_tokens, n, seed, temperature.*to port a 1.x plugin"):
         GuardedGeneration(OldWithDefaults(), "olddef").generate([[1]], SamplingParams(n=1, max_tokens=2, temperature=1.0, seed=0))
+
+
+def test_weight_versions_are_checked_and_kept() -> None:
+    """A sample's and a rollout's ``versions`` (one per token, ints >= 0, never decreasing)
+    pass through the guards; without them nothing is added."""
+    groups = [[{**sample([5, 6, EOS]), "versions": [3, 3, 4]}, sample([6])]]
+    gen = GuardedGeneration(Scripted(generate=groups), "g", eos_ids={EOS})
+    out = gen.generate([[1]], SamplingParams(2, 4, 1.0, 0))
+    assert out[0][0]["versions"] == [3, 3, 4] and "versions" not in out[0][1]
+    rows = [[rollout(versions=[0, 1], model_turns=2), rollout()]]
+    got = GuardedEnv(Scripted(collect_rollouts=rows), "e").collect_rollouts(request())
+    assert got[0][0]["versions"] == [0, 1] and got[0][0]["model_turns"] == 2
+    assert "versions" not in got[0][1]
+
+
+VERSION_CASES = {
+    "too short": ([7], "2 versions"),
+    "negative": ([0, -1], "ints >= 0"),
+    "float": ([0, 1.0], "ints >= 0"),
+    "bool": ([True, True], "ints >= 0"),
+    "decreasing": ([2, 1], "never decrease.*2 then 1 at token 1"),
+    "not a list": ("01", "a list of 2 ints"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VERSION_CASES))
+def test_bad_weight_versions_are_named(case: str) -> None:
+    value, expected = VERSION_CASES[case]
+    groups = [[{**sample([5, 6]), "versions": value}, sample([6])]]
+    gen = GuardedGeneration(Scripted(generate=groups), "mygen")
+    with pytest.raises(ProtocolError, match=expected) as info:
+        gen.generate([[1]], SamplingParams(2, 4, 1.0, 0))
+    assert info.value.backend == "mygen" and info.value.method == "generate"
+    env = GuardedEnv(Scripted(collect_rollouts=[[rollout(versions=value), rollout()]]), "myenv")
+    with pytest.raises(ProtocolError, match=expected) as info:
+        env.collect_rollouts(request())
+    assert info.value.backend == "myenv" and info.value.method == "collect_rollouts"
+
+
+def test_engine_weight_versions_are_asked_only_of_a_handle_that_has_them() -> None:
+    class Versioned(Scripted):
+        def weight_versions(self) -> Any:
+            return self.returns["weight_versions"]
+
+    assert GuardedGeneration(Scripted(), "plain").weight_versions() is None
+    assert GuardedGeneration(Versioned(weight_versions=[2, 2]), "v").weight_versions() == [2, 2]
+    for bad in ([], [1, -1], ["step-1"], None):
+        with pytest.raises(ProtocolError, match="one weight version") as info:
+            GuardedGeneration(Versioned(weight_versions=bad), "v").weight_versions()
+        assert info.value.method == "weight_versions"
