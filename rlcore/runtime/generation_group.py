@@ -7,10 +7,16 @@ is rank ``1 + i`` of every refit channel) and the generation calls of
 :class:`rlcore.handles.GenerationHandle`, fanned out over the engines in contiguous
 shards. Its workers provide ``open_refit_channel(spec, rank)``,
 ``receive_weights(spec, step, buckets)``, ``refit_ceiling(spec, rank, step, nbytes)``,
-``generate(prompt_ids, params, seeds)`` (``params`` a :class:`rlcore.handles.SamplingParams`) and ``logprobs(batch)``;
-:class:`EngineWorker` is a base for them. :func:`start_engines` starts the group of a
-backend's init hook. An engine class that takes refits while a call is in flight
-(:attr:`EngineWorker.inflight_refit`) gets its refit-side calls on a thread of their own.
+``generate(prompt_ids, params, seeds)`` (``params`` a :class:`rlcore.handles.SamplingParams`),
+``logprobs(batch)`` and ``weight_version()``; :class:`EngineWorker` is a base for them.
+:func:`start_engines` starts the group of a backend's init hook. An engine class that takes
+refits while a call is in flight (:attr:`EngineWorker.inflight_refit`) gets its refit-side
+calls on a thread of their own.
+
+Weight versions (:mod:`rlcore.handles`): the workers label the weights of the refit of
+step ``t`` ``step-<t>`` in their engines (vLLM's and SGLang's ``weight_version``);
+:func:`label_version` reads a label back, :func:`versions_from_spans` an engine's spans of
+labels as one version per token.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -51,6 +58,30 @@ def prompt_seed(seed: int, index: int) -> int:
     """
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=6).digest()
     return int.from_bytes(digest, "big")
+
+
+#: The label the workers give the weights of the refit of step ``t``: ``step-<t>``.
+_LABEL = re.compile(r"step-(\d+)")
+
+
+def label_version(label: str) -> int:
+    """The weight version an engine's label names: ``t`` for ``step-<t>``; any other label
+    is the one the engine started with, before rlcore's first refit labelled its weights
+    (vLLM and SGLang say ``default``): version 0."""
+    m = _LABEL.fullmatch(str(label))
+    return int(m.group(1)) if m else 0
+
+
+def versions_from_spans(spans: Iterable[tuple[str, int, int]], n_tokens: int) -> list[int] | None:
+    """One version per token from an engine's ``(label, start, end)`` spans over a sample's
+    tokens (``[start, end)`` sampled by the weights labelled ``label``); None when the spans
+    do not cover the ``n_tokens`` tokens exactly once, in order (the engine could not tell)."""
+    out: list[int] = []
+    for label, start, end in spans:
+        if start != len(out) or end < start:
+            return None
+        out += [label_version(label)] * (end - start)
+    return out if len(out) == n_tokens else None
 
 
 class GroupGeneration(GroupHandle):
@@ -127,6 +158,12 @@ class GroupGeneration(GroupHandle):
         call = getattr(actor, method)
         group = self.group.refit_group
         return call.options(concurrency_group=group) if group is not None else call
+
+    def weight_versions(self) -> list[int]:
+        """The weight version each engine holds, as it reports it
+        (:class:`rlcore.handles.WeightVersioned`): 0 before any refit, ``t`` after refit ``t``."""
+        self._check_open()
+        return [int(v) for v in self.group.call("weight_version", what="weight versions")]
 
     # -------------------------------------------------------- training loop
 
@@ -358,16 +395,24 @@ def _engine_group(ctx: InitContext, engines: Engines) -> WorkerGroup:
     )
 
 
+def _copy(sample: Sample) -> Sample:
+    """A sample whose lists are its own (copies of one greedy sample must not share them)."""
+    return {k: list(v) for k, v in sample.items()}  # type: ignore[return-value]
+
+
 class EngineWorker(DistributedWorker):
     """A base for the workers of :class:`GroupGeneration`: one engine each (a Ray actor).
 
     :meth:`generate` and :meth:`logprobs` check the call, and refuse while :attr:`stale`
     says why the weights cannot be trusted (a refit failed half-way), before the
     subclass's ``_generate`` and ``_logprobs`` run; a greedy call (temperature 0) samples
-    once per prompt and copies it ``n`` times. A subclass names its engine in
-    ``engine`` (``vLLM``: errors say ``vLLM worker 0``); a server it starts is
-    :attr:`server` (a :class:`rlcore.runtime.server.GuardedServer`), through which
-    :mod:`rlcore.runtime.engine_http` runs its calls given the engine's HTTP API.
+    once per prompt and copies it ``n`` times. A subclass's ``receive_weights`` of step
+    ``t`` sets :attr:`loaded_version` to ``t`` when it succeeds; a sample whose engine
+    reported no weight versions gets that counter's value at the call's start. A
+    subclass names its engine in ``engine`` (``vLLM``: errors say ``vLLM worker 0``); a
+    server it starts is :attr:`server` (a :class:`rlcore.runtime.server.GuardedServer`),
+    through which :mod:`rlcore.runtime.engine_http` runs its calls given the engine's
+    HTTP API.
 
     Args:
         rank, world_size: this worker's index and the number of engines.
@@ -404,6 +449,8 @@ class EngineWorker(DistributedWorker):
         #: Refits that failed half-way while requests were held, and aborted them: a call
         #: in flight across one fails instead of returning cut samples.
         self.refit_aborts = 0
+        #: The step of the last refit that succeeded (0 before any): the weights' version.
+        self.loaded_version = 0
 
     def _on_cuda(self) -> bool:
         """Whether this engine runs on a GPU: :attr:`cuda` as the handle decided, else torch's
@@ -428,13 +475,26 @@ class EngineWorker(DistributedWorker):
             raise ValueError(f"{len(prompt_ids)} prompts but {len(seeds)} seeds")
         if not prompt_ids:
             return []
+        # Exact while this actor runs one call at a time (a refit waits for the call); were
+        # a refit to land during it, the version at its start is the conservative one.
+        version = self.loaded_version
         if params.temperature <= 0 and params.n > 1:
             # Every greedy sample is the same one (and vLLM refuses n > 1 greedy): sample once.
             with self._not_cut_by_refit():
                 groups = self._generate(prompt_ids, dataclasses.replace(params, n=1), seeds)
-            return [[{**g[0], "token_ids": list(g[0]["token_ids"])} for _ in range(params.n)] for g in groups]
-        with self._not_cut_by_refit():
-            return self._generate(prompt_ids, params, seeds)
+            groups = [[_copy(g[0]) for _ in range(params.n)] for g in groups]
+        else:
+            with self._not_cut_by_refit():
+                groups = self._generate(prompt_ids, params, seeds)
+        for group in groups:
+            for sample in group:
+                sample.setdefault("versions", [version] * len(sample["token_ids"]))
+        return groups
+
+    def weight_version(self) -> int:
+        """The version of the weights this engine holds: :attr:`loaded_version` (an engine
+        that can ask its own engine overrides this)."""
+        return self.loaded_version
 
     def logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
         """Log-probabilities of each completion's tokens given its prompt (and the tokens before)."""

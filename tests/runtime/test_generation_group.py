@@ -15,7 +15,9 @@ from rlcore.runtime.generation_group import (
     EngineWorker,
     GroupGeneration,
     PauseRoutes,
+    label_version,
     prompt_seed,
+    versions_from_spans,
 )
 
 
@@ -32,6 +34,7 @@ class Engine:
                                [[{"token_ids": [index, s], "logprobs": [-0.1, -0.2]}] * params.n for s in seeds]))
         self.logprobs = Remote(lambda batch: [[-float(index)] * len(c) for _, c in batch])
         self.open_refit_channel = Remote(lambda spec, rank: ("open", rank))
+        self.version = 0
 
 
 class Group:
@@ -47,6 +50,10 @@ class Group:
     def get(self, refs: Any, *, what: str, ranks: Any = None) -> Any:
         self.waited.append(list(ranks))
         return refs
+
+    def call(self, method: str, *, what: str) -> list[Any]:
+        assert method == "weight_version"
+        return [a.version for a in self.actors]
 
 
 class Handle(GroupGeneration):
@@ -111,8 +118,10 @@ def _worker(**kwargs: Any) -> Worker:
 
 def test_an_engine_checks_its_calls_and_refuses_stale_weights() -> None:
     w = _worker()
-    assert w.generate([[1], [2]], SamplingParams(2, 4, 1.0, 0), [5, 6]) == [[{"token_ids": [5], "logprobs": [-0.5]}] * 2,
-                                                        [{"token_ids": [6], "logprobs": [-0.5]}] * 2]
+    assert w.generate([[1], [2]], SamplingParams(2, 4, 1.0, 0), [5, 6]) == [
+        [{"token_ids": [5], "logprobs": [-0.5], "versions": [0]}] * 2,
+        [{"token_ids": [6], "logprobs": [-0.5], "versions": [0]}] * 2,
+    ]
     assert w.generate([], SamplingParams(2, 4, 1.0, 0), []) == [] and w.logprobs([]) == []
     assert w.logprobs([([1], [2, 3])]) == [[-1.0, -1.0]]
     with pytest.raises(ValueError, match="2 prompts but 1 seeds"):
@@ -243,3 +252,46 @@ def test_a_call_whose_requests_a_failed_refit_aborted_fails() -> None:
     with pytest.raises(RuntimeError, match=r"^Fake worker 1: a refit failed half-way during this call and aborted its requests \(refit step 4"):
         w.generate([[1]], SamplingParams(1, 4, 1.0, 0), [5])
     assert w.server.posted == ["/pause", "/abort", "/resume"]
+
+
+def test_the_handle_reports_each_engines_weight_version() -> None:
+    h = Handle(engines=2)
+    h.group.actors[1].version = 3
+    assert h.weight_versions() == [0, 3]
+
+
+def test_engine_labels_and_spans_become_versions_per_token() -> None:
+    # rlcore labels the weights of refit t "step-<t>"; the engine's own first label is 0.
+    assert [label_version(x) for x in ("step-0", "step-12", "default", "step-x", "")] == [0, 12, 0, 0, 0]
+    assert versions_from_spans([("default", 0, 2), ("step-3", 2, 5)], 5) == [0, 0, 3, 3, 3]
+    assert versions_from_spans([("step-1", 0, 1)], 1) == [1]
+    # Spans that do not cover the tokens exactly once, in order: the engine could not tell.
+    assert versions_from_spans([("step-1", 0, 2)], 3) is None
+    assert versions_from_spans([("step-1", 1, 3)], 2) is None
+    assert versions_from_spans([("step-1", 0, 2), ("step-2", 1, 3)], 3) is None
+    assert versions_from_spans([], 2) is None
+
+
+def test_samples_carry_the_version_loaded_when_the_call_started() -> None:
+    class Versioned(Worker):
+        def _generate(self, prompt_ids: Any, params: SamplingParams, seeds: Any) -> Any:
+            out = super()._generate(prompt_ids, params, seeds)
+            self.loaded_version += 1  # a refit landing after the call started changes nothing
+            return out
+
+    w = Versioned(0, 1, EngineArgs("/m", dtype="float32", refit_fed=True, options=Options()))
+    assert w.weight_version() == 0
+    w.loaded_version = 4  # what a successful receive_weights of step 4 sets
+    assert w.generate([[1]], SamplingParams(1, 4, 1.0, 0), [5])[0][0]["versions"] == [4]
+    assert w.weight_version() == 5
+
+    class Spans(Worker):  # an engine that reports its own versions keeps them
+        def _generate(self, prompt_ids: Any, params: SamplingParams, seeds: Any) -> Any:
+            return [[{"token_ids": [s, s], "logprobs": [-0.5, -0.5], "versions": [1, 2]}] for s in seeds]
+
+    w = Spans(0, 1, EngineArgs("/m", dtype="float32", refit_fed=True, options=Options()))
+    w.loaded_version = 2
+    out = w.generate([[1]], SamplingParams(3, 4, 0.0, 0), [5])
+    assert [s["versions"] for s in out[0]] == [[1, 2]] * 3
+    out[0][0]["versions"].append(9)  # greedy copies own their lists
+    assert out[0][1]["versions"] == [1, 2]

@@ -256,7 +256,8 @@ class MegatronGeneration(_Handle):
     # ------------------------------------------------------------ training loop
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[dict[str, list]]]:
-        """``params.n`` samples per prompt, each ``{"token_ids": [...], "logprobs": [...]}``.
+        """``params.n`` samples per prompt, each ``{"token_ids": [...], "logprobs": [...],
+        "versions": [...]}`` (the weight version of each token).
 
         Prompts are split over the replicas in contiguous slices; each replica
         seeds its sampler from ``(params.seed, replica)``.
@@ -266,6 +267,13 @@ class MegatronGeneration(_Handle):
         prompts = ray.put([list(map(int, p)) for p in prompt_ids])
         refs = self._submit("generate", prompts, params)
         return self._replicas(self.group.get(refs, what="generate"))
+
+    def weight_versions(self) -> list[int]:
+        """The weight version each engine (data-parallel replica) serves
+        (:class:`rlcore.handles.WeightVersioned`): 0 before any refit, ``t`` after refit ``t``.
+        Submitted in order with the refits, so it answers for the last one submitted."""
+        parts = self.group.get(self._submit("weight_version"), what="weight versions")
+        return [int(parts[rank]) for rank in self._leads]
 
     def _release(self) -> None:
         """The endpoint, if any; the ranks go after it."""

@@ -613,6 +613,9 @@ class MegatronGenerationWorker(MegatronWorker):
         self.stale: str | None = None
         #: True while the engine's inference memory is released (:meth:`sleep`).
         self.asleep = False
+        #: The step of the last refit that succeeded (0 before any, and for the checkpoint
+        #: it starts from): the version of the weights, which every sample carries.
+        self.loaded_version = 0
         self._channel_ranks: dict[str, int] = {}
 
     def start(
@@ -719,6 +722,8 @@ class MegatronGenerationWorker(MegatronWorker):
         runs ``max_tokens`` steps for every sample; the dynamic engine ends a sample
         at the first end-of-sequence id). ``temperature <= 0`` is greedy. The
         replica's sampling generator is seeded from ``(seed, replica)`` at every call.
+        Every token's weight version (``versions``) is :attr:`loaded_version`: a refit
+        reaches the engine only between calls.
         """
         self._check_serving()
         n, max_tokens, temperature = params.n, params.max_tokens, params.temperature
@@ -741,7 +746,15 @@ class MegatronGenerationWorker(MegatronWorker):
 
     def _cut_at_eos(self, tokens: list[int], logprobs: list[float]) -> Sample:
         cut = next((i + 1 for i, t in enumerate(tokens) if t in self.eos_ids), len(tokens))
-        return {"token_ids": tokens[:cut], "logprobs": logprobs[:cut]}
+        return {
+            "token_ids": tokens[:cut],
+            "logprobs": logprobs[:cut],
+            "versions": [self.loaded_version] * len(tokens[:cut]),
+        }
+
+    def weight_version(self) -> int:
+        """The version of the weights this rank serves (:attr:`loaded_version`)."""
+        return self.loaded_version
 
     def _generate_static(
         self, local: list[list[int]], n: int, max_tokens: int, temperature: float
@@ -861,6 +874,7 @@ class MegatronGenerationWorker(MegatronWorker):
         path, layout = self.refit_path(spec)
         if path == "native":
             self._receive_native(spec, step, layout)
+            self.loaded_version = step
             return time.monotonic() - t0
         rank = self._channel_ranks.get(spec.key, 1 + self.rank)
         stream = channels.receive_weights(spec, rank, step, buckets, device=self.device)
@@ -894,7 +908,7 @@ class MegatronGenerationWorker(MegatronWorker):
             except Exception as err:  # the channel itself is broken: nothing left to drain
                 log.debug("rank %d: draining refit step %d failed: %s", self.rank, step, err)
             raise
-        self.stale, self.serving = None, True
+        self.stale, self.serving, self.loaded_version = None, True, step
         return time.monotonic() - t0
 
     def _receive_native(self, spec: ChannelSpec, step: int, layout: str) -> None:

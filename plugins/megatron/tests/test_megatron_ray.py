@@ -177,6 +177,7 @@ def test_handles(pair: tuple[Any, Any], work: Path) -> None:
     assert [(x["tp_rank"], x["dp_rank"]) for x in policy.layout] == [(0, 0), (1, 0)]
     assert policy.weight_specs() == generation.weight_specs()
     assert generation.refit_ranks == 1
+    assert generation.weight_versions() == [0]  # one engine (TP=1), no refit yet
     assert generation.endpoint.base_url.startswith("http://127.0.0.1:")
     assert len(set(policy.pids()) | set(generation.pids())) == 3
     # Generation is refit-fed: the policy published no checkpoint.
@@ -239,6 +240,8 @@ def test_generate_through_the_handle(pair: tuple[Any, Any]) -> None:
     prompts = [[2, 5, 6], [2, 11], [2, 30, 31]]
     out = generation.generate(prompts, SamplingParams(3, 4, 1.0, 11))
     assert [len(g) for g in out] == [3, 3, 3]
+    assert generation.weight_versions() == [3]
+    assert [s["versions"] for g in out for s in g] == [[3] * len(s["token_ids"]) for g in out for s in g]
     rows = [(p, s["token_ids"]) for p, g in zip(prompts, out, strict=True) for s in g]
     assert max_diff([s["logprobs"] for g in out for s in g], policy.logprobs(rows)) < 1e-4
     assert generation.generate(prompts, SamplingParams(3, 4, 1.0, 11)) == out

@@ -108,8 +108,10 @@ def test_refit_fed_generation_serves_only_after_refit(
     assert generation.weight_specs() == policy.weight_specs()
     with pytest.raises(NotServingError, match="no weights yet"):
         generation.generate([[2, 5]], SamplingParams(1, 2, 1.0, 0))
+    assert generation.weight_version() == 0
     refit(policy, generation, tmp_path, 1)
     assert max_diff(generation.logprobs(BATCH), policy.logprobs(BATCH)) < 1e-6
+    assert generation.weight_version() == 1
 
 
 def test_generate_samples_and_logprobs(
@@ -129,6 +131,7 @@ def test_generate_samples_and_logprobs(
             assert 1 <= len(ids) <= 6 and len(s["logprobs"]) == len(ids)
             assert all(0 <= t < policy.spec.vocab_size for t in ids)
             assert eos not in ids[:-1]  # cut after the first end-of-sequence, which is kept
+            assert s["versions"] == [2] * len(ids)  # every token sampled by refit 2's weights
     rows = [(p, s["token_ids"]) for p, g in zip(prompts, out, strict=True) for s in g]
     assert max_diff([s["logprobs"] for g in out for s in g], policy.logprobs(rows)) < 1e-5
     assert generation.generate(prompts, SamplingParams(4, 6, 1.0, 7)) == out  # same seed, same samples
@@ -175,6 +178,7 @@ def test_failed_refit_blocks_serving_until_a_good_one(
     spec = ChannelSpec("disk", "workers-test-bad", 2, root=str(tmp_path), timeout_s=30)
     buckets = plan_buckets(policy.weight_specs(), 100_000)
     assert len(buckets) > 2
+    version = generation.weight_version()
     policy.send_weights(spec, 4, buckets)
     last = tmp_path / spec.key / "step-000004" / f"bucket-{len(buckets) - 1:05d}.safetensors"
     last.write_bytes(b"\0" * last.stat().st_size)  # same size (still "complete"), garbage
@@ -182,8 +186,10 @@ def test_failed_refit_blocks_serving_until_a_good_one(
         generation.receive_weights(spec, 4, buckets)
     with pytest.raises(NotServingError, match="refit step 4 over disk did not complete"):
         generation.generate([[2, 5]], SamplingParams(1, 2, 1.0, 0))
+    assert generation.weight_version() == version  # a failed refit's step is never reported
     refit(policy, generation, tmp_path, 5)
     assert max_diff(generation.logprobs(BATCH), policy.logprobs(BATCH)) < 1e-6
+    assert generation.weight_version() == 5
 
 
 def test_stream_with_unknown_or_missing_names_is_refused(

@@ -42,10 +42,6 @@ class SGLangGeneration(GroupGeneration):
         :attr:`endpoints`), or rlcore's in front of :meth:`generate` (option ``endpoint: rlcore``)."""
         return self.front.endpoint if self.front is not None else super().endpoint
 
-    def weight_versions(self) -> list[str]:
-        """Each server's ``weight_version`` (``step-<n>`` after refit step n)."""
-        return list(self.group.call("weight_version", what="weight version"))
-
     # ------------------------------------------------------------ lifecycle
 
     def _release(self) -> None:

@@ -35,7 +35,13 @@ from rlcore.handles import Sample, SamplingParams
 from rlcore.refit.worker import HFWeightSpecs
 from rlcore.runtime import engine_http
 from rlcore.runtime.engine_http import Request, sample_seeds
-from rlcore.runtime.generation_group import EngineArgs, EngineWorker, PauseRoutes
+from rlcore.runtime.generation_group import (
+    EngineArgs,
+    EngineWorker,
+    PauseRoutes,
+    label_version,
+    versions_from_spans,
+)
 from rlcore_sglang.server import ServerError, ServerProcess, find_sglang_python
 
 log = logging.getLogger(__name__)
@@ -81,13 +87,7 @@ class NativeGenerate:
         return [Request(self.route, body, prompts)]
 
     def samples(self, answer: Any, request: Request) -> list[Sample]:
-        return [
-            {
-                "token_ids": [int(t) for _, t, _ in o["meta_info"]["output_token_logprobs"]],
-                "logprobs": [float(lp) for lp, _, _ in o["meta_info"]["output_token_logprobs"]],
-            }
-            for o in answer
-        ]
+        return [_sample(o["meta_info"]) for o in answer]
 
     def logprobs_requests(self, batch: list[tuple[list[int], list[int]]]) -> list[Request]:
         body = {
@@ -112,6 +112,29 @@ class NativeGenerate:
                 )
             rows.append([float(lp) for lp, _, _ in entries])
         return rows
+
+
+def _sample(meta: dict[str, Any]) -> Sample:
+    """A :class:`rlcore.handles.Sample` of one ``/generate`` answer's ``meta_info``, with
+    the version of each token: from SGLang's spans of weight labels (``weight_versions``,
+    on finished requests), else its one ``weight_version`` (else the base class's
+    counter gives them)."""
+    entries = meta["output_token_logprobs"]
+    sample: Sample = {
+        "token_ids": [int(t) for _, t, _ in entries],
+        "logprobs": [float(lp) for lp, _, _ in entries],
+    }
+    spans = meta.get("weight_versions")
+    versions = (
+        versions_from_spans(((s["version"], s["start"], s["end"]) for s in spans), len(entries))
+        if spans
+        else None
+    )
+    if versions is None and meta.get("weight_version") is not None:
+        versions = [label_version(meta["weight_version"])] * len(entries)
+    if versions is not None:
+        sample["versions"] = versions
+    return sample
 
 
 def group_name(spec: Any) -> str:
@@ -270,6 +293,7 @@ class SGLangWorker(HFWeightSpecs, EngineWorker):
                 self._receive_collective(spec, step, buckets, version)
         else:
             self._receive_files(spec, step, version)
+        self.loaded_version = step
         return time.monotonic() - t0
 
     def _receive_files(self, spec: Any, step: int, version: str) -> None:
@@ -387,9 +411,10 @@ class SGLangWorker(HFWeightSpecs, EngineWorker):
         except ServerError as err:
             log.warning("SGLang worker %d: leaving refit channel %s failed: %s", self.rank, spec.key, err)
 
-    def weight_version(self) -> str:
-        """The server's ``weight_version`` (``step-<n>`` after a refit of step n)."""
-        return str(self._server().request("/model_info", timeout_s=30)["weight_version"])
+    def weight_version(self) -> int:
+        """The version of the weights the server says it holds (its ``weight_version``
+        label, ``step-<n>`` after the refit of step n: :func:`label_version`)."""
+        return label_version(self._server().request("/model_info", timeout_s=30)["weight_version"])
 
     # ------------------------------------------------------------- lifecycle
 

@@ -119,3 +119,20 @@ def test_the_worker_launches_its_server_without_importing_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["[]", "True", "True"]
+
+
+def test_a_generate_answer_gives_each_tokens_weight_version() -> None:
+    """From SGLang's spans of weight labels (a refit that landed mid-request splits them),
+    else its one label; with neither the worker's counter fills them in later."""
+    from rlcore_sglang.worker import NativeGenerate
+
+    entries = [[-0.1, 5, None], [-0.2, 6, None], [-0.3, 7, None]]
+    spans = [{"version": "default", "start": 0, "end": 1}, {"version": "step-4", "start": 1, "end": 3}]
+    answers = [
+        {"meta_info": {"output_token_logprobs": entries, "weight_versions": spans, "weight_version": "step-4"}},
+        {"meta_info": {"output_token_logprobs": entries, "weight_version": "step-2"}},
+        {"meta_info": {"output_token_logprobs": entries}},
+    ]
+    got = NativeGenerate(0).samples(answers, None)  # type: ignore[arg-type]
+    assert [s["token_ids"] for s in got] == [[5, 6, 7]] * 3
+    assert [s.get("versions") for s in got] == [[0, 4, 4], [2, 2, 2], None]

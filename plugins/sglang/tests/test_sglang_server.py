@@ -76,6 +76,25 @@ def specs(server: Any) -> list[TensorSpec]:
     return server.weight_specs()
 
 
+def versions(groups: list[list[Any]]) -> set[int]:
+    """Every weight version the samples' tokens carry (each sample must carry one per token)."""
+    assert all(len(s["versions"]) == len(s["token_ids"]) for g in groups for s in g)
+    return {v for g in groups for s in g for v in s["versions"]}
+
+
+def test_weight_versions_are_0_before_any_refit(server: Any) -> None:
+    """First in the module: the server's own label before rlcore's first refit is version 0,
+    for the engine and for every token it samples (read from SGLang's spans)."""
+    assert server.weight_versions() == [0]
+    assert versions(server.generate(PROMPTS, SamplingParams(2, 4, 1.0, 3))) == {0}
+
+    def engine_samples(worker: Any) -> Any:  # local: pickled by value into the actor
+        return worker._generate(PROMPTS, SamplingParams(2, 4, 1.0, 3), [3] * len(PROMPTS))
+
+    # SGLang's own answer carries them (not the worker's counter, which fills in what is missing).
+    assert versions(ray.get(server.group.actors[0].__ray_call__.remote(engine_samples), timeout=120)) == {0}
+
+
 @pytest.mark.parametrize("transport", ["collective", "disk", "shared_memory"])
 def test_refit_loads_the_sent_weights(
     server: Any, tiny_model: Path, specs: list[TensorSpec], transport: str, tmp_path: Path
@@ -90,7 +109,8 @@ def test_refit_loads_the_sent_weights(
     step = {"collective": 11, "disk": 12, "shared_memory": 13}[transport]
     refit(server, spec, step, state, buckets)
     assert max_diff(server.logprobs(PROBE), truth) < TOL
-    assert server.weight_versions() == [f"step-{step}"]
+    assert server.weight_versions() == [step]
+    assert versions(server.generate(PROMPTS, SamplingParams(2, 4, 1.0, 3))) == {step}
     channels.close_channel(spec)
 
 
@@ -161,7 +181,8 @@ def test_rejected_refit_raises_quoting_the_server_and_keeps_old_weights(
     good = plan_buckets(specs, 256 * 1024)
     refit(server, spec, 22, state, good)
     assert max_diff(server.logprobs(PROBE), reference_logprobs(tiny_model, state, PROBE)) < TOL
-    assert server.weight_versions() == ["step-22"]
+    assert server.weight_versions() == [22]
+    assert versions(server.generate(PROMPTS, SamplingParams(1, 4, 1.0, 0))) == {22}
     channels.close_channel(spec)
 
 

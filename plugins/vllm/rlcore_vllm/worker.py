@@ -29,7 +29,13 @@ from rlcore.handles import Sample, SamplingParams
 from rlcore.refit.worker import HFWeightSpecs
 from rlcore.runtime import engine_http
 from rlcore.runtime.engine_http import Request
-from rlcore.runtime.generation_group import EngineArgs, EngineWorker, PauseRoutes
+from rlcore.runtime.generation_group import (
+    EngineArgs,
+    EngineWorker,
+    PauseRoutes,
+    label_version,
+    versions_from_spans,
+)
 from rlcore_vllm.stepped import StepGate
 
 log = logging.getLogger(__name__)
@@ -94,6 +100,22 @@ class Completions:
         ids = prompt + completion
         lps = answer["choices"][0]["prompt_logprobs"]  # JSON keys are token ids as strings
         return [[float(lps[k][str(ids[k])]["logprob"]) for k in range(len(prompt), len(ids))]]
+
+
+def _sample(c: Any) -> Sample:
+    """A :class:`rlcore.handles.Sample` of vLLM's ``CompletionOutput``, with the version of
+    each token when vLLM reported its spans (on a finished output, which ``LLM.generate``
+    returns)."""
+    sample: Sample = {
+        "token_ids": list(c.token_ids),
+        "logprobs": [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs, strict=True)],
+    }
+    spans = c.weight_versions
+    if spans:
+        versions = versions_from_spans(((s.version, s.start, s.end) for s in spans), len(c.token_ids))
+        if versions is not None:
+            sample["versions"] = versions
+    return sample
 
 
 class VLLMWorker(HFWeightSpecs, EngineWorker):
@@ -236,6 +258,9 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
         """Prompt ``i`` samples with seed ``seeds[i]`` (vLLM gives its ``j``-th sample
         ``seeds[i] + j``). ``logprobs`` are the sampled tokens' log-probabilities
         under the model (before temperature), as :meth:`logprobs` computes them.
+        In-process, ``versions`` come from the engine's spans of weight labels
+        (``CompletionOutput.weight_versions``); server mode's ``/v1/completions`` has none,
+        so the base class gives the version of the weights loaded at the call's start.
         """
         if self.server is not None:
             return engine_http.generate(
@@ -258,18 +283,7 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(p)} for p in prompt_ids], sampling, use_tqdm=False
         )
-        return [
-            [
-                {
-                    "token_ids": list(c.token_ids),
-                    "logprobs": [
-                        float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs, strict=True)
-                    ],
-                }
-                for c in sorted(o.outputs, key=lambda c: c.index)
-            ]
-            for o in outputs
-        ]
+        return [[_sample(c) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outputs]
 
     def _logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
         if self.server is not None:
@@ -289,6 +303,15 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
             lps = o.prompt_logprobs  # entry k: logprob of ids[k] given ids[:k] (entry 0 is None)
             result.append([float(lps[k][ids[k]].logprob) for k in range(len(prompt), len(ids))])
         return result
+
+    def weight_version(self) -> int:
+        """The version of the weights the engine says it holds (its weight label: vLLM's
+        ``get_weight_version``, server mode's ``/weight_info``)."""
+        if self.server is not None:
+            label = self.server.request("/weight_info", timeout_s=30)["weight_version"]
+        else:
+            label = self.gate.run(self.llm.get_weight_version)  # not beside a refit job
+        return label_version(label)
 
     # ----------------------------------------------------------------- refit
 
@@ -342,6 +365,7 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
         else:
             self.gate.run(lambda: self._load_between_steps(info, step, version))
         self.stale = None
+        self.loaded_version = step
         return time.monotonic() - t0
 
     def _load_between_steps(self, info: Any, step: int, version: str) -> None:

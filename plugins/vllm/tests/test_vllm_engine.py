@@ -62,6 +62,25 @@ def test_refit_fed_engine_starts_without_checkpoint_weights(
     assert max_abs_diff(gen.logprobs(PROBE), policy.logprobs(PROBE)) > 0.05
 
 
+def engine_samples(gen: Any, params: SamplingParams) -> list[list[list[Any]]]:
+    """Each engine's own samples, as vLLM reported them (past the worker base class, which
+    would fill in versions an engine left out)."""
+
+    def sample(worker: Any) -> Any:  # local: pickled by value into the actor
+        return worker._generate(PROMPTS, params, [7] * len(PROMPTS))
+
+    return ray.get([a.__ray_call__.remote(sample) for a in gen.group.actors], timeout=120)
+
+
+def test_weight_versions_are_0_before_any_refit(setup: dict[str, Any]) -> None:
+    """Before rlcore's first refit, the engines' own weight label is version 0, and vLLM's
+    spans give every sampled token that version."""
+    gen = setup["gen"]
+    assert gen.weight_versions() == [0, 0]
+    for engine in engine_samples(gen, SamplingParams(2, 4, 1.0, 0)):
+        assert [s["versions"] for g in engine for s in g] == [[0] * len(s["token_ids"]) for g in engine for s in g]
+
+
 def test_logprobs_compile_nothing_on_cpu(setup: dict[str, Any]) -> None:
     """With enforce_eager on CPU no engine compiles a graph, not even vLLM's logprob-rank
     helper, which inductor would otherwise compile inside the first logprobs request
@@ -155,6 +174,19 @@ def test_generate_returns_samples_with_matching_logprobs(
     print(
         f"vllm in-process: start {setup['start_s']:.1f}s, generate 3x4x8 tokens {gen_s * 1e3:.0f} ms"
     )
+
+
+def test_weight_versions_follow_the_refits(setup: dict[str, Any], policy: Any) -> None:
+    """After the refit of step t every engine holds version t, and vLLM's spans give every
+    token it samples version t."""
+    gen, config = setup["gen"], setup["config"]
+    policy.perturb(None)
+    step = do_refit(policy, gen, config, "shared_memory").step
+    assert step > 0 and gen.weight_versions() == [step, step]
+    for engine in engine_samples(gen, SamplingParams(2, 4, 1.0, 0)):
+        assert {v for g in engine for s in g for v in s["versions"]} == {step}
+    groups = gen.generate(PROMPTS, SamplingParams(2, 4, 1.0, 0))
+    assert [s["versions"] for g in groups for s in g] == [[step] * len(s["token_ids"]) for g in groups for s in g]
 
 
 def test_refit_invalidates_cached_prompts(setup: dict[str, Any], policy: Any) -> None:

@@ -107,3 +107,17 @@ def test_server_mode_worker_launches_without_importing_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[] True True"
+
+
+def test_a_completion_gives_each_tokens_weight_version_from_vllms_spans() -> None:
+    """vLLM's ``CompletionOutput.weight_versions`` (spans of weight labels, split where a
+    refit landed) -> one version per token; without spans the worker's counter fills them."""
+    from types import SimpleNamespace as NS
+
+    from rlcore_vllm.worker import _sample
+
+    logprobs = [{5: NS(logprob=-0.1)}, {6: NS(logprob=-0.2)}, {7: NS(logprob=-0.3)}]
+    spans = [NS(version="default", start=0, end=2), NS(version="step-9", start=2, end=3)]
+    split = _sample(NS(token_ids=[5, 6, 7], logprobs=logprobs, weight_versions=spans))
+    assert split == {"token_ids": [5, 6, 7], "logprobs": [-0.1, -0.2, -0.3], "versions": [0, 0, 9]}
+    assert "versions" not in _sample(NS(token_ids=[5, 6, 7], logprobs=logprobs, weight_versions=None))

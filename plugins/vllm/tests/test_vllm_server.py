@@ -104,8 +104,9 @@ def test_endpoint_serves_refit_weights(served: Any, policy: Any) -> None:
         max_abs_diff(endpoint_logprobs(ep, probe), policy.logprobs(probe)) > 0.05
     )  # dummy weights
 
+    assert gen.weight_versions() == [0]  # the server's own label before rlcore's first refit
     long_prompts = [[2] + [(5 * i + k) % 36 + 4 for i in range(199)] for k in range(2)]
-    for step, (seed, transport) in enumerate([(None, "collective"), (7, "shared_memory")]):
+    for step, (seed, transport) in enumerate([(None, "collective"), (7, "shared_memory")], start=1):
         gen.generate(long_prompts, SamplingParams(2, 2, 1.0, step))  # fills the prefix cache
         policy.perturb(seed)
         refit(
@@ -125,6 +126,9 @@ def test_endpoint_serves_refit_weights(served: Any, policy: Any) -> None:
         ]
         sampled = [s["logprobs"] for g in again for s in g]
         assert max_abs_diff(sampled, policy.logprobs(batch)) < TOL
+        # /v1/completions says nothing of versions: the worker's counter of refits does.
+        assert gen.weight_versions() == [step]
+        assert [s["versions"] for g in again for s in g] == [[step] * len(c) for _, c in batch]
 
     # Plain text prompts work too (the server has the checkpoint's tokenizer).
     out = post(
