@@ -125,7 +125,11 @@ class ReferencePolicyWorker(HFWorker, RefitSenderWorker):
 
 
 class ReferenceGenerationWorker(HFWorker, RefitChannels):
-    """The generation's worker: token-by-token sampling and the receiving end of refit."""
+    """The generation's worker: token-by-token sampling and the receiving end of refit.
+    Every sampled token carries the weight version (the step of the last refit loaded)."""
+
+    #: The step of the last refit that succeeded (0 before any).
+    loaded_version = 0
 
     def token_logprobs(self, logits: Any, temperature: float) -> Any:
         """The logprobs a sample reports: ``log_softmax`` of the raw logits (temperature 1)."""
@@ -161,7 +165,7 @@ class ReferenceGenerationWorker(HFWorker, RefitChannels):
                 if token in self.stop_tokens():
                     break
                 step_ids = torch.tensor([[token]])
-        return {"token_ids": tokens, "logprobs": logprobs}
+        return {"token_ids": tokens, "logprobs": logprobs, "versions": [self.loaded_version] * len(tokens)}
 
     def generate(self, prompts: list[list[int]], first: int, params: SamplingParams) -> list[list[dict[str, list]]]:
         """Samples of ``prompts``, whose indices in the whole call start at ``first``."""
@@ -193,8 +197,11 @@ class ReferenceGenerationWorker(HFWorker, RefitChannels):
         if bad:
             raise RefitError(f"reference generation: unexpected weights {bad[:5]}; old weights kept")
         self.load(received)
-        self.ready = True
+        self.ready, self.loaded_version = True, step
         return len(received)
+
+    def weight_version(self) -> int:
+        return self.loaded_version
 
     def load(self, state: dict[str, Any]) -> None:
         """Copy the received tensors into the model."""
@@ -249,6 +256,11 @@ class ReferenceGeneration(_Group):
 
         self._check_open()
         return list(self.group.call_async("receive_weights", spec, step, ray.put(buckets)))
+
+    def weight_versions(self) -> list[int]:
+        """Each engine's weight version (:class:`rlcore.handles.WeightVersioned`)."""
+        self._check_open()
+        return [int(v) for v in self.group.call("weight_version", what="weight versions")]
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Any]]:
         from rlcore.runtime.batches import shard_range

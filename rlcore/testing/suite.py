@@ -29,7 +29,13 @@ from typing import Any, ClassVar
 
 import pytest
 
-from rlcore.app.guards import Caller, check_logprobs, check_rollouts, check_samples
+from rlcore.app.guards import (
+    Caller,
+    GuardedGeneration,
+    check_logprobs,
+    check_rollouts,
+    check_samples,
+)
 from rlcore.context import InitContext
 from rlcore.declarations import Role, Transport, validate_declaration
 from rlcore.errors import CancelToken, Deadline, ProtocolError, RlcoreError
@@ -928,6 +934,7 @@ class BackendConformance:
                 "not change what the engine computes to the weights it was sent"
             )
         self._assert_same_weights(trip.policy, trip.generation, where)
+        self._check_versions(trip.generation, gen_name, step, f"after {where}")
 
     @staticmethod
     def _refit_once(trip: _RoundTrip, transport: Transport, step: int, where: str) -> None:
@@ -957,6 +964,32 @@ class BackendConformance:
         report = out.value
         if not isinstance(report, RefitReport) or report.transport != str(transport):
             _fail(f"{where} returned {report!r}; expected a RefitReport for transport {transport}")
+
+    def _check_versions(self, generation: Any, name: str, version: int, when: str) -> bool:
+        """The weight versions a generation reports (:mod:`rlcore.handles`, "Weight
+        versions"), where it reports them, are ``version``: every engine's
+        (``weight_versions()``) and every token's of a sample (``versions``). Returns
+        whether it reported any."""
+        guarded = GuardedGeneration(generation, name)
+        try:
+            engines = guarded.weight_versions()
+            groups = guarded.generate(self._prompts()[:2], SamplingParams(2, 4, 1.0, 17 + version))
+        except ProtocolError as err:
+            _fail(f"{when}: {err}")
+        if engines is not None and set(engines) != {version}:
+            _fail(
+                f"{when}, generation backend '{name}' reports weight versions {engines} for its "
+                f"engines; expected {version} from every engine (0 before any refit, t after the "
+                "refit of step t: rlcore.handles)"
+            )
+        tokens = sorted({v for g in groups for sample in g for v in sample.get("versions", ())})
+        if tokens and tokens != [version]:
+            _fail(
+                f"{when}, generation backend '{name}' sampled tokens of weight versions {tokens}; "
+                f"expected {version} only (0 before any refit, t after the refit of step t: "
+                "rlcore.handles)"
+            )
+        return engines is not None or bool(tokens)
 
     def _logprob_error(self, policy: Any, generation: Any, names: tuple[str, str]) -> float:
         """token_mult_prob_error of generation vs policy logprobs on the probe batch
@@ -1166,6 +1199,14 @@ class BackendConformance:
                 f"ended with EOS (ids {sorted(eos)}); the engine must stop on EOS and keep it as "
                 "the last token (tune eos_probe if your model rarely ends)"
             )
+
+    def test_weight_versions_before_refit(self, engines: Engines) -> None:
+        """An engine never refitted holds weight version 0, and so does every token it
+        samples, where it reports them (``weight_versions()``, a sample's ``versions``)."""
+        self._claimed(engines, Role.GENERATION)
+        name = engines.harness.declaration.name
+        if not self._check_versions(self._engine(engines, Role.GENERATION), name, 0, "before any refit"):
+            pytest.skip(f"not claimed: generation backend '{name}' reports no weight versions")
 
     def test_generate_is_seeded(self, engines: Engines) -> None:
         """Same seed, same samples; different seeds, different samples (temperature 1)."""

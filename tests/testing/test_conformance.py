@@ -99,6 +99,7 @@ SUITE_ROWS = {
     "test_generate_stops_at_eos",
     "test_generate_is_seeded",
     "test_generate_logprobs_at_temperature_1",
+    "test_weight_versions_before_refit",
     "test_env_collect_rollouts",
     *(f"test_train_step_semantics[{d}]" for d in ("float32", "bfloat16", "float16")),
 }
@@ -532,6 +533,7 @@ def test_transport_claimed_without_protocol(tmp_path: Path) -> None:
         "test_generate_stops_at_eos",
         "test_generate_is_seeded",
         "test_generate_logprobs_at_temperature_1",
+        "test_weight_versions_before_refit",
     }, out
 
 

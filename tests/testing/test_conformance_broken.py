@@ -103,6 +103,7 @@ class FaultyGenerationWorker(ReferenceGenerationWorker):
             self.base = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.model.load_state_dict(self.base)
         self.fault, self.ready, self.lagged = fault, not empty, None
+        self.loaded_version = 0  # a new engine: no refit yet
         self.seen: dict[int, int] = {}  # calls per seed ("unseeded")
 
     def token_logprobs(self, logits: Any, temperature: float) -> Any:
@@ -125,6 +126,8 @@ class FaultyGenerationWorker(ReferenceGenerationWorker):
         out = super().sample_one(prompt, max_tokens, temperature, seed)
         if self.fault == "drops_eos" and out["token_ids"][-1] in self.eos_ids:
             out = {"token_ids": out["token_ids"][:-1] or [0], "logprobs": out["logprobs"][:-1] or [-1.0]}
+        if self.fault == "versions_short":
+            out["versions"] = out["versions"][:-1]
         return out
 
     def generate(self, prompts: list, first: int, params: Any) -> list:
@@ -146,7 +149,10 @@ class FaultyGenerationWorker(ReferenceGenerationWorker):
     def receive_weights(self, spec: Any, step: int, buckets: list) -> int:
         if self.fault == "only_collective" and spec.transport != "collective":
             return 0  # takes the call, loads nothing: only its collective path is real
-        return super().receive_weights(spec, step, buckets)
+        version, loaded = self.loaded_version, super().receive_weights(spec, step, buckets)
+        if self.fault == "versions_not_refit":  # loads the weights, keeps reporting the old version
+            self.loaded_version = version
+        return loaded
 
     def load(self, state: dict[str, Any]) -> None:
         if self.fault == "refit_ignores_weights":
@@ -300,6 +306,7 @@ class Case:
 GEN = ("test_generate_samples", "test_generate_stops_at_eos", "test_generate_is_seeded",
        "test_generate_logprobs_at_temperature_1")
 TRIPS = ("test_refit_round_trip", "test_refit_fed_round_trip")
+VERSIONS = "test_weight_versions_before_refit"
 SEM = "test_train_step_semantics[float32]"
 
 
@@ -374,6 +381,10 @@ CASES = [
     case("leaks_actor", "shutdown() releases every Ray actor it started",
          ("test_init_and_shutdown[policy]", "test_init_and_shutdown[generation]", *TRIPS),
          ("Ray actor Leftover", "still alive")),
+    case("versions_not_refit", "a refit of step t moves the engine's weight version to t", TRIPS,
+         ("reports weight versions [0]", "expected 1")),
+    case("versions_short", "generate(): one weight version per token", (*GEN, VERSIONS),
+         ("generate()", "versions (one per token)")),
     case("env_wrong_group_size", "collect_rollouts(): samples_per_prompt per group",
          ("test_env_collect_rollouts",), ("collect_rollouts()", "2 rollouts"), env=True),
     case("env_nan_reward", "collect_rollouts(): finite rewards", ("test_env_collect_rollouts",),
@@ -460,9 +471,11 @@ def outcomes(shared: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     # faults that reach them (a model, refit or transport fault), the training test for
     # the training faults; every other test for every case.
     tripped = ["none", *(c.name.removeprefix("broken-") for c in CASES if c.fails & set(TRIPS))]
+    versioned = ["none", *(c.name.removeprefix("broken-") for c in CASES if c.name.startswith("broken-versions"))]
     select = (
         f"{' or '.join(SELECTED)} or (({' or '.join(TRIPS)}) and ({classes(tripped)}))"
         f" or (test_train_step_semantics and ({classes(TRAINING)}))"
+        f" or ({VERSIONS} and ({classes(versioned)}))"
     )
     reports = run_pytest(root, test_file, args=("-k", select))
     out: dict[str, dict[str, Any]] = {}
