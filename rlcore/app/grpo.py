@@ -48,7 +48,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlcore.app.refit_check import (  # the refit check's helpers, where they were before
@@ -119,10 +119,19 @@ def _step_metrics(
     report: Any,
     check: dict[str, Any],
     tokens: int = 0,
+    versions: Sequence[Sequence[int]] = (),
 ) -> dict[str, Any]:
     """One step's metrics: rewards, generated tokens, train step, generation vs policy,
-    refit, refit check."""
+    refit, refit check; with the samples' weight ``versions`` (those that carry them),
+    their staleness: each sample's lag is the policy's version (step - 1) minus its
+    oldest token's version."""
     flat_rewards = [r for g in rewards for r in g]
+    lags = [step - 1 - min(v) for v in versions if v]
+    staleness = {
+        "staleness/lag_mean": statistics.fmean(lags),
+        "staleness/lag_max": max(lags),
+        "generate/weight_versions": sorted({x for v in versions for x in v}),
+    } if lags else {}
     return {
         "step": step,
         "generate/tokens": tokens,
@@ -136,6 +145,7 @@ def _step_metrics(
         "refit/bytes": report.bytes,
         "refit/throughput_gib_s": report.throughput_gib_s,
         "refit/transport": report.transport,
+        **staleness,
         **check,
     }
 
@@ -224,6 +234,7 @@ class _Samples:
     batch: list[Pair]
     advantages: list[float]
     logprobs: list[list[float]]  # the generation's, at temperature 1
+    versions: list[list[int]] = field(default_factory=list)  # per token, where rollouts carry them
 
 
 def _sample(s: Session, step: int, clock: _StepClock) -> _Samples:
@@ -243,6 +254,7 @@ def _sample(s: Session, step: int, clock: _StepClock) -> _Samples:
         batch=[(r["prompt_ids"], r["token_ids"]) for g in groups for r in g],
         advantages=[a for g in advantages for a in g],
         logprobs=[r["logprobs"] for g in groups for r in g],
+        versions=[r["versions"] for g in groups for r in g if "versions" in r],
     )
 
 
@@ -308,7 +320,7 @@ def _step(
     if not sampled:
         check, failure = _probe_check(s, step, clock)
     tokens = sum(len(completion) for _, completion in got.batch)
-    metrics = _step_metrics(step, got.rewards, train, gen_vs_policy, report, check, tokens)
+    metrics = _step_metrics(step, got.rewards, train, gen_vs_policy, report, check, tokens, got.versions)
     _add_timing(metrics, clock, t_step, len(got.batch))
     return metrics, failure
 
@@ -391,17 +403,14 @@ def _step_ahead(
         report = s.refit(step)
     check, failure = _probe_check(s, step, clock)
     tokens = sum(len(completion) for _, completion in batch)
-    metrics = _step_metrics(step, rewards, train, None, report, check, tokens)
-    _add_timing(metrics, clock, t_step, len(batch))
     versions = _sample_versions(groups, got.version)
+    metrics = _step_metrics(step, rewards, train, None, report, check, tokens, versions)
+    _add_timing(metrics, clock, t_step, len(batch))
     metrics.update({
         "timing/generate_time_s": got.generate_s,  # the producer's call, beside earlier steps
         "staleness/max_staleness": k,
-        "staleness/lag_mean": statistics.fmean(lags),
-        "staleness/lag_max": max(lags),
         "staleness/dropped_groups": dropped,
         "staleness/mixed_version_samples": sum(len(set(v)) > 1 for v in versions),
-        "generate/weight_versions": sorted({v for vs in versions for v in vs}),
         "timing/producer_gated_s": stream.take_gated_s(),
     })
     return metrics, failure

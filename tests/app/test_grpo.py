@@ -505,3 +505,24 @@ def test_sampled_checks_a_replaced_generation_too(monkeypatch: pytest.MonkeyPatc
     run()
     assert [(x["generation/lost_step"], x["generation/lost_during"]) for x in losses] == [(3, "probe")]
     assert [c["refit/token_mult_prob_error"] for c in run.checks] == [1.0]
+
+
+def test_samples_weight_versions_give_each_steps_staleness() -> None:
+    """A step's line carries the lag of its samples behind the policy (version step - 1,
+    minus a sample's oldest token's) and the versions seen; a generation that reports no
+    versions gets no such metrics."""
+    calls: list[int] = []
+
+    def generate(prompt_ids: Any, params: Any) -> Any:
+        v = len(calls)  # the synchronous loop: refit of step v before the rollouts of step v + 1
+        calls.append(v)
+        fresh = {"token_ids": [ord("7"), 3], "logprobs": [-0.5] * 2, "versions": [v, v]}
+        # At step 2 one sample started on the weights before the last refit.
+        older = {**fresh, "versions": [v - 1, v]} if v == 1 else fresh
+        return [[older, fresh]] + [[fresh, fresh] for _ in prompt_ids[1:]]
+
+    written, _ = loop(0.5, 0.5, 1.05, generate=generate)
+    lines = [(m["staleness/lag_mean"], m["staleness/lag_max"], m["generate/weight_versions"]) for m in written]
+    assert lines == [(0.0, 0, [0]), (0.25, 1, [0, 1]), (0.0, 0, [2])]
+    plain, _ = loop(0.5, 0.5, 1.05)
+    assert not [k for m in plain for k in m if k.startswith("staleness/") or k == "generate/weight_versions"]
