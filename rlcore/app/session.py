@@ -69,7 +69,7 @@ from rlcore.app.stream import RolloutStream
 from rlcore.app.trace import TraceRecorder
 from rlcore.config import RunConfig, cache_dir, load_config
 from rlcore.config.placement import Network
-from rlcore.errors import CancelToken, ConfigError, DivergenceError, RunDirError
+from rlcore.errors import CancelToken, ConfigError, DivergenceError, RefitError, RunDirError
 from rlcore.handles import (
     MemoryHandoff,
     Pair,
@@ -578,8 +578,22 @@ class Session:
         during it is replaced and the refit run again. :attr:`weight_version` is then
         ``step``."""
         report = self._retry(lambda: self._refit_once(step), step, "refit")
+        self._check_versions(step)
         self.weight_version = step
         return report  # type: ignore[no-any-return]
+
+    def _check_versions(self, step: int) -> None:
+        """Every engine says it holds the weights of ``step`` (where the generation can say:
+        :class:`~rlcore.handles.WeightVersioned`); a refit that reported success but left an
+        engine on other weights is named before any sample or check relies on it."""
+        versions = self.generation.weight_versions()
+        wrong = [(i, v) for i, v in enumerate(versions or []) if v != step]
+        if wrong:
+            engines = ", ".join(f"engine {i} holds version {v}" for i, v in wrong)
+            raise RefitError(
+                f"after the refit of step {step}, generation backend '{self.generation.backend}' "
+                f"reports {engines}, not {step}: the refit did not reach it"
+            )
 
     def _refit_once(self, step: int) -> RefitReport:
         run = self._run

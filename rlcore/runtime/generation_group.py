@@ -161,9 +161,12 @@ class GroupGeneration(GroupHandle):
 
     def weight_versions(self) -> list[int]:
         """The weight version each engine holds, as it reports it
-        (:class:`rlcore.handles.WeightVersioned`): 0 before any refit, ``t`` after refit ``t``."""
+        (:class:`rlcore.handles.WeightVersioned`): 0 before any refit, ``t`` after refit ``t``.
+        A refit-side call (:meth:`refit_side`): the check after a refit does not wait for a
+        generate in flight."""
         self._check_open()
-        return [int(v) for v in self.group.call("weight_version", what="weight versions")]
+        refs = [self.refit_side(a, "weight_version").remote() for a in self._actors()]
+        return [int(v) for v in self.group.get(refs, what="weight versions")]
 
     # -------------------------------------------------------- training loop
 

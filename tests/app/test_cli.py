@@ -83,8 +83,7 @@ def test_plan_shows_the_schedule(capsys) -> None:
     ) in capsys.readouterr().out
     assert main(["plan", quickstart, "grpo.max_staleness=1", "generation.options.serve_openai=true"]) == 0
     assert (
-        "refits land while the engine pauses its requests in flight (vllm: when options.serve_openai == True), "
-        "per-token versions"
+        "refits land while the engine pauses its requests in flight (vllm: when options.serve_openai == True)\n"
     ) in capsys.readouterr().out
     assert main(["plan", quickstart, "grpo.max_staleness=1", "--json"]) == 0
     schedule = json.loads(capsys.readouterr().out)["schedule"]

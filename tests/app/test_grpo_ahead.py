@@ -16,7 +16,7 @@ from rlcore.app.grpo import _fresh, probe_batch, run_grpo
 from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.stream import RolloutStream, StepRollouts
 from rlcore.config import GRPOConfig
-from rlcore.errors import Cancelled, WorkerLost
+from rlcore.errors import Cancelled, RefitError, WorkerLost
 from rlcore.handles import PromptAndScoreEnv, RefitReport
 
 WAIT_S = 30.0  # bound on every wait of these tests: a broken overlap fails, never hangs
@@ -248,3 +248,21 @@ def test_stale_groups_are_dropped_whole() -> None:
     assert dropped == 1 and len(kept) == 1 and lags == [1, 1]  # the group with a version-1 token went whole
     with pytest.raises(ValueError, match="max_staleness >= 1"):
         stream_over(lambda s: [[]], k=0)
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_an_engine_that_reports_other_weights_after_a_refit_is_named(k: int) -> None:
+    """The refit of step 1 'succeeded' but engine 1 still reports version 0: the run stops
+    at that refit, naming the engine, whether or not the loop runs ahead."""
+
+    journal = Journal()
+
+    class Versioned(Model):
+        def weight_versions(self) -> list[int]:
+            refits = [line for line in journal.lines if line.startswith("refit ")]
+            return [len(refits), 0]  # engine 0 follows the refits, engine 1 never moves
+
+    gen = Versioned(0.5)
+    with pytest.raises(RefitError, match=r"refit of step 1, generation backend 'gen' reports engine 1 holds version 0"):
+        run_ahead(k, steps=3, journal=journal, generation=GuardedGeneration(gen, "gen", eos_ids={3}))
+    assert "refit 1" in journal.lines and "train 2" not in journal.lines

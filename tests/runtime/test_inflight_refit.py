@@ -120,7 +120,8 @@ def test_an_engine_that_opts_in_takes_a_refit_while_its_generate_is_blocked(clus
             assert ray.get(handle.receive_weights("chan", 3, []), timeout=BOUND_S) == [0.0]
             assert not running.done()
             ray.get(board.add.remote("go"))
-            assert running.result(timeout=BOUND_S) == [[{"token_ids": [1], "logprobs": [-1.0]}] * 2]
+            # The engine says no token's version: each carries the one the call began with.
+            assert running.result(timeout=BOUND_S) == [[{"token_ids": [1], "logprobs": [-1.0], "versions": [0]}] * 2]
         assert ray.get(board.seen.remote()) == [
             "generate started", "open chan as 1", "refit 3", "go", "generate ended",
         ]

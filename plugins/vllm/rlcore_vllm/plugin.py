@@ -48,8 +48,10 @@ def rlcore_declare_backend() -> BackendDeclaration:
         openai_endpoint_when=(Condition("options.serve_openai", True),),
         # VLLMWorker.receive_weights: the server's own pause holds the requests in flight;
         # in-process, the worker's step loop loads between two steps (rlcore_vllm.stepped).
+        # Server mode samples through /v1/completions, which says no token's version: its
+        # samples carry the version the call began with (a lower bound), not per-token spans.
         inflight_refit=(
-            InflightRefit(RefitLanding.PAUSE, token_versions=True, when=(Condition("options.serve_openai", True),)),
+            InflightRefit(RefitLanding.PAUSE, token_versions=False, when=(Condition("options.serve_openai", True),)),
             InflightRefit(
                 RefitLanding.BETWEEN_STEPS, token_versions=True, when=(Condition("options.serve_openai", False),)
             ),

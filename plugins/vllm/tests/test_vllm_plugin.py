@@ -28,14 +28,15 @@ def test_declaration_validates() -> None:
 
 @pytest.mark.parametrize("serve", [True, False])
 def test_the_declared_landing_is_the_workers(serve: bool) -> None:
-    """Server mode declares PAUSE (the server's pause), in-process BETWEEN_STEPS (the
-    worker's step loop), both with per-token versions; the worker takes refits in flight."""
+    """Server mode declares PAUSE (the server's pause; /v1/completions says no token's
+    version), in-process BETWEEN_STEPS (the worker's step loop) with per-token versions (vLLM's
+    spans); the worker takes refits in flight."""
     from rlcore.declarations import RefitLanding
     from rlcore_vllm.worker import VLLMWorker
 
     landing = rlcore_declare_backend().refit_landing({"options": {"serve_openai": serve}})
     assert landing.landing is (RefitLanding.PAUSE if serve else RefitLanding.BETWEEN_STEPS)
-    assert landing.token_versions and VLLMWorker.inflight_refit
+    assert landing.token_versions is not serve and VLLMWorker.inflight_refit
 
 
 def test_options_are_checked() -> None:
