@@ -80,7 +80,7 @@ def _train(s: Session, console: Console) -> None:
         last = m["step"] >= config.grpo.steps
         s.now = "the last refit's check" if last and how == "sampled" else f"step {m['step'] + 1}"
         s.record(m, m["step"])  # run.json (first step only): a rerun may no longer replace this run
-        ahead = "staleness/lag_max" in m
+        ahead = "staleness/max_staleness" in m  # the loop that runs ahead
         console.print(
             f"step {m['step']:>3}  reward {m['reward/mean']:.3f}  exact {m['reward/exact']:.2f}  "
             f"refit {m['refit/weight_sync_time_s'] * 1e3:.0f} ms  "
