@@ -35,6 +35,7 @@ class Engine:
         self.logprobs = Remote(lambda batch: [[-float(index)] * len(c) for _, c in batch])
         self.open_refit_channel = Remote(lambda spec, rank: ("open", rank))
         self.version = 0
+        self.weight_version = Remote(lambda: self.version)
 
 
 class Group:
@@ -48,12 +49,8 @@ class Group:
         self.waited: list[list[int]] = []  # the engine ranks of each wait's refs
 
     def get(self, refs: Any, *, what: str, ranks: Any = None) -> Any:
-        self.waited.append(list(ranks))
+        self.waited.append(list(ranks or []))
         return refs
-
-    def call(self, method: str, *, what: str) -> list[Any]:
-        assert method == "weight_version"
-        return [a.version for a in self.actors]
 
 
 class Handle(GroupGeneration):
