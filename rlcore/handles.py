@@ -142,6 +142,10 @@ class Rollout(TypedDict, total=False):
         model_turns: (optional) how many model turns the rollout took.
         versions: (optional, since contract 2.1) the weight version of each token of
             ``token_ids``, as the :class:`Sample` carried it (the module's conventions).
+        failed: (optional) why the sample has no reward (a reward function that raised,
+            hung or returned a non-finite value): the loop counts it in ``reward/failed``,
+            leaves it out of its group's advantage (advantage 0) and of the reward figures;
+            ``reward`` is then ignored (set it to 0.0).
     """
 
     prompt_ids: list[int]
@@ -150,6 +154,7 @@ class Rollout(TypedDict, total=False):
     reward: float
     model_turns: int
     versions: list[int]
+    failed: str
 
 
 @dataclass

@@ -45,6 +45,7 @@ unchanged.
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -69,17 +70,31 @@ __all__ = [
 ]
 
 
-def group_advantages(rewards: Sequence[Sequence[float]], eps: float = 1e-6) -> list[list[float]]:
+def group_advantages(
+    rewards: Sequence[Sequence[float]], eps: float = 1e-6, failed: Sequence[Sequence[bool]] | None = None
+) -> list[list[float]]:
     """GRPO advantages: each reward normalised by its group's mean and standard deviation.
 
-    A group whose rewards are all equal carries no signal and gets zeros.
+    A group whose rewards are all equal carries no signal and gets zeros. A sample marked
+    in ``failed`` (its reward could not be computed: a rollout with ``failed``) is left out
+    of its group's mean and deviation and gets 0: it moves nothing.
     """
     out = []
-    for group in rewards:
-        mean = statistics.fmean(group)
-        std = statistics.pstdev(group) if len(group) > 1 else 0.0
-        out.append([(r - mean) / (std + eps) if std > eps else 0.0 for r in group])
+    for i, group in enumerate(rewards):
+        ok = [not f for f in failed[i]] if failed is not None else [True] * len(group)
+        kept = [r for r, k in zip(group, ok, strict=True) if k]
+        mean = statistics.fmean(kept) if kept else 0.0
+        std = statistics.pstdev(kept) if len(kept) > 1 else 0.0
+        out.append([(r - mean) / (std + eps) if std > eps and k else 0.0 for r, k in zip(group, ok, strict=True)])
     return out
+
+
+def scored(groups: Sequence[Sequence[Rollout]]) -> tuple[list[list[float]], list[list[bool]]]:
+    """The rollouts' rewards and which of them failed (``failed`` set by the env)."""
+    return (
+        [[r["reward"] for r in g] for g in groups],
+        [["failed" in r for r in g] for g in groups],
+    )
 
 
 #: The phases every step's metrics line times, as ``timing/<phase>_time_s`` (also the
@@ -120,12 +135,15 @@ def _step_metrics(
     check: dict[str, Any],
     tokens: int = 0,
     versions: Sequence[Sequence[int]] = (),
+    failed: Sequence[Sequence[bool]] = (),
 ) -> dict[str, Any]:
     """One step's metrics: rewards, generated tokens, train step, generation vs policy,
     refit, refit check; with the samples' weight ``versions`` (those that carry them),
     their staleness: each sample's lag is the policy's version (step - 1) minus its
-    oldest token's version."""
-    flat_rewards = [r for g in rewards for r in g]
+    oldest token's version. Samples marked ``failed`` (no reward) are counted in
+    ``reward/failed`` and left out of the reward figures (NaN when every one failed)."""
+    flags = [f for g in failed for f in g] if failed else [False] * sum(len(g) for g in rewards)
+    flat_rewards = [r for r, f in zip((r for g in rewards for r in g), flags, strict=True) if not f]
     lags = [step - 1 - min(v) for v in versions if v]
     staleness = {
         "staleness/lag_mean": statistics.fmean(lags),
@@ -135,9 +153,10 @@ def _step_metrics(
     return {
         "step": step,
         "generate/tokens": tokens,
-        "reward/mean": statistics.fmean(flat_rewards),
-        "reward/max": max(flat_rewards),
-        "reward/exact": statistics.fmean(1.0 if r >= 1.0 else 0.0 for r in flat_rewards),
+        "reward/mean": statistics.fmean(flat_rewards) if flat_rewards else math.nan,
+        "reward/max": max(flat_rewards) if flat_rewards else math.nan,
+        "reward/exact": statistics.fmean(1.0 if r >= 1.0 else 0.0 for r in flat_rewards) if flat_rewards else math.nan,
+        "reward/failed": sum(flags),
         "train/loss": train.get("loss"),
         "train/grad_norm": train.get("grad_norm"),
         "train/gen_vs_policy_mult_prob_error": gen_vs_policy,
@@ -235,6 +254,7 @@ class _Samples:
     advantages: list[float]
     logprobs: list[list[float]]  # the generation's, at temperature 1
     versions: list[list[int]] = field(default_factory=list)  # per token, where rollouts carry them
+    failed: list[list[bool]] = field(default_factory=list)  # samples the env could not score
 
 
 def _sample(s: Session, step: int, clock: _StepClock) -> _Samples:
@@ -245,12 +265,13 @@ def _sample(s: Session, step: int, clock: _StepClock) -> _Samples:
     with clock("generate"):
         groups = s.rollouts(step)
     with clock("reward"):
-        rewards = [[r["reward"] for r in g] for g in groups]
-        advantages = group_advantages(rewards)
+        rewards, failed = scored(groups)
+        advantages = group_advantages(rewards, failed=failed)
     with clock("handoff"):
         s.to_policy()
     return _Samples(
         rewards=rewards,
+        failed=failed,
         batch=[(r["prompt_ids"], r["token_ids"]) for g in groups for r in g],
         advantages=[a for g in advantages for a in g],
         logprobs=[r["logprobs"] for g in groups for r in g],
@@ -320,7 +341,7 @@ def _step(
     if not sampled:
         check, failure = _probe_check(s, step, clock)
     tokens = sum(len(completion) for _, completion in got.batch)
-    metrics = _step_metrics(step, got.rewards, train, gen_vs_policy, report, check, tokens, got.versions)
+    metrics = _step_metrics(step, got.rewards, train, gen_vs_policy, report, check, tokens, got.versions, got.failed)
     _add_timing(metrics, clock, t_step, len(got.batch))
     return metrics, failure
 
@@ -394,8 +415,8 @@ def _step_ahead(
             dropped += more
     s.now = f"step {step}"
     with clock("reward"):
-        rewards = [[r["reward"] for r in g] for g in groups]
-        advantages = [a for g in group_advantages(rewards) for a in g]
+        rewards, failed = scored(groups)
+        advantages = [a for g in group_advantages(rewards, failed=failed) for a in g]
     batch: list[Pair] = [(r["prompt_ids"], r["token_ids"]) for g in groups for r in g]
     with clock("train"):
         train = s.train(step, batch, advantages, [r["logprobs"] for g in groups for r in g])
@@ -404,7 +425,7 @@ def _step_ahead(
     check, failure = _probe_check(s, step, clock)
     tokens = sum(len(completion) for _, completion in batch)
     versions = _sample_versions(groups, got.version)
-    metrics = _step_metrics(step, rewards, train, None, report, check, tokens, versions)
+    metrics = _step_metrics(step, rewards, train, None, report, check, tokens, versions, failed)
     _add_timing(metrics, clock, t_step, len(batch))
     metrics.update({
         "timing/generate_time_s": got.generate_s,  # the producer's call, beside earlier steps

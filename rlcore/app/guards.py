@@ -175,7 +175,8 @@ def check_samples(
 def check_rollouts(groups: Any, request: RolloutRequest, who: Caller) -> list[list[Rollout]]:
     """``groups`` must hold ``request.prompts`` groups of ``request.samples_per_prompt``
     rollouts, each with prompt ids, token ids, one logprob per token and a finite reward;
-    ``model_turns`` and the tokens' weight ``versions`` are kept where a rollout has them."""
+    ``model_turns``, the tokens' weight ``versions`` and a ``failed`` reason are kept where a
+    rollout has them."""
     if not isinstance(groups, Sequence) or len(groups) != request.prompts:
         got = f"{len(groups)} groups" if isinstance(groups, Sequence) else type(groups).__name__
         raise who.fail(f"{request.prompts} groups of rollouts (one per prompt)", got)
@@ -216,6 +217,10 @@ def check_rollouts(groups: Any, request: RolloutRequest, who: Caller) -> list[li
                 row["model_turns"] = r["model_turns"]
             if "versions" in r:
                 row["versions"] = _check_versions(r["versions"], len(ids), who, where)
+            if "failed" in r:
+                if not isinstance(r["failed"], str) or not r["failed"]:
+                    raise who.fail(f"{where}: failed, a non-empty reason (str)", _brief(r["failed"]))
+                row["failed"] = r["failed"]
             checked.append(row)
         out.append(checked)
     return out

@@ -31,6 +31,13 @@ def test_group_advantages_normalise_within_each_group() -> None:
     assert sum(adv[0]) == pytest.approx(0.0, abs=1e-9)
 
 
+def test_failed_samples_are_left_out_of_their_groups_advantage() -> None:
+    # The failed sample's reward (99) would dominate the group; it is neither counted nor moved.
+    adv = group_advantages([[1.0, 0.0, 99.0], [0.5, 2.0]], failed=[[False, False, True], [True, True]])
+    assert adv[0][:2] == pytest.approx([1.0, -1.0], abs=1e-4) and adv[0][2] == 0.0
+    assert adv[1] == [0.0, 0.0]
+
+
 def test_token_mult_prob_error() -> None:
     assert token_mult_prob_error([[-1.0, -2.0]], [[-1.0, -2.0]]) == 1.0
     assert token_mult_prob_error([[-1.0, -2.0]], [[-1.1, -1.9]]) == pytest.approx(math.exp(0.1))
@@ -505,6 +512,33 @@ def test_sampled_checks_a_replaced_generation_too(monkeypatch: pytest.MonkeyPatc
     run()
     assert [(x["generation/lost_step"], x["generation/lost_during"]) for x in losses] == [(3, "probe")]
     assert [c["refit/token_mult_prob_error"] for c in run.checks] == [1.0]
+
+
+class SevensFailing(Sevens):
+    """Marks the second sample of each group failed (an env whose reward function broke)."""
+
+    def collect_rollouts(self, request: Any) -> list[list[Any]]:
+        groups = super().collect_rollouts(request)
+        for g in groups:
+            g[1] = {**g[1], "reward": 0.0, "failed": "reward function 'f' on row 0 raised"}
+        return groups
+
+
+def test_failed_samples_are_counted_and_left_out_of_the_reward_figures() -> None:
+    tok = CharTokenizer()
+    written: list[dict[str, Any]] = []
+    run_grpo(
+        cfg=GRPOConfig(steps=2, prompts_per_step=2, samples_per_prompt=2),
+        tokenizer=tok,
+        policy=GuardedPolicy(Model(0.5), "pol"),
+        generation=GuardedGeneration(Model(0.5), "gen", eos_ids={3}),
+        env=GuardedEnv(SevensFailing(), "sevens"),
+        refit=lambda step: RefitReport(step, "disk", 1, 1, 0.01),
+        probe=probe_batch(tok, 2),
+        on_step=written.append,
+    )
+    # Every scored sample is right: the failed ones (reward 0.0) would have halved the mean.
+    assert [(m["reward/mean"], m["reward/failed"]) for m in written] == [(1.0, 2), (1.0, 2)]
 
 
 def test_samples_weight_versions_give_each_steps_staleness() -> None:

@@ -161,6 +161,14 @@ def test_weight_versions_are_checked_and_kept() -> None:
     assert "versions" not in got[0][1]
 
 
+def test_a_failed_rollouts_reason_is_kept_and_must_be_a_string() -> None:
+    rows = [[rollout(failed="reward function 'f' on row 3 raised"), rollout()]]
+    got = GuardedEnv(Scripted(collect_rollouts=rows), "e").collect_rollouts(request())
+    assert got[0][0]["failed"] == "reward function 'f' on row 3 raised" and "failed" not in got[0][1]
+    with pytest.raises(ProtocolError, match="failed, a non-empty reason"):
+        GuardedEnv(Scripted(collect_rollouts=[[rollout(failed=True), rollout()]]), "e").collect_rollouts(request())
+
+
 VERSION_CASES = {
     "too short": ([7], "2 versions"),
     "negative": ([0, -1], "ints >= 0"),
