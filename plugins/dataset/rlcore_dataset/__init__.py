@@ -1,0 +1,1 @@
+"""rlcore-dataset: train on a file of prompts with Python reward functions."""

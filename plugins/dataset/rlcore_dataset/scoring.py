@@ -1,0 +1,94 @@
+"""One step's rewards: every reward function called once per group in the reward pool,
+each result checked, the weighted sum per completion, failures named.
+
+A call scores one group (the completions of one prompt), so a group-level function (one
+that ranks or compares the group's completions) sees exactly one whole group. What a
+failure means is ``env.options.on_reward_error``'s: ``fail`` raises :class:`RewardError`
+naming the function and the row; ``skip`` returns the failure beside the scores, for the
+env to mark its samples failed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rlcore.errors import RlcoreError
+from rlcore_dataset.pool import Call, Outcome, RewardPool, finite
+from rlcore_dataset.rewards import RewardSpec
+
+log = logging.getLogger(__name__)
+
+
+class RewardError(RlcoreError):
+    """A reward function raised, hung, returned the wrong count or a non-finite value."""
+
+
+@dataclass(frozen=True)
+class GroupInput:
+    """What one group's reward calls take: its data row and completion texts."""
+
+    row: int
+    prompt: Any
+    columns: dict[str, Any]
+    completions: list[str]
+
+    def arguments(self) -> dict[str, Any]:
+        """TRL's keyword arguments: one entry per completion in each list."""
+        n = len(self.completions)
+        return {
+            **{k: [v] * n for k, v in self.columns.items()},
+            "completions": list(self.completions),
+            "prompts": [self.prompt] * n,
+        }
+
+
+@dataclass
+class GroupScores:
+    """One group's rewards, and why each sample failed (None: scored)."""
+
+    rewards: list[float]
+    failed: list[str | None]
+
+
+def score_groups(
+    pool: RewardPool, specs: Sequence[RewardSpec], groups: Sequence[GroupInput], *, on_error: str
+) -> list[GroupScores]:
+    """Every group scored by every function (all calls at once, across the pool)."""
+    calls = [Call(spec.spec, g.arguments()) for g in groups for spec in specs]
+    outcomes = pool.run(calls)
+    out = []
+    for gi, g in enumerate(groups):
+        n = len(g.completions)
+        scores = GroupScores([0.0] * n, [None] * n)
+        for f, spec in enumerate(specs):
+            _add(scores, spec, g, outcomes[gi * len(specs) + f], on_error)
+        out.append(scores)
+    return out
+
+
+def _add(scores: GroupScores, spec: RewardSpec, g: GroupInput, got: Outcome, on_error: str) -> None:
+    n = len(g.completions)
+    where = f"reward function {spec.name!r} ({spec.spec}) on row {g.row} of env.options.data"
+    failed: dict[int, str] = {}
+    if got.error is not None:
+        failed = dict.fromkeys(range(n), f"{where}: {got.error}")
+    elif got.scores is None or len(got.scores) != n:
+        count = len(got.scores) if got.scores is not None else 0
+        failed = dict.fromkeys(range(n), f"{where}: returned {count} scores for {n} completions")
+    else:
+        for j, s in enumerate(got.scores):
+            if finite([s]) is not None:
+                failed[j] = f"{where}: returned {s} for completion {j}, not a finite float"
+    if failed and on_error == "fail":
+        first = next(iter(failed.values()))
+        raise RewardError(f"{first} (env.options.on_reward_error=skip leaves such samples out instead)")
+    for j in range(n):
+        if j in failed:
+            if scores.failed[j] is None:
+                log.warning("%s; the sample is left out of its group's advantage", failed[j])
+                scores.failed[j] = failed[j]
+        elif got.scores is not None:
+            scores.rewards[j] += spec.weight * got.scores[j]
