@@ -1,0 +1,56 @@
+"""End to end: examples/dataset.yaml (a file of math word problems, a reward file) trains
+the quickstart's FSDP policy and vLLM generation on CPU, and the reward rises; a reward
+that does not exist is refused before anything starts."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("rlcore_fsdp")
+pytest.importorskip("rlcore_vllm")
+pytest.importorskip("rlcore_dataset")
+
+from rlcore.app.records import read_metrics  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = str(REPO / "examples" / "dataset.yaml")
+RLCORE = Path(sys.executable).with_name("rlcore")
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def dataset_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("dataset") / "run"
+    cache = tmp_path_factory.mktemp("cache")
+    done = subprocess.run(
+        [str(RLCORE), "run", EXAMPLE, f"grpo.steps={STEPS}", f"setup.cache_dir={cache}", "--out", str(run_dir)],
+        capture_output=True, text=True, cwd=REPO, timeout=840,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return run_dir
+
+
+def test_reward_rises_on_the_file_of_prompts(dataset_run: Path) -> None:
+    steps = [r for r in read_metrics(dataset_run / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert all(r["reward/failed"] == 0 for r in steps)
+    rewards = [r["reward/mean"] for r in steps]
+    first, last = statistics.fmean(rewards[:3]), statistics.fmean(rewards[-3:])
+    assert last > first + 0.1, rewards
+
+
+def test_a_bad_reward_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [str(RLCORE), "run", EXAMPLE, "env.options.reward=examples/math_reward.py:nope", "--out", str(tmp_path / "r")],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "env.options.reward: 'examples/math_reward.py' has no function 'nope'" in done.stdout + done.stderr
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
