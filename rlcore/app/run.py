@@ -83,7 +83,8 @@ def _train(s: Session, console: Console) -> None:
         ahead = "staleness/max_staleness" in m  # the loop that runs ahead
         console.print(
             f"step {m['step']:>3}  reward {m['reward/mean']:.3f}  exact {m['reward/exact']:.2f}  "
-            f"refit {m['refit/weight_sync_time_s'] * 1e3:.0f} ms  "
+            + (f"[yellow]failed {m['reward/failed']}[/yellow]  " if m.get("reward/failed") else "")
+            + f"refit {m['refit/weight_sync_time_s'] * 1e3:.0f} ms  "
             f"mult_prob_err {m['refit/token_mult_prob_error']:.4f} (refit {m['refit/checked_step']})  "
             + (f"lag <= {m['staleness/lag_max']}  " if ahead else "")
             + f"({m['timing/step_time_s']:.1f}s: generate {m['timing/generate_time_s']:.1f}"
