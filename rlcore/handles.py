@@ -432,12 +432,12 @@ class PromptAndScoreEnv:
         texts = [[tok.decode(s["token_ids"], skip_special_tokens=True) for s in g] for g in groups]
         rewards = self.score(prompts, texts)
         return [
-            [_rollout(pid, s, r) for s, r in zip(group, group_rewards, strict=True)]
+            [rollout_of(pid, s, r) for s, r in zip(group, group_rewards, strict=True)]
             for pid, group, group_rewards in zip(prompt_ids, groups, rewards, strict=True)
         ]
 
 
-def _rollout(prompt_ids: Sequence[int], sample: Sample, reward: float) -> Rollout:
+def rollout_of(prompt_ids: Sequence[int], sample: Sample, reward: float) -> Rollout:
     """The :class:`Rollout` of ``sample`` of ``prompt_ids`` with its ``reward``: what an env
     that samples through the generation returns, its weight versions kept when the sample
     carries them."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlcore.errors import ConfigError
-from rlcore.handles import PromptAndScoreEnv, Rollout, RolloutRequest, _rollout
+from rlcore.handles import PromptAndScoreEnv, Rollout, RolloutRequest, rollout_of
 from rlcore_dataset.checks import check_prompt, is_messages, reward_columns
 from rlcore_dataset.options import DatasetOptions
 from rlcore_dataset.pool import RewardPool
@@ -98,7 +98,7 @@ class DatasetEnv(PromptAndScoreEnv):
         for pid, group, got in zip(prompt_ids, groups, scored, strict=True):
             rollouts = []
             for s, r, failed in zip(group, got.rewards, got.failed, strict=True):
-                rollout = _rollout(pid, s, 0.0 if failed else r)
+                rollout = rollout_of(pid, s, 0.0 if failed else r)
                 if failed:
                     rollout["failed"] = failed
                 rollouts.append(rollout)
