@@ -79,3 +79,12 @@ def test_parquet_is_read_with_pyarrow_or_refused_naming_the_extra(tmp_path: Path
         return
     pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": "1"}]), path)
     assert load_rows(str(path)) == [{"prompt": "a", "answer": "1"}]
+
+
+def test_a_datasets_dataset_saved_to_disk_is_read(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")  # the test extra installs it
+    rows = [{"prompt": "2+2=", "answer": "4"}, {"prompt": "3+1=", "answer": "4"}]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
+    assert load_rows(str(tmp_path / "one")) == rows
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:1])}).save_to_disk(str(tmp_path / "dict"))
+    assert load_rows(str(tmp_path / "dict")) == rows[:1]
