@@ -181,12 +181,16 @@ def render_plan(plan: Any, con: Console) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    _, prepared = build_plan_from_args(args.config, args.overrides)
-    plan = prepared.plan
+    from rlcore.runtime.join import choose_cluster
+
+    config, prepared = build_plan_from_args(args.config, args.overrides)
+    plan, choice = prepared.plan, choose_cluster(config.cluster)
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=2))
+        cluster = {"address": choice.address, "attached": choice.attached, "why": choice.why}
+        print(json.dumps({**plan.to_dict(), "cluster": cluster}, indent=2))
     else:
         render_plan(plan, _console())
+        _console().print(f"[bold]cluster[/bold]: {escape(choice.describe())}")
     return 0
 
 

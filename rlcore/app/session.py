@@ -80,8 +80,9 @@ from rlcore.handles import (
     SamplingParams,
 )
 from rlcore.runtime.cluster import Cluster
+from rlcore.runtime.join import ClusterChoice, check_join, choose_cluster
 from rlcore.runtime.placed import forget_placed, placed_groups
-from rlcore.setup.preflight import check_before_start
+from rlcore.setup.preflight import check_before_start, check_joined_resources
 from rlcore.setup.registry import load_registry
 from rlcore.setup.runner import SetupResult, run_prepared
 
@@ -218,10 +219,17 @@ def _prepared_run(config: RunConfig, opts: OpenOptions, console: Console, guard:
         check_run_dir(Path(out).expanduser(), resume=opts.resume)
     if opts.needs_env and not config.env.backend:
         raise ConfigError("the loop needs an env: set env.backend (e.g. env.backend=arithmetic)", key="env.backend")
+    choice = choose_cluster(config.cluster)
+    console.print(f"cluster: {choice.describe()}")
+    if choice.address:
+        # Before the run directory: a cluster that cannot be joined leaves --out untouched.
+        facts = check_join(choice.address)
+        if facts is not None:
+            check_joined_resources(config, facts)
     run_dir = make_run_dir(config, out, resume=opts.resume)
     status = RunStatus(run_dir, resume=opts.resume)  # first: what follows is a run's to replace
     write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
-    return _Run(prepared, run_dir, status, console, guard)
+    return _Run(prepared, run_dir, status, console, guard, choice)
 
 
 def _load(config: ConfigLike, overrides: Sequence[str] | Mapping[str, Any]) -> RunConfig:
@@ -767,14 +775,20 @@ class _Run:
     the setup. ``start`` and ``finish`` are ``rlcore run``'s before and after its loop."""
 
     def __init__(
-        self, prepared: PreparedRun, run_dir: Path, status: RunStatus, console: Console, guard: SignalGuard | None
+        self,
+        prepared: PreparedRun,
+        run_dir: Path,
+        status: RunStatus,
+        console: Console,
+        guard: SignalGuard | None,
+        choice: ClusterChoice | None = None,
     ) -> None:
         config = prepared.config
         self.prepared, self.config, self.plan, self.run_dir = prepared, config, prepared.plan, run_dir
         self.status, self.console, self.guard = status, console, guard
         self.trace = TraceRecorder()
         self.writer = MetricsWriter(run_dir / "metrics.jsonl")
-        self.cluster = Cluster(config.cluster)
+        self.cluster = Cluster(config.cluster, choice)
         self.cancel = CancelToken()
         self.phase = RunPhase()
         self.setup: SetupResult | None = None

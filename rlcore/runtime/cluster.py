@@ -47,6 +47,7 @@ from rlcore.config.placement import (
     spans_nodes,
 )
 from rlcore.runtime.gate import RAY_GATE
+from rlcore.runtime.join import ClusterChoice, choose_cluster, is_loopback, single_host
 from rlcore.runtime.liveness import LIVENESS
 
 log = logging.getLogger(__name__)
@@ -80,31 +81,6 @@ def loopback_env() -> dict[str, str]:
     return {
         name: os.environ.get(name, iface) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
     }
-
-
-@contextlib.contextmanager
-def _single_host() -> Iterator[None]:
-    """Start Ray as a single-host cluster: every Ray process binds to 127.0.0.1.
-
-    Ray replaces a loopback ``_node_ip_address`` by the host's outward address, and its
-    servers (GCS, raylet, dashboard and runtime-env agents, workers) then listen on every
-    interface. Ray's own single-host mode (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, the
-    default on macOS and Windows) keeps the node on loopback; the switch is a constant read
-    at ``import ray``, so it is set on the module for the duration of ``ray.init`` only.
-    Once started, the node's address is fixed and later calls use it.
-    """
-    try:
-        from ray._private import ray_constants
-    except ImportError:  # pragma: no cover - a Ray without the switch: start as Ray decides
-        log.warning("this Ray has no single-host switch; its ports may listen on every interface")
-        yield
-        return
-    saved = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 @contextlib.contextmanager
@@ -184,13 +160,22 @@ def _ray_processes() -> list[Any]:
 class Cluster:
     """Starts or joins Ray once; ``shutdown`` stops only a cluster it started."""
 
-    def __init__(self, config: ClusterConfig) -> None:
+    def __init__(self, config: ClusterConfig, choice: ClusterChoice | None = None) -> None:
         self.config = config
+        #: Which cluster and why (:func:`rlcore.runtime.join.choose_cluster`).
+        self.choice = choice if choice is not None else choose_cluster(config)
         self.owned = False
         self.joined = False
         self.start_time_s: float | None = None
         self._network: Network | None = None
         self._devices: DeviceGroup | None = None
+
+    @property
+    def where(self) -> str:
+        """The cluster in an error message."""
+        if self.choice.address:
+            return f"the Ray cluster at {self.choice.address}"
+        return "the Ray cluster this process is connected to" if self.choice.attached else "the embedded Ray cluster"
 
     def start(self) -> Cluster:
 
@@ -199,6 +184,8 @@ class Cluster:
 
             no_auto_init()
             if ray.is_initialized():
+                # A driver of its own (a script that called ray.init): used, never shut down.
+                self.joined = self.joined or self.choice.attached
                 return self
             RAY_GATE.open()
             LIVENESS.configure(self.config.hang_timeout_s)
@@ -209,11 +196,8 @@ class Cluster:
                 "TOKENIZERS_PARALLELISM": "false",
             }
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
-            if self.config.address:
-                with _keep_signal_handlers():
-                    ray.init(address=self.config.address, runtime_env={"env_vars": env_vars}, **kwargs)
-                self.joined = True
-                log.info("joined Ray cluster at %s", self.config.address)
+            if self.choice.address:
+                self._join(self.choice.address, env_vars, kwargs)
             else:
                 if self.config.num_cpus is not None:
                     kwargs["num_cpus"] = self.config.num_cpus
@@ -223,7 +207,7 @@ class Cluster:
                 # Owned from here on: an interrupt inside ray.init still shuts down what
                 # it had started.
                 self.owned = True
-                with _single_host(), _keep_signal_handlers(), _worker_environment(env_vars):
+                with single_host(), _keep_signal_handlers(), _worker_environment(env_vars):
                     # address="local": a new cluster even where another one is reachable
                     # (RAY_ADDRESS, or /tmp/ray/ray_current_cluster of a `ray start`).
                     ray.init(
@@ -235,6 +219,29 @@ class Cluster:
                 log.info("started an embedded Ray cluster: %s", ray.cluster_resources())
             self.start_time_s = time.monotonic() - t0
             return self
+
+    def _join(self, address: str, env_vars: dict[str, str], kwargs: dict[str, Any]) -> None:
+        """Join the cluster at ``address`` as this job's driver.
+
+        Inside a Ray job, ``ray.init`` merges the job's runtime environment (its working
+        directory, pip packages, variables) into the driver's, and the run's actors inherit
+        it; a variable the job sets itself is left to the job (Ray refuses to merge two
+        values of one variable). A loopback address is joined on loopback (:func:`single_host`).
+        """
+        import ray
+
+        from rlcore.runtime.join import job_env_vars, use_token_like_ray_cli
+
+        use_token_like_ray_cli()
+        job_vars = job_env_vars()
+        own = {k: v for k, v in env_vars.items() if k not in job_vars}
+        loopback = is_loopback(address)
+        if loopback:
+            kwargs["_node_ip_address"] = LOOPBACK
+        with single_host() if loopback else contextlib.nullcontext(), _keep_signal_handlers():
+            ray.init(address=address, runtime_env={"env_vars": own} if own else None, **kwargs)
+        self.joined = True
+        log.info("joined Ray cluster at %s", address)
 
     def network(self, config: RunConfig) -> Network:
         """Who reaches the run's servers (:class:`rlcore.config.placement.Network`), decided once.
@@ -280,7 +287,7 @@ class Cluster:
                 return None
             layout = device_layout(config)
             if layout.gpus > have + 1e-9:
-                where = f"the Ray cluster at {self.config.address}" if self.joined else "the embedded Ray cluster"
+                where = self.where
                 raise ConfigError(
                     f"config key 'policy.workers': the GPU bundles of the workers need {layout.gpus} "
                     f"GPU ({'; '.join(layout.lines())}), but {where} has {have:g}; lower the workers "
@@ -335,6 +342,12 @@ class Cluster:
 
         LIVENESS.clear()  # its groups go with the cluster: nothing is probed any more
         with _lock:
+            if self.joined and self.choice.attached:
+                # The process's own connection (ray.init before rlcore): left as it was,
+                # but for what this run reserved on it.
+                self._release_devices()
+                self.joined = False
+                return []
             if self.joined:
                 # A cluster joined by address stays up: only this driver's connection ends
                 # (Ray then ends the actors of this job that are still there).

@@ -18,8 +18,10 @@ a second with one line that names the key and the fix:
    a tokenizer is there, and every safetensors file's header is read and its
    size compared with what the header says (a truncated file is named);
 4. the policy and generation workers fit the embedded cluster's CPUs (or GPUs)
-   when no ``cluster.address`` is given (Ray would otherwise wait forever), and
-   ``placement.nodes`` is asked only of a joined cluster, in Ray's terms;
+   when the run joins no cluster (Ray would otherwise wait forever), and
+   ``placement.nodes`` is asked only of a joined cluster, in Ray's terms (a cluster to
+   join is asked by the app, through its GCS, before the run directory is written:
+   :func:`check_joined_resources`);
 5. the output directory and the cache directory can be created and written (a few KiB are
    written and removed, so a full disk is found here); a given ``--out`` is checked by the
    app (:func:`rlcore.app.rundir.check_run_dir`, the same write check and whether it holds
@@ -43,9 +45,12 @@ from typing import TYPE_CHECKING
 from rlcore.config import RunConfig, cache_dir
 from rlcore.config.placement import RESOURCE_ROLES, device_layout
 from rlcore.errors import ConfigError
+from rlcore.runtime.join import choose_cluster
 from rlcore.setup.prepared import PreparedRun, prepare
 
 if TYPE_CHECKING:
+    from rlcore.config.placement import NodeInfo
+    from rlcore.runtime.join import ClusterFacts
     from rlcore.setup.plan import Plan
     from rlcore.setup.registry import Registry
 
@@ -355,11 +360,61 @@ def check_resources(config: RunConfig) -> None:
         )
 
 
+def check_joined_resources(config: RunConfig, facts: ClusterFacts) -> None:
+    """The run's needs against what the alive nodes of a cluster to join offer, asked of
+    its GCS before the run writes anything (:func:`rlcore.runtime.join.check_join`): every
+    ``placement.nodes`` selector matches a node, and the GPU bundles (or, on a cluster
+    without GPUs, the workers' CPUs) fit the cluster, a pinned role's on the nodes it selects."""
+    from rlcore.config import ROLE_SECTIONS
+    from rlcore.config.placement import role_placement
+
+    where = f"the Ray cluster at {facts.address}"
+    chosen: dict[str, list[NodeInfo]] = {}
+    for role in ROLE_SECTIONS:
+        placement = role_placement(config, role)
+        if not placement.pinned or (role == "env" and not config.env.backend):
+            continue
+        chosen[role] = [n for n in facts.nodes if placement.matches(n.resources, n.labels)]
+        if not chosen[role]:
+            custom = sorted({r for n in facts.nodes for r in n.resources if r not in RESERVED_RESOURCES and ":" not in r})
+            raise ConfigError(
+                f"config key 'placement.nodes.{role}': no alive node of {where} has {placement.describe()} "
+                f"(its nodes have the custom resources {custom}); fix the selector or start a node with "
+                "it (ray start --resources / --labels)",
+                key=f"placement.nodes.{role}",
+            )
+    totals = facts.totals()
+    if totals.get("GPU", 0.0) >= 1:
+        layout = device_layout(config)
+        if layout.gpus > totals["GPU"] + 1e-9:
+            raise ConfigError(
+                f"config key 'policy.workers': the GPU bundles of the workers need {layout.gpus} GPU "
+                f"({'; '.join(layout.lines())}), but {where} has {totals['GPU']:g}; lower the workers or "
+                "share GPUs (placement.colocated=true, devices_per_worker 0.5)",
+                key="policy.workers",
+            )
+        return
+    for role in RESOURCE_ROLES:
+        section = getattr(config, role)
+        need = section.workers * section.devices_per_worker
+        nodes = chosen.get(role, facts.nodes)
+        have = sum(n.resources.get("CPU", 0.0) for n in nodes)
+        if need > have + 1e-9:
+            on = f"the {len(nodes)} node(s) placement.nodes.{role} selects" if role in chosen else where
+            raise ConfigError(
+                f"config key '{role}.workers': {role}'s {section.workers} workers x "
+                f"{section.devices_per_worker:g} CPU need {need:g} CPU, but {on} has {have:g} (a cluster "
+                f"without GPUs); lower {role}.workers or {role}.devices_per_worker, or add nodes",
+                key=f"{role}.workers",
+            )
+
+
 def cluster_gpus(config: RunConfig) -> int | None:
     """GPUs of the cluster the run will use: ``cluster.num_gpus``, else what an embedded
-    cluster detects on this host; ``None`` for a joined cluster (``cluster.address``)
-    whose size is not known before it is joined."""
-    if config.cluster.address:
+    cluster detects on this host; ``None`` for a joined cluster (``cluster.address``, or
+    one :func:`rlcore.runtime.join.choose_cluster` picks) whose size its GCS tells
+    (:func:`check_joined_resources`)."""
+    if choose_cluster(config.cluster).joined:
         return None
     return config.cluster.num_gpus if config.cluster.num_gpus is not None else host_gpus()
 
@@ -384,11 +439,11 @@ def check_placement(config: RunConfig) -> None:
         sel, key = getattr(nodes, role), f"placement.nodes.{role}"
         if not (sel.resources or sel.labels):
             continue
-        if not config.cluster.address:
+        if not choose_cluster(config.cluster).joined:
             raise ConfigError(
-                f"config key '{key}' places {role} on chosen nodes, but no cluster.address is set "
+                f"config key '{key}' places {role} on chosen nodes, but the run joins no cluster "
                 "and the embedded cluster is one node with no custom resources or labels; set "
-                "cluster.address to the Ray cluster to join, or remove the selector",
+                "cluster.address (or RAY_ADDRESS) to the Ray cluster to join, or remove the selector",
                 key=key,
             )
         if role == "env" and not config.env.backend:
