@@ -18,8 +18,9 @@
 :func:`open` does what ``rlcore run`` does around its loop, with the same code: every
 check that needs no cluster first (a bad input raises :class:`~rlcore.errors.ConfigError`
 before anything starts), the run directory (``config.yaml``, ``run.json``, ``metrics.jsonl``
-with the setup's line, ``placement.json``), the cluster (embedded, or joined by
-``cluster.address``), the overlapped setup and the first refit. Leaving the ``with`` block
+with the setup's line, ``placement.json``), the cluster (embedded, or joined: by
+``cluster.address``, or the cluster of the Ray job it runs in; a join is checked before the
+run directory is written, :mod:`rlcore.runtime.join`), the overlapped setup and the first refit. Leaving the ``with`` block
 (or :meth:`Session.close`) tears it all down as ``rlcore run`` does: backends shut down
 last started first, the embedded cluster stopped with every process of it, ``trace.json``,
 ``setup_timeline.png``, ``reward.png`` and the reward's trend written, ``run.json`` marked
@@ -221,15 +222,39 @@ def _prepared_run(config: RunConfig, opts: OpenOptions, console: Console, guard:
         raise ConfigError("the loop needs an env: set env.backend (e.g. env.backend=arithmetic)", key="env.backend")
     choice = choose_cluster(config.cluster)
     console.print(f"cluster: {choice.describe()}")
+    cluster = _joined_cluster(prepared, choice) if choice.joined else None
+    try:
+        run_dir = make_run_dir(config, out, resume=opts.resume)
+        status = RunStatus(run_dir, resume=opts.resume)  # first: what follows is a run's to replace
+        write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
+    except BaseException:
+        if cluster is not None:
+            cluster.shutdown()
+        raise
+    return _Run(prepared, run_dir, status, console, guard, choice, cluster)
+
+
+def _joined_cluster(prepared: PreparedRun, choice: ClusterChoice) -> Cluster:
+    """A cluster to join, joined before the run directory is written: a cluster that cannot
+    be joined, or whose nodes lack a backend a role needs, leaves ``--out`` untouched.
+
+    Its GCS is asked first (:func:`rlcore.runtime.join.check_join`: seconds, where a failing
+    ``ray.init`` takes minutes), then every node a role may land on
+    (:func:`rlcore.runtime.node_check.check_nodes`)."""
+    from rlcore.runtime.node_check import check_nodes
+
     if choice.address:
-        # Before the run directory: a cluster that cannot be joined leaves --out untouched.
         facts = check_join(choice.address)
         if facts is not None:
-            check_joined_resources(config, facts)
-    run_dir = make_run_dir(config, out, resume=opts.resume)
-    status = RunStatus(run_dir, resume=opts.resume)  # first: what follows is a run's to replace
-    write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
-    return _Run(prepared, run_dir, status, console, guard, choice)
+            check_joined_resources(prepared.config, facts)
+    cluster = Cluster(prepared.config.cluster, choice)
+    try:
+        cluster.start()
+        check_nodes(prepared, cluster.where)
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster
 
 
 def _load(config: ConfigLike, overrides: Sequence[str] | Mapping[str, Any]) -> RunConfig:
@@ -782,13 +807,14 @@ class _Run:
         console: Console,
         guard: SignalGuard | None,
         choice: ClusterChoice | None = None,
+        cluster: Cluster | None = None,
     ) -> None:
         config = prepared.config
         self.prepared, self.config, self.plan, self.run_dir = prepared, config, prepared.plan, run_dir
         self.status, self.console, self.guard = status, console, guard
         self.trace = TraceRecorder()
         self.writer = MetricsWriter(run_dir / "metrics.jsonl")
-        self.cluster = Cluster(config.cluster, choice)
+        self.cluster = cluster if cluster is not None else Cluster(config.cluster, choice)
         self.cancel = CancelToken()
         self.phase = RunPhase()
         self.setup: SetupResult | None = None

@@ -6,7 +6,9 @@ whole process: starting it twice reuses it, and only the owner shuts it down.
 The embedded cluster is a single-host one: its node address is 127.0.0.1, so Ray's
 servers and agents, the worker groups' rendezvous stores and gloo all listen on
 loopback only (:func:`rlcore.runtime.rendezvous.tcp_store`). Joining a cluster by address keeps
-Ray's choice (the node's outward address): several hosts must reach each other.
+Ray's choice (the node's outward address): several hosts must reach each other; only a
+loopback address (a single-host cluster of ``ray start`` nodes on 127.0.0.1) is joined on
+loopback. Which cluster, and whether it can be joined, is decided before: :mod:`rlcore.runtime.join`.
 
 No thread of a run can start a second cluster: Ray's auto-init (which ``ray.get`` and
 friends run when Ray is not connected) is switched off when the cluster starts, and

@@ -171,7 +171,14 @@ def use_token_like_ray_cli() -> None:
         )
     except ImportError:  # pragma: no cover - a Ray without token authentication
         return
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    # Ray logs a warning that token authentication is on; the run's first line says which cluster.
+    quiet = logging.getLogger(maybe_enable_token_auth_if_token_available.__module__)
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    finally:
+        quiet.setLevel(level)
 
 
 # ---------------------------------------------------------------- the probe
