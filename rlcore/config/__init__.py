@@ -197,8 +197,10 @@ class PlacementConfig:
 
 @dataclass
 class ClusterConfig:
-    #: Address of an existing Ray cluster (``ray://host:port`` or ``auto``);
-    #: ``null`` starts an embedded local cluster for the run.
+    #: Address of an existing Ray cluster to join (``host:port``, ``ray://host:port``, or
+    #: ``auto``: Ray's own lookup); ``local``: always a new embedded cluster; ``null``: the
+    #: cluster this process is a driver of, else ``$RAY_ADDRESS`` (set by ``ray job submit``),
+    #: else a new embedded one (rlcore/runtime/join.py, docs/ray-cluster.md).
     address: str | None = None
     #: CPUs the embedded cluster offers (``null``: all of this machine's).
     num_cpus: int | None = bounded(None, ge=1)
