@@ -203,9 +203,10 @@ def test_a_ray_start_cluster_is_joined_with_the_token_ray_finds_and_roles_placed
     assert not _listening_beyond_loopback(head)
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # a known failure (below) costs CI minutes and proves nothing until it is understood
 @pytest.mark.timeout(600)
 @pytest.mark.xfail(
+    strict=True,
     reason="open: on this two-node loopback cluster the job's driver dies in setup with 'Intel oneMKL FATAL "
     "ERROR: Cannot load libtorch_cpu.so' (exit 139), also with the entrypoint on the head; the same job on a "
     "one-node `ray start` head runs to the end",
