@@ -265,7 +265,7 @@ class FakeCluster:
     made: list[FakeCluster] = []
     fail: str | None = None
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, choice: Any = None) -> None:
         self.owned, self.start_time_s, self.shut_down = False, 0.01, 0
         FakeCluster.made.append(self)
 
