@@ -22,9 +22,11 @@ import contextlib
 import ipaddress
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,6 +54,7 @@ class Head:
     env: dict[str, str]  # what a process on this "machine" has (HOME with the token)
     tmp: Path
     procs: list[subprocess.Popen[bytes]]  # the `ray start --block` processes
+    ray_dir: Path  # Ray's --temp-dir: short, its sockets' paths must stay under 108 bytes
 
 
 def _loopback(ip: str) -> bool:
@@ -147,7 +150,10 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
     subprocess.run([str(RAY), "get-auth-token", "--generate"], env=env, capture_output=True, check=True, timeout=60)
     port, dash = free_port(), free_port()
     address = f"{LOOPBACK}:{port}"
-    common = ["--node-ip-address", LOOPBACK, "--temp-dir", str(tmp / "ray"), "--disable-usage-stats"]
+    # Not under tmp: pytest's base temp can be long enough to push Ray's AF_UNIX socket paths
+    # (<temp-dir>/session_<date>_<pid>/sockets/dash_MetricsHead) past 107 bytes.
+    ray_dir = Path(tempfile.mkdtemp(prefix="rs", dir="/tmp"))
+    common = ["--node-ip-address", LOOPBACK, "--temp-dir", str(ray_dir), "--disable-usage-stats"]
     procs = [_start([
         "--head", "--port", str(port), "--num-cpus", "2", "--resources", '{"node_head": 1}',
         "--include-dashboard", "true", "--dashboard-host", LOOPBACK, "--dashboard-port", str(dash), *common,
@@ -159,9 +165,10 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
             worker=True,
         ))
         assert _up(procs[1], env, address, 2), (tmp / "a.log").read_text()
-        yield Head(address, f"http://{LOOPBACK}:{dash}", env, tmp, procs)
+        yield Head(address, f"http://{LOOPBACK}:{dash}", env, tmp, procs, ray_dir)
     finally:
         _stop(procs)
+        shutil.rmtree(ray_dir, ignore_errors=True)
 
 
 def _rlcore(head: Head, tmp: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -256,7 +263,7 @@ def _refused(proc: subprocess.CompletedProcess[str], out: Path, *expected: str) 
 def test_nothing_listening_is_refused_in_one_line(tmp_path: Path) -> None:
     env = {**os.environ, "HOME": str(tmp_path), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     address = f"{LOOPBACK}:{free_port()}"
-    fake = Head(address, "", env, tmp_path, [])
+    fake = Head(address, "", env, tmp_path, [], tmp_path)
     _refused(_rlcore(fake, tmp_path, f"cluster.address={address}"), tmp_path / "run", address, "nothing is listening")
 
 
@@ -340,7 +347,7 @@ def node_b(head: Head, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: rlcore-fsdp\nVersion: 0.0.1\n")
     env = {**head.env, "PYTHONPATH": f"{shadow}:{head.env.get('PYTHONPATH', '')}"}
     args = ["--address", head.address, "--num-cpus", "2", "--resources", '{"node_b": 1}',
-            "--node-ip-address", LOOPBACK, "--temp-dir", str(head.tmp / "ray"), "--disable-usage-stats"]
+            "--node-ip-address", LOOPBACK, "--temp-dir", str(head.ray_dir), "--disable-usage-stats"]
     proc = _start(args, env, head.tmp / "b.log", worker=True)
     try:
         assert _up(proc, head.env, head.address, 3), (head.tmp / "b.log").read_text()
