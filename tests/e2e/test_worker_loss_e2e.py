@@ -182,6 +182,7 @@ def test_the_loop_that_runs_ahead_replaces_a_lost_engine_as_the_synchronous_loop
     assert all(r["staleness/lag_max"] <= 1 and r["staleness/dropped_groups"] == 0 for r in step_records)
 
 
+@pytest.mark.soak  # the synchronous loop's abort runs in CI; CI's 40 minutes are tight
 def test_the_loop_that_runs_ahead_aborts_on_a_killed_policy_rank(tmp_path: Path) -> None:
     pytest.importorskip("rlcore_fsdp")
     pytest.importorskip("rlcore_vllm")
