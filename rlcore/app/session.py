@@ -505,10 +505,13 @@ class Session:
         return self._retry(lambda: self._collect(request), step, "rollout")  # type: ignore[no-any-return]
 
     def _collect(self, request: RolloutRequest) -> list[list[Rollout]]:
+        return self._needed_env().collect_rollouts(request)
+
+    def _needed_env(self) -> GuardedEnv:
         env = self.env
         if env is None:
             raise ConfigError("rollouts need an env: set env.backend (e.g. env.backend=arithmetic)", key="env.backend")
-        return env.collect_rollouts(request)
+        return env
 
     def _default_request(self, step: int) -> RolloutRequest:
         """The request :meth:`rollouts` makes for ``step`` with every argument left out."""
@@ -537,8 +540,7 @@ class Session:
         the producer is raised by ``next`` of its step. Leaving the block stops the
         producer. Needs an env and roles that do not take turns on the devices.
         """
-        if self.env is None:
-            raise ConfigError("rollouts need an env: set env.backend (e.g. env.backend=arithmetic)", key="env.backend")
+        self._needed_env()
         g = self.config.grpo
         self._default_request(0)  # the handles built here, not first on the producer's thread
         with RolloutStream(
