@@ -28,7 +28,7 @@ from rlcore.errors import DeclarationError
 #: declared); a major version may change or remove. A plugin declares the version it
 #: was written against (:attr:`BackendDeclaration.contract_version`) and loads when
 #: its major equals the core's and its minor is not newer.
-CONTRACT_VERSION = "2.1"
+CONTRACT_VERSION = "2.2"
 _VERSION_RE = re.compile(r"^(\d+)\.(\d+)$")
 
 #: What each major version changed that a plugin of the major before must change, and how.
@@ -239,6 +239,33 @@ BETWEEN_CALLS = InflightRefit(RefitLanding.BETWEEN_CALLS)
 
 
 @dataclass(frozen=True)
+class CheckpointSupport:
+    """How a policy backend saves and loads its training state (contract 2.2).
+
+    A policy that declares it implements :class:`rlcore.handles.Checkpointable`; the
+    run then takes checkpoints (``checkpoint.every_steps``), resumes from them
+    (``rlcore run --resume``) and exports them (``rlcore export``).
+
+    Attributes:
+        format: the name of what its ``save_checkpoint`` writes, e.g.
+            ``"torch-dcp"`` or ``"megatron-dist-ckpt"``; recorded in each
+            checkpoint's manifest. A checkpoint of another format is refused at resume.
+        version: the version of that format as this backend writes it. Bump it when
+            this backend can no longer load what an earlier release wrote: resume then
+            refuses the old checkpoint in one line naming both versions, instead of
+            failing inside ``load_checkpoint``.
+        overlap: the save only reads the policy's state, so the core may start it and
+            go on with the next step's rollouts while it writes; the core makes no other
+            call on the policy (``train_step``, ``logprobs``, refit) until the save has
+            returned. False: the run waits for the save before going on.
+    """
+
+    format: str
+    version: str = "1"
+    overlap: bool = False
+
+
+@dataclass(frozen=True)
 class BackendDeclaration:
     """Everything the core needs to know about a backend before starting it.
 
@@ -280,6 +307,10 @@ class BackendDeclaration:
             samples from older weights still give the right gradient. The preflight
             refuses ``grpo.max_staleness`` above it. 0 (the default): it trains only
             on samples from its current weights (the synchronous loop).
+        checkpoint: (policy) how it saves and loads its training state
+            (:class:`CheckpointSupport`, contract 2.2); ``None`` (the default): it does
+            not, and a config with ``checkpoint.every_steps`` or a resume is refused
+            before anything starts.
         memory_handoff: (policy, generation) its handles implement
             :class:`rlcore.handles.MemoryHandoff` (``sleep``/``wake``): with
             ``placement.colocated`` the loop has it give device memory back while the
@@ -310,6 +341,7 @@ class BackendDeclaration:
     dtypes: frozenset[str] = frozenset()
     inflight_refit: tuple[InflightRefit, ...] = ()
     max_staleness: int = 0
+    checkpoint: CheckpointSupport | None = None
     contract_version: str = CONTRACT_VERSION
     options: type | None = None
     description: str = ""
@@ -402,6 +434,12 @@ class BackendDeclaration:
                 for r in self.inflight_refit
             ],
             "max_staleness": self.max_staleness,
+            "checkpoint": (
+                None if self.checkpoint is None else {
+                    "format": self.checkpoint.format, "version": self.checkpoint.version,
+                    "overlap": self.checkpoint.overlap,
+                }
+            ),
             "contract_version": self.contract_version,
             "options": self.option_names(),
             "description": self.description,
@@ -478,6 +516,20 @@ def _max_staleness(d: BackendDeclaration) -> Iterator[str]:
         yield f"max_staleness must be an int >= 0 (weight versions), got {k!r}"
     elif k and Role.POLICY not in d.roles:
         yield "max_staleness is only meaningful for a backend that serves policy"
+
+
+def _checkpoint(d: BackendDeclaration) -> Iterator[str]:
+    c = d.checkpoint
+    if c is None:
+        return
+    if not isinstance(c, CheckpointSupport):
+        yield f"checkpoint must be a CheckpointSupport or None, got {type(c).__name__}"
+    elif Role.POLICY not in d.roles:
+        yield "checkpoint is only meaningful for a backend that serves policy"
+    elif not (isinstance(c.format, str) and c.format.strip()):
+        yield f"checkpoint.format must be a non-empty string, got {c.format!r}"
+    elif not (isinstance(c.version, str) and c.version.strip()):
+        yield f"checkpoint.version must be a non-empty string, got {c.version!r}"
 
 
 def _refit_fed(d: BackendDeclaration) -> Iterator[str]:
@@ -581,7 +633,7 @@ def _needs(d: BackendDeclaration) -> Iterator[str]:
 #: One check per rule a declaration must keep; each yields what it finds wrong.
 _RULES: tuple[Callable[[BackendDeclaration], Iterator[str]], ...] = (
     _name, _roles, _overlap, _generation_only, _refit_fed, _dtypes, _memory_handoff,
-    _endpoint_conditions, _inflight_refit, _max_staleness,
+    _endpoint_conditions, _inflight_refit, _max_staleness, _checkpoint,
     _contract_version, _transports, _options, _artifacts, _needs,
 )
 

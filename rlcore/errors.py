@@ -63,6 +63,12 @@ class PublishError(RlcoreError):
     """An artifact could not be published or a published artifact is unusable."""
 
 
+class CheckpointError(RlcoreError):
+    """A training checkpoint that cannot be written, found or loaded: none usable in a run
+    directory (naming what was found), one of another config, backend or format version
+    (naming the difference), or a backend's ``load_checkpoint`` that cannot take it."""
+
+
 class RefitError(RlcoreError):
     """A weight sync from policy to generation failed."""
 

@@ -271,6 +271,43 @@ class WeightVersioned(Protocol):
         ...
 
 
+@runtime_checkable
+class Checkpointable(Protocol):
+    """A policy handle that saves and loads its training state (contract 2.2).
+
+    Declared with :class:`rlcore.declarations.CheckpointSupport`. The core publishes
+    each checkpoint atomically (a staging directory, then one rename): it hands
+    :meth:`save_checkpoint` an empty directory inside the staging one, digests and
+    flushes what was written there once it returns, and deletes the whole staging
+    directory if the save raised or the run was killed. So a backend writes plain
+    files and never needs a completion marker of its own.
+    """
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Write everything the policy needs to go on as if it never stopped into
+        ``directory`` (empty, on a filesystem every rank's node sees): weights, optimizer
+        state, any scheduler state of its own and the RNG states of every rank, in the
+        backend's own (sharded) form; each rank may write its own files.
+
+        Returns once every file is written. Must not change the policy's state: the next
+        ``train_step`` gives what it would have given without the save. Raises on any
+        failure (a full disk: an ``OSError`` naming the path); the core then drops the
+        directory.
+        """
+        ...
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Restore the state :meth:`save_checkpoint` wrote into ``directory`` (the same
+        backend and format version; the core checks those first).
+
+        Afterwards ``logprobs`` and ``train_step`` give exactly what they gave right after
+        that save, where the backend is deterministic. A directory it cannot load (another
+        world size it cannot reshard to, another model) raises
+        :class:`rlcore.errors.CheckpointError` naming the difference.
+        """
+        ...
+
+
 @dataclass(frozen=True)
 class RolloutRequest:
     """What the GRPO loop asks an env for at one step.

@@ -12,6 +12,7 @@ from rlcore.declarations import (
     BETWEEN_CALLS,
     CONTRACT_VERSION,
     BackendDeclaration,
+    CheckpointSupport,
     Condition,
     InflightRefit,
     RefitLanding,
@@ -43,11 +44,11 @@ def problems(decl: BackendDeclaration) -> str:
     return str(info.value)
 
 
-def test_contract_2_1_adds_fields_a_2_0_plugin_still_loads_without() -> None:
-    assert CONTRACT_VERSION == "2.1"
-    assert contract_compatible("2.0") and not contract_compatible("2.2")
+def test_contract_2_1_and_2_2_add_fields_a_2_0_plugin_still_loads_without() -> None:
+    assert CONTRACT_VERSION == "2.2"
+    assert contract_compatible("2.0") and contract_compatible("2.1") and not contract_compatible("2.3")
     plain = policy()
-    assert plain.max_staleness == 0 and plain.inflight_refit == ()
+    assert plain.max_staleness == 0 and plain.inflight_refit == () and plain.checkpoint is None
     assert plain.refit_landing({}) == BETWEEN_CALLS
 
 
@@ -81,9 +82,14 @@ def test_the_first_landing_whose_conditions_hold_applies() -> None:
         (policy(max_staleness=-1), "max_staleness must be an int >= 0"),
         (policy(max_staleness=1.5), "max_staleness must be an int >= 0"),
         (policy(max_staleness=True), "max_staleness must be an int >= 0"),
+        (generation(checkpoint=CheckpointSupport("x")), "checkpoint is only meaningful for a backend that serves policy"),
+        (policy(checkpoint=CheckpointSupport("")), "checkpoint.format must be a non-empty string"),
+        (policy(checkpoint=CheckpointSupport("x", version=2)), "checkpoint.version must be a non-empty string"),
+        (policy(checkpoint={"format": "x"}), "checkpoint must be a CheckpointSupport or None"),
     ],
     ids=["policy-landing", "not-inflight", "bad-landing", "versions-between-calls", "unknown-option",
-         "unknown-view-key", "generation-staleness", "negative", "float", "bool"],
+         "unknown-view-key", "generation-staleness", "negative", "float", "bool",
+         "generation-checkpoint", "empty-format", "int-version", "dict-checkpoint"],
 )
 def test_a_contradictory_declaration_is_refused(decl: BackendDeclaration, words: str) -> None:
     assert words in problems(decl)

@@ -285,6 +285,55 @@ class GRPOConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Training checkpoints (``rlcore run --resume DIR`` continues from the last one)."""
+
+    #: Save every N steps, and after the last step (0: no checkpoints).
+    every_steps: int = bounded(0, ge=0)
+    #: How many complete checkpoints to keep (older ones go only once a newer is complete).
+    keep: int = bounded(2, ge=1)
+    #: On SIGTERM (preemption), finish the step in progress and save before stopping,
+    #: within ``sigterm_grace_s``; past it the run stops as without checkpoints.
+    on_sigterm: bool = True
+    sigterm_grace_s: float = bounded(120.0, gt=0)
+    #: Where checkpoints go (default: ``<run_dir>/checkpoints``).
+    dir: str | None = None
+    #: Overlap the save with the next step's rollouts where the policy declares it may.
+    overlap: bool = True
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases (``pip install rlcore[wandb]``)."""
+
+    enabled: bool = False
+    project: str = "rlcore"
+    entity: str | None = None
+    #: ``offline`` writes under the run directory with no network; ``online`` syncs.
+    mode: str = "offline"
+
+
+@dataclass
+class MLflowConfig:
+    """MLflow (``pip install rlcore[mlflow]``)."""
+
+    enabled: bool = False
+    #: Default: a local store under the run directory.
+    tracking_uri: str | None = None
+    experiment: str = "rlcore"
+
+
+@dataclass
+class LoggingConfig:
+    """Where a run's metrics go besides ``metrics.jsonl`` (each an optional extra)."""
+
+    #: TensorBoard event files under ``<run_dir>/tensorboard`` (``pip install rlcore[tensorboard]``).
+    tensorboard: bool = False
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MLflowConfig = field(default_factory=MLflowConfig)
+
+
+@dataclass
 class RunConfig:
     """A whole rlcore run."""
 
@@ -299,6 +348,8 @@ class RunConfig:
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
     refit: RefitConfig = field(default_factory=RefitConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     #: Parent of run directories; each run writes ``<output_dir>/<name>-<timestamp>``.
     output_dir: str = "runs"
 
