@@ -308,6 +308,25 @@ class Checkpointable(Protocol):
         ...
 
 
+@runtime_checkable
+class ResumableEnv(Protocol):
+    """An env handle with state a resumed run must get back (optional, contract 2.2): a
+    position in a dataset, a curriculum. An env that picks its prompts from the step alone
+    needs none of it.
+    """
+
+    def state(self, after_step: int) -> Any:
+        """What a run resumed after ``after_step`` needs (plain JSON), called on the loop's
+        thread right after that step. A loop that samples ahead (``grpo.max_staleness``) may
+        have asked for later steps already: the state is still the one after ``after_step``,
+        so that the resumed run's step ``after_step + 1`` gets the same prompts."""
+        ...
+
+    def load_state(self, state: Any) -> None:
+        """Continue from what :meth:`state` returned (raise naming what does not match)."""
+        ...
+
+
 @dataclass(frozen=True)
 class RolloutRequest:
     """What the GRPO loop asks an env for at one step.

@@ -255,6 +255,19 @@ def clean_stale_staging(parent: Path, *, max_age_s: float | None = None,
     return removed
 
 
+def discard(path: Path) -> None:
+    """Remove a published directory so that no reader ever sees it half-deleted: one rename
+    to a scratch name (from then on it is not at ``path``), then the delete, which a crash
+    may leave to :func:`clean_stale_staging`."""
+    path = Path(path)
+    trash = path.parent / _scratch_name(TRASH_PREFIX, path.name)
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    _remove(trash)
+
+
 def _displace(destination: Path) -> None:
     """Move an incomplete occupant of ``destination`` aside and delete it."""
     trash = destination.parent / _scratch_name(TRASH_PREFIX, destination.name)

@@ -210,16 +210,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     from rlcore.app.run import run_job
     from rlcore.config import DEFAULT_EXAMPLE, default_config_path
 
-    config_path = args.config or default_config_path()
+    out, resume = _resume_target(args)
+    # A resumed run's config is its own (config.yaml in the run directory) unless one is given.
+    config_path = args.config or (str(Path(out) / "config.yaml") if resume and out else None) or default_config_path()
     if config_path is None:
         raise ConfigError(
             f"no config given and examples/{DEFAULT_EXAMPLE} not found; pass a config file"
         )
-    if args.resume and not args.out:
-        raise ConfigError("--resume needs --out DIR: the run directory to append to", key="--resume")
     with SignalGuard():
         try:
-            run_dir = run_job(str(config_path), args.overrides, out=args.out, console=_console(), resume=args.resume)
+            run_dir = run_job(str(config_path), args.overrides, out=out, console=_console(), resume=resume)
         except RunInterrupted as err:
             left = end_leftovers()  # the CLI's process is the run: nothing of it may outlive it
             if left:
@@ -232,6 +232,26 @@ def cmd_run(args: argparse.Namespace) -> int:
             return 128 + signum
     _console().print(f"run directory: {run_dir}")
     return 0
+
+
+def _resume_target(args: argparse.Namespace) -> tuple[str | None, bool]:
+    """``--resume DIR`` (or ``--out DIR --resume``): the run directory and whether it resumes."""
+    if args.resume is None:
+        return args.out, False
+    if args.resume and args.out and Path(args.resume) != Path(args.out):
+        raise ConfigError(
+            f"--resume {args.resume} and --out {args.out} name two run directories; give one",
+            key="--resume",
+        )
+    out = args.resume or args.out
+    if not out:
+        raise ConfigError(
+            "--resume needs the run directory to continue: rlcore run --resume DIR (or --out DIR --resume)",
+            key="--resume",
+        )
+    if not Path(out).expanduser().is_dir():
+        raise ConfigError(f"--resume {out}: no such run directory", key="--resume")
+    return out, True
 
 
 # ---------------------------------------------------------------- new-backend
@@ -278,7 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="set up, run the GRPO loop, write a run directory")
     p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]")
     p.add_argument("--out", default=None, help="run directory (default: <output_dir>/<name>-<time>); must be new or empty")
-    p.add_argument("--resume", action="store_true", help="append to a non-empty --out directory")
+    p.add_argument(
+        "--resume", nargs="?", const="", default=None, metavar="DIR",
+        help="continue the run in DIR (or --out) from its last complete checkpoint; its config.yaml "
+        "is the config unless CONFIG is given",
+    )
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("new-backend", help="write a ready backend plugin package")

@@ -99,8 +99,10 @@ def scored(groups: Sequence[Sequence[Rollout]]) -> tuple[list[list[float]], list
 
 #: The phases every step's metrics line times, as ``timing/<phase>_time_s`` (also the
 #: names of the step's spans in the trace). ``handoff`` sums every memory handoff of the
-#: step; ``train`` is the policy's logprobs of the samples and its train step.
-PHASES = ("generate", "reward", "train", "refit", "handoff", "refit_check")
+#: step; ``train`` is the policy's logprobs of the samples and its train step;
+#: ``checkpoint`` what the step waited for saves (its own, and one still running from an
+#: earlier step before the policy's first call: :mod:`rlcore.app.checkpointing`).
+PHASES = ("generate", "reward", "train", "refit", "handoff", "refit_check", "checkpoint")
 
 
 class _StepClock:
@@ -205,7 +207,7 @@ def run_grpo_on(
         if k > 0:
             _run_ahead(s, k, history, record_step)
             return history
-        for step in range(1, s.config.grpo.steps + 1):
+        for step in range(s.first_step, s.config.grpo.steps + 1):
             if s.cancelled:
                 break
             metrics, failure = _step(s, step, sampled, record_check)
@@ -286,6 +288,7 @@ def _train_checked_by_samples(
     against the policy's, between the policy's logprobs and its train step (two train
     spans in the trace), so a failed check stops the step before it trains. Returns the
     train step's metrics, the generation-vs-policy error and the check's record."""
+    _wait_for_saves(s, clock)
     with clock("train"):
         old_lp = s.policy.logprobs(got.batch)
     check: dict[str, Any] = {"refit/check": "sampled", "refit/checked_step": step - 1}
@@ -305,6 +308,14 @@ def _train_checked_by_samples(
     with clock("train"):
         train = s.train(step, got.batch, got.advantages, old_lp)
     return train, gen_vs_policy, check
+
+
+def _wait_for_saves(s: Session, clock: _StepClock) -> None:
+    """Before the step's first policy call: a save of an earlier step still running is
+    joined, and the wait is the step's ``checkpoint`` phase."""
+    if s.checkpointing:
+        with clock("checkpoint"):
+            s.wait_checkpoint()
 
 
 def _probe_check(s: Session, step: int, clock: _StepClock) -> tuple[dict[str, Any], DivergenceError | None]:
@@ -331,6 +342,7 @@ def _step(
     if sampled:
         train, gen_vs_policy, check = _train_checked_by_samples(s, step, clock, got, record_check)
     else:
+        _wait_for_saves(s, clock)
         with clock("train"):
             old_lp = s.policy.logprobs(got.batch)
             train = s.train(step, got.batch, got.advantages, old_lp)
@@ -340,6 +352,9 @@ def _step(
     failure: DivergenceError | None = None
     if not sampled:
         check, failure = _probe_check(s, step, clock)
+    if failure is None and s.checkpointing:
+        with clock("checkpoint"):
+            s.checkpoint(step)
     tokens = sum(len(completion) for _, completion in got.batch)
     metrics = _step_metrics(step, got.rewards, train, gen_vs_policy, report, check, tokens, got.versions, got.failed)
     _add_timing(metrics, clock, t_step, len(got.batch))
@@ -369,7 +384,7 @@ def _run_ahead(
     steps trained; after its refit is checked with the probe batch, step t + 1 + k may be
     generated."""
     with s.rollout_stream(k) as stream:
-        for step in range(1, s.config.grpo.steps + 1):
+        for step in range(s.first_step, s.config.grpo.steps + 1):
             if s.cancelled:
                 break
             metrics, failure = _step_ahead(s, step, k, stream)
@@ -418,11 +433,15 @@ def _step_ahead(
         rewards, failed = scored(groups)
         advantages = [a for g in group_advantages(rewards, failed=failed) for a in g]
     batch: list[Pair] = [(r["prompt_ids"], r["token_ids"]) for g in groups for r in g]
+    _wait_for_saves(s, clock)
     with clock("train"):
         train = s.train(step, batch, advantages, [r["logprobs"] for g in groups for r in g])
     with clock("refit"):
         report = s.refit(step)
     check, failure = _probe_check(s, step, clock)
+    if failure is None and s.checkpointing:
+        with clock("checkpoint"):
+            s.checkpoint(step)
     tokens = sum(len(completion) for _, completion in batch)
     versions = _sample_versions(groups, got.version)
     metrics = _step_metrics(step, rewards, train, None, report, check, tokens, versions, failed)

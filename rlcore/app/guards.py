@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -252,11 +252,14 @@ def losses_tagged(role: str) -> Iterator[None]:
 class GuardedPolicy:
     """The policy handle with every result checked (see the module doc)."""
 
-    def __init__(self, handle: PolicyHandle, backend: str) -> None:
+    def __init__(self, handle: PolicyHandle, backend: str, before: Callable[[], None] | None = None) -> None:
         self.handle = handle
         self.backend = backend
+        #: Called before each call (the session joins a checkpoint save in flight there).
+        self.before = before or (lambda: None)
 
     def logprobs(self, batch: Sequence[Pair]) -> list[list[float]]:
+        self.before()
         with losses_tagged("policy"):
             rows = self.handle.logprobs(batch)
         return check_logprobs(rows, batch, Caller(self.backend, "policy", "logprobs"))
@@ -268,6 +271,7 @@ class GuardedPolicy:
         old_logprobs: Any = None,
         **kw: float,
     ) -> dict[str, float]:
+        self.before()
         with losses_tagged("policy"):
             out = self.handle.train_step(batch, advantages, old_logprobs, **kw)
         return check_train_metrics(out, Caller(self.backend, "policy", "train_step"))

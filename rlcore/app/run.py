@@ -60,21 +60,23 @@ def _train(s: Session, console: Console) -> None:
     how = "probe" if config.grpo.max_staleness > 0 else config.refit.check
     # The first refit (refit:initial) already ran during setup. With refit.check=sampled
     # step 1's samples check it (its line carries refit/checked_step 0); with probe, now.
+    # A resumed run's first refit is the restored step's (first_step - 1), checked the same way.
+    first = s.first_step - 1
     if how == "probe":
         s.now = "the first refit's check"
         failure: DivergenceError | None = None
         try:
-            err0 = s.check_refit(0)
+            err0 = s.check_refit(first)
         except DivergenceError as failed:  # recorded first
             err0, failure = failed.mult_prob_error, failed
         s.record({
-            "refit/token_mult_prob_error": err0, "refit/check": how, "refit/checked_step": 0,
+            "refit/token_mult_prob_error": err0, "refit/check": how, "refit/checked_step": first,
             "refit/transport": s.transport,
-        }, 0, step_done=False)
+        }, first, step_done=False)
         if failure is not None:
             raise failure
     else:
-        s.record({"refit/check": how, "refit/transport": s.transport}, 0, step_done=False)
+        s.record({"refit/check": how, "refit/transport": s.transport}, first, step_done=False)
 
     def on_step(m: dict[str, Any]) -> None:
         last = m["step"] >= config.grpo.steps
@@ -103,5 +105,5 @@ def _train(s: Session, console: Console) -> None:
             f"  ({m['timing/refit_check_time_s']:.2f}s)"
         )
 
-    s.now = "step 1"
+    s.now = f"step {s.first_step}"
     run_grpo_on(s, on_step=on_step, on_check=on_check)

@@ -167,14 +167,17 @@ class RunStatus:
     the same ``--out`` reads it (:func:`check_run_dir`): a run that
     completed no step (failed, interrupted or killed in setup) does not block it.
 
-    A resumed run counts on from the ``steps_done`` of the run it appends to (unknown, and
+    A resumed run counts on from the step of the checkpoint it resumes from
+    (``steps_before``), else from the ``steps_done`` of the run it appends to (unknown, and
     so never replaced, when that run left no ``run.json``).
     """
 
-    def __init__(self, run_dir: Path, *, resume: bool) -> None:
+    def __init__(self, run_dir: Path, *, resume: bool, steps_before: int | None = None) -> None:
         self.path = run_dir / RUN_STATUS_FILE
         self.before: int | None = 0
-        if resume:
+        if steps_before is not None:  # resumed from the checkpoint of that step
+            self.before = steps_before
+        elif resume:
             prev = read_run_status(run_dir)
             steps = prev.get("steps_done") if prev is not None else None
             has_files = any(p.name != RUN_STATUS_FILE for p in run_dir.iterdir())
@@ -244,3 +247,27 @@ def close_records(
                 log.warning("%s", err)
     if first is not None:
         raise first
+
+
+def truncate_metrics(run_dir: Path, last_step: int) -> int:
+    """Drop the ``metrics.jsonl`` lines of steps after ``last_step`` (a run resumed from
+    that step's checkpoint does them again); the file is replaced whole. Returns how many
+    lines went."""
+    path = run_dir / "metrics.jsonl"
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    except FileNotFoundError:
+        return 0
+    kept = []
+    for line in lines:
+        if not line.endswith("\n"):
+            continue  # a cut last line (see MetricsWriter)
+        try:
+            step = json.loads(line).get("step")
+        except ValueError:
+            step = None
+        if not (isinstance(step, int) and step > last_step):
+            kept.append(line)
+    if len(kept) != len(lines):
+        write_atomic(path, "".join(kept))
+    return len(lines) - len(kept)

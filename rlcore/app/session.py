@@ -57,6 +57,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from rlcore.app import overlap
+from rlcore.app.checkpointing import Checkpointer
 from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.health import check_train_health, reward_trend, trend_line
 from rlcore.app.interrupts import RunInterrupted, SignalGuard, signal_name, signum_of
@@ -65,12 +66,28 @@ from rlcore.app.progress import RunPhase, SetupProgress, setup_display
 from rlcore.app.records import MetricsWriter, write_atomic
 from rlcore.app.recovery import GenerationRecovery, retry_on_generation_loss
 from rlcore.app.refit_check import check_divergence, probe_batch, token_mult_prob_error
-from rlcore.app.rundir import RunStatus, check_run_dir, close_records, make_run_dir
+from rlcore.app.resume import ResumePoint, checkpoint_root, choose, policy_format, shared_config
+from rlcore.app.rundir import (
+    RunStatus,
+    check_run_dir,
+    close_records,
+    make_run_dir,
+    truncate_metrics,
+)
 from rlcore.app.stream import RolloutStream
 from rlcore.app.trace import TraceRecorder
 from rlcore.config import RunConfig, cache_dir, load_config
 from rlcore.config.placement import Network
-from rlcore.errors import CancelToken, ConfigError, DivergenceError, RefitError, RunDirError
+from rlcore.declarations import Role
+from rlcore.errors import (
+    CancelToken,
+    CheckpointError,
+    ConfigError,
+    Deadline,
+    DivergenceError,
+    RefitError,
+    RunDirError,
+)
 from rlcore.handles import (
     MemoryHandoff,
     Pair,
@@ -83,7 +100,7 @@ from rlcore.handles import (
 from rlcore.runtime.cluster import Cluster
 from rlcore.runtime.join import ClusterChoice, check_join, choose_cluster
 from rlcore.runtime.placed import forget_placed, placed_groups
-from rlcore.setup.preflight import check_before_start, check_joined_resources
+from rlcore.setup.preflight import check_before_start, check_checkpoints, check_joined_resources
 from rlcore.setup.registry import load_registry
 from rlcore.setup.runner import SetupResult, run_prepared
 
@@ -201,6 +218,12 @@ def open(
         session = Session(config=run.config)
         run.start()
         session._attach(run)
+        if run.resume_point is not None:
+            try:
+                session._restore(run.resume_point)
+            except BaseException as err:
+                session._end(err)
+                raise
         return session
     except BaseException:
         if guard is not None:
@@ -220,18 +243,32 @@ def _prepared_run(config: RunConfig, opts: OpenOptions, console: Console, guard:
         check_run_dir(Path(out).expanduser(), resume=opts.resume)
     if opts.needs_env and not config.env.backend:
         raise ConfigError("the loop needs an env: set env.backend (e.g. env.backend=arithmetic)", key="env.backend")
+    point = _resume_point(prepared, Path(out).expanduser()) if opts.resume and out else None
     choice = choose_cluster(config.cluster)
     console.print(f"cluster: {choice.describe()}")
     cluster = _joined_cluster(prepared, choice) if choice.joined else None
     try:
         run_dir = make_run_dir(config, out, resume=opts.resume)
-        status = RunStatus(run_dir, resume=opts.resume)  # first: what follows is a run's to replace
+        steps_before = None if point is None else point.step
+        status = RunStatus(run_dir, resume=opts.resume, steps_before=steps_before)  # first: a run's to replace
+        if point is not None:
+            truncate_metrics(run_dir, point.step)  # its later steps are done again
         write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
     except BaseException:
         if cluster is not None:
             cluster.shutdown()
         raise
-    return _Run(prepared, run_dir, status, console, guard, choice, cluster)
+    run = _Run(prepared, run_dir, status, console, guard, choice, cluster)
+    run.resume_point = point
+    return run
+
+
+def _resume_point(prepared: PreparedRun, run_dir: Path) -> ResumePoint:
+    """The checkpoint a resumed run continues from, chosen before anything starts."""
+    check_checkpoints(prepared, resume=True)
+    fmt = policy_format(prepared)
+    assert fmt is not None  # check_checkpoints refused a policy without checkpoints
+    return choose(checkpoint_root(prepared.config, run_dir), prepared.config, fmt)
 
 
 def _joined_cluster(prepared: PreparedRun, choice: ClusterChoice) -> Cluster:
@@ -351,6 +388,9 @@ class Session:
         #: The generation's weight version: train steps in its weights (0: the initial ones);
         #: :meth:`refit` of step t makes it t.
         self.weight_version = 0
+        #: The loop's first step: 1, or the step after the checkpoint a resumed run loaded.
+        self.first_step = 1
+        self._checkpointer: Checkpointer | None = None
         self._generation_epoch = 0  # generation recoveries so far (a rollout stream's losses are told apart by it)
         self._refit, self._record, self._span, self._cancelled = given.refit, given.record, given.span, given.cancelled
         # Given handles take the place of the cached properties that build them from a run.
@@ -370,6 +410,8 @@ class Session:
         self.setup_metrics = dict(run.setup_metrics)
         self.transport = getattr(run.setup, "transport", None)
         self._handoff = _handoff(self.config, run.setup)
+        if self.config.checkpoint.every_steps > 0:
+            self._checkpointer = self._make_checkpointer(run)
 
     # ---------------------------------------------------------------- handles
 
@@ -385,7 +427,7 @@ class Session:
 
     @cached_property
     def policy(self) -> GuardedPolicy:
-        return GuardedPolicy(self._handles()["policy"], self.config.policy.backend)
+        return GuardedPolicy(self._handles()["policy"], self.config.policy.backend, before=self.wait_checkpoint)
 
     @cached_property
     def generation(self) -> GuardedGeneration:
@@ -612,6 +654,7 @@ class Session:
         (``weight_sync_time_s``, ``bytes``, ``transport``...). A generation worker lost
         during it is replaced and the refit run again. :attr:`weight_version` is then
         ``step``."""
+        self.wait_checkpoint()  # the policy's ranks take one call at a time
         report = self._retry(lambda: self._refit_once(step), step, "refit")
         self._check_versions(step)
         self.weight_version = step
@@ -683,6 +726,101 @@ class Session:
         finally:
             pool.shutdown(wait=False)
 
+    # ---------------------------------------------------------------- checkpoints
+
+    def checkpoint(self, step: int, *, force: bool = False) -> None:
+        """Save the training state after ``step`` (policy, env position, step) when
+        ``checkpoint.every_steps`` says so, or with ``force`` (:mod:`rlcore.app.checkpointing`);
+        in the background where the policy allows, joined before the policy's next call."""
+        c = self._checkpointer
+        if c is not None and (force or c.due(step)):
+            c.save(step)
+
+    @property
+    def checkpointing(self) -> bool:
+        """The run saves checkpoints (``checkpoint.every_steps`` > 0)."""
+        return self._checkpointer is not None
+
+    def wait_checkpoint(self) -> None:
+        """Wait for the save in flight, if any (raises its :class:`~rlcore.errors.CheckpointError`)."""
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
+
+    def checkpoint_blocked_s(self) -> float:
+        """Seconds the loop waited for saves since the last call (``timing/checkpoint_time_s``)."""
+        return self._checkpointer.take_blocked_s() if self._checkpointer is not None else 0.0
+
+    def _make_checkpointer(self, run: _Run) -> Checkpointer:
+        config, prepared = self.config, run.prepared
+        fmt = policy_format(prepared)
+        assert fmt is not None and fmt.backend == config.policy.backend  # the preflight checked
+        decl = prepared.declarations[Role.POLICY]
+        assert decl.checkpoint is not None
+        publish = prepared.registry.hook("rlcore_publish", [prepared.backends[Role.POLICY]])
+        deadline_s = config.setup.deadline_s
+        env = self.env
+        state = getattr(env.handle, "state", None) if env is not None else None
+        return Checkpointer(
+            checkpoint_root(config, run.run_dir),
+            policy=self.policy.handle,
+            publish=lambda dest, write: publish(
+                destination=dest, write=write, cancel=run.cancel, deadline=Deadline(deadline_s, f"publish of {dest}")
+            ),
+            manifest={"policy": dataclasses.asdict(fmt), "config": shared_config(config)},
+            config_yaml=OmegaConf.to_yaml(OmegaConf.structured(config)),
+            env_state=(lambda step: state(after_step=step)) if callable(state) else (lambda step: None),
+            record=self._saved,
+            every=config.checkpoint.every_steps,
+            last_step=config.grpo.steps,
+            keep=config.checkpoint.keep,
+            # A policy that sleeps while the generation samples (colocated) cannot save then.
+            overlap=decl.checkpoint.overlap and config.checkpoint.overlap and self._handoff.policy is None,
+        )
+
+    def _saved(self, m: dict[str, Any], step: int) -> None:
+        """A save's line in ``metrics.jsonl`` and on the console."""
+        self.record(m, step, step_done=False)
+        if self._run is not None:
+            self._run.console.print(
+                f"checkpoint of step {step}: {m['checkpoint/path']} "
+                f"({m['checkpoint/bytes'] / 2**20:.1f} MiB in {m['checkpoint/save_time_s']:.1f}s)"
+            )
+
+    def _restore(self, point: ResumePoint) -> None:
+        """Load the checkpoint a resumed run continues from, then refit the generation from
+        the restored policy (checked as every refit is, by the loop); the loop starts at
+        the step after it."""
+        from rlcore.app.checkpoints import POLICY_DIR
+
+        self.now = f"loading the checkpoint of step {point.step}"
+        t0 = time.monotonic()
+        self.policy.handle.load_checkpoint(str(point.found.path / POLICY_DIR))
+        env = self.env
+        saved_env = point.manifest.get("env")
+        if env is not None and saved_env is not None:
+            load_state = getattr(env.handle, "load_state", None)
+            if not callable(load_state):
+                raise CheckpointError(
+                    f"the checkpoint {point.found.path} holds the state of env '{self.config.env.backend}', "
+                    "whose handle has no load_state()"
+                )
+            load_state(saved_env)
+        load_s = time.monotonic() - t0
+        self.now = f"the refit of the restored step {point.step}"
+        report = self.refit(point.step)
+        self.first_step = point.step + 1
+        if self._checkpointer is not None:
+            self._checkpointer.last_saved = point.step
+        self.record({
+            "checkpoint/resumed_from": point.step, "checkpoint/path": str(point.found.path),
+            "checkpoint/load_time_s": load_s, "checkpoint/skipped": point.skipped,
+            "refit/weight_sync_time_s": report.weight_sync_time_s,
+        }, point.step, step_done=False)
+        console = self._run.console if self._run is not None else None
+        if console is not None:
+            skipped = f"; skipped {', '.join(point.skipped)}" if point.skipped else ""
+            console.print(f"resumed from {point.found.path} (step {point.step}, loaded in {load_s:.1f}s){skipped}")
+
     # ---------------------------------------------------------------- records
 
     def record(self, metrics: Mapping[str, Any], step: int, *, step_done: bool = True) -> None:
@@ -741,6 +879,7 @@ class Session:
                     )
                     failure.__cause__ = exc
                 elif exc is None:
+                    self.wait_checkpoint()
                     run.report()
                     self.now = "teardown"
             except BaseException as err:
@@ -824,6 +963,7 @@ class _Run:
         self.plot: overlap.Background | None = None
         self.groups_before = len(placed_groups())
         self.done: set[int] = set()  # steps recorded as done (run.json)
+        self.resume_point: ResumePoint | None = None  # the checkpoint a resumed run loads
         self.history: list[dict[str, Any]] = []  # their lines with a reward, for the plot
         # The model and its tokenizer get ready while Ray starts.
         overlap.prefetch_tokenizer(config.model, cache_dir(config), self.cancel)

@@ -101,7 +101,7 @@ class RolloutStream:
         self._retry = retry or (lambda fn, step: fn())
         self.max_staleness, self.last_step = max_staleness, last_step
         self._cond = threading.Condition()
-        self._released = 0  # the initial weights were checked by setup's first refit
+        self._released = version()  # the weights it starts from were checked (setup's refit, or a resume's)
         self._results: dict[int, StepRollouts | _Failed] = {}
         self._run = 0  # producer generation: results of an older one are dropped
         self._thread: threading.Thread | None = None

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 from rlcore.config import RunConfig, cache_dir
 from rlcore.config.placement import RESOURCE_ROLES, device_layout
+from rlcore.declarations import Role
 from rlcore.errors import ConfigError
 from rlcore.runtime.join import choose_cluster
 from rlcore.setup.prepared import PreparedRun, prepare
@@ -95,10 +96,30 @@ def check_before_start(
     check_model(config)
     check_resources(config)
     check_placement(config)
+    check_checkpoints(prepared)
     if output_dir:
         check_writable_dir(Path(config.output_dir).expanduser(), key="output_dir")
     check_writable_dir(cache_dir(config), key="setup.cache_dir (or $RLCORE_CACHE_DIR)")
     return prepared
+
+
+def check_checkpoints(prepared: PreparedRun, *, resume: bool = False) -> None:
+    """A run that saves checkpoints (``checkpoint.every_steps``) or resumes from one needs a
+    policy backend that declares them; ``checkpoint.dir``, when given, must be writable."""
+    config = prepared.config
+    if config.checkpoint.every_steps == 0 and not resume:
+        return
+    info = prepared.backends.get(Role.POLICY)
+    if info is not None and (info.declaration is None or info.declaration.checkpoint is None):
+        key = "--resume" if resume else "checkpoint.every_steps"
+        raise ConfigError(
+            f"{key}: policy backend '{config.policy.backend}' ({info.origin()}) declares no "
+            "checkpoints (CheckpointSupport); use a policy backend that does (`rlcore plugins` "
+            "lists them)" + ("" if resume else ", or set checkpoint.every_steps=0"),
+            key=key,
+        )
+    if config.checkpoint.dir:
+        check_writable_dir(Path(config.checkpoint.dir).expanduser(), key="checkpoint.dir")
 
 
 # ---------------------------------------------------------------- plan

@@ -120,8 +120,12 @@ def test_overrides_after_options(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setattr("rlcore.app.run.run_job", fake_run_job)
     assert main(["run", "c.yaml", "--out", "d", "a=1", "b=2"]) == 0
     assert seen == {"config": "c.yaml", "overrides": ["a=1", "b=2"], "out": "d", "resume": False}
-    assert main(["run", "c.yaml", "--out", "d", "--resume"]) == 0
-    assert seen["resume"] is True
+    d = str(tmp_path)
+    assert main(["run", "c.yaml", "--out", d, "--resume"]) == 0
+    assert seen["resume"] is True and seen["out"] == d and seen["config"] == "c.yaml"
+    # --resume DIR: the run directory's own config.yaml unless a config is given.
+    assert main(["run", "--resume", d, "grpo.steps=40"]) == 0
+    assert seen == {"config": f"{d}/config.yaml", "overrides": ["grpo.steps=40"], "out": d, "resume": True}
 
 
 def test_plugins_in_a_pipe_prints_whole_names() -> None:

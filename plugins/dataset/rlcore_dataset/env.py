@@ -105,9 +105,10 @@ class DatasetEnv(PromptAndScoreEnv):
             out.append(rollouts)
         return out
 
-    def state(self) -> dict[str, Any]:
-        """The position in the stream of rows (what a resumed run needs)."""
-        return {"sampler": self.sampler.state()}
+    def state(self, after_step: int | None = None) -> dict[str, Any]:
+        """The position in the stream of rows a run resumed after ``after_step`` continues
+        from (:class:`rlcore.handles.ResumableEnv`); ``None``: the current position."""
+        return {"sampler": self.sampler.state(after_step)}
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Continue from what :meth:`state` returned."""

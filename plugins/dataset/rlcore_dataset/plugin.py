@@ -15,7 +15,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
         roles={Role.ENV},
         overlap=OverlapSafety(non_colocated=True, colocated=True),
         options=DatasetOptions,
-        contract_version="2.1",
+        contract_version="2.2",
         description="your prompts (JSONL/JSON/Parquet/datasets) scored by your Python reward functions",
     )
 

@@ -51,9 +51,15 @@ class EpochSampler:
         """The epoch the next row comes from."""
         return self.position // self.rows
 
-    def state(self) -> dict[str, Any]:
-        """What a resumed run needs to continue the stream (plain JSON)."""
-        return {"position": self.position, "rows": self.rows, "seed": self.seed, "shuffle": self.shuffle}
+    def state(self, after_step: int | None = None) -> dict[str, Any]:
+        """What a run resumed after ``after_step`` needs to continue the stream (plain JSON):
+        the position where step ``after_step + 1`` starts, which may be behind the current one
+        when later steps were taken already (a loop that samples ahead); ``None``: the
+        current position."""
+        position = self.position
+        if after_step is not None:
+            position = self._starts.get(after_step + 1, position)
+        return {"position": position, "rows": self.rows, "seed": self.seed, "shuffle": self.shuffle}
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (what :meth:`state` returned). The rows, seed and shuffle

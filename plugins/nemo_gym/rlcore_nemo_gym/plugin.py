@@ -40,7 +40,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
             ),
         ),
         options=NemoGymOptions,
-        contract_version="2.1",
+        contract_version="2.2",
         description=DESCRIPTION,
     )
 

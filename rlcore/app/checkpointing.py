@@ -1,0 +1,173 @@
+"""When a run saves its training state, and what the step waits for.
+
+:class:`Checkpointer` saves every ``checkpoint.every_steps`` steps and after the last one
+(:mod:`rlcore.app.checkpoints` writes and publishes the directory). One save runs at a
+time. Where the policy declares ``CheckpointSupport(overlap=True)`` (its save only reads
+its state) and ``checkpoint.overlap`` is on, the save runs on a thread of its own while the
+loop goes on to the next step's rollouts; :meth:`Checkpointer.wait` joins it before the
+loop's next call on the policy, so the policy's ranks never see two calls at once. What
+the loop waited for saves shows in each step's ``timing/checkpoint_time_s``; each save's
+own line carries ``checkpoint/save_time_s``, ``checkpoint/bytes`` and its path.
+
+A save that fails (a full disk, a rank that died) ends the run with a
+:class:`~rlcore.errors.CheckpointError` naming the directory and the cause; the last
+complete checkpoint is untouched (only a complete newer one ever replaces it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from rlcore.app.checkpoints import POLICY_DIR, prune, scan, step_dir, write_checkpoint
+from rlcore.errors import Cancelled, CheckpointError
+
+log = logging.getLogger(__name__)
+
+#: ``publish(destination, write)``: the ``rlcore_publish`` hook, cancellation and deadline bound.
+Publish = Callable[[Path, Callable[[Path], None]], Path]
+
+
+class Checkpointer:
+    """A run's saves (module doc).
+
+    Args:
+        root: where the checkpoints go (``checkpoint.dir`` or ``<run_dir>/checkpoints``).
+        policy: the policy handle (:class:`rlcore.handles.Checkpointable`).
+        publish: publishes a directory atomically (the ``rlcore_publish`` hook).
+        manifest: what every checkpoint's manifest carries besides the step and files:
+            the policy's format, the config keys a resume must share.
+        config_yaml: the run's config, saved beside the state.
+        env_state: ``env_state(step)``: the env's state after ``step`` (None: it has none).
+        record: ``record(metrics, step)``: a ``metrics.jsonl`` line about a save.
+        every: ``checkpoint.every_steps`` (0: never).
+        last_step: the run's last step (saved too).
+        keep: ``checkpoint.keep``.
+        overlap: run saves on their own thread (the policy allows it and the config wants it).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        policy: Any,
+        publish: Publish,
+        manifest: Mapping[str, Any],
+        config_yaml: str,
+        env_state: Callable[[int], Any],
+        record: Callable[[dict[str, Any], int], None],
+        every: int,
+        last_step: int,
+        keep: int,
+        overlap: bool,
+    ) -> None:
+        self.root, self.policy, self.publish = Path(root), policy, publish
+        self.manifest, self.config_yaml, self.env_state, self.record = dict(manifest), config_yaml, env_state, record
+        self.every, self.last_step, self.keep, self.overlap = every, last_step, keep, overlap
+        self.last_saved: int | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._blocked_s = 0.0
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is saved: every ``every`` steps and the last."""
+        return self.every > 0 and (step % self.every == 0 or step == self.last_step)
+
+    def save(self, step: int) -> None:
+        """Save the state after ``step``: on a thread where the policy allows (joined by
+        :meth:`wait`), else now. An earlier save still running is joined first."""
+        self.wait()
+        if self.last_saved == step:
+            return
+        self.last_saved = step
+        env = self.env_state(step)  # now, on the caller's thread: the env moves on next step
+        if not self.overlap:
+            t0 = time.monotonic()
+            try:
+                self._save(step, env)
+            finally:
+                self._blocked_s += time.monotonic() - t0
+            return
+        self._thread = threading.Thread(
+            target=self._save_in_background, args=(step, env), name=f"rlcore-checkpoint-{step}", daemon=True
+        )
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Join the save in flight, if any; raise its failure."""
+        thread = self._thread
+        if thread is not None:
+            t0 = time.monotonic()
+            thread.join()
+            self._blocked_s += time.monotonic() - t0
+            self._thread = None
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    @property
+    def saving(self) -> bool:
+        """A save is running on its thread."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def take_blocked_s(self) -> float:
+        """Seconds the loop waited for saves since the last call."""
+        blocked, self._blocked_s = self._blocked_s, 0.0
+        return blocked
+
+    def _save_in_background(self, step: int, env: Any) -> None:
+        try:
+            self._save(step, env)
+        except BaseException as err:  # raised on the loop's thread by wait()
+            self._error = err
+
+    def _save(self, step: int, env: Any) -> None:
+        destination = step_dir(self.root, step)
+        t0 = time.monotonic()
+        written: dict[str, Any] = {}
+
+        def write(staging: Path) -> None:
+            written.update(write_checkpoint(
+                staging, step=step, save_policy=self.policy.save_checkpoint,
+                manifest={**self.manifest, "weight_version": step, "env": env, "time": time.time()},
+                config_yaml=self.config_yaml,
+            ))
+
+        try:
+            self.publish(destination, write)
+        except Cancelled:
+            raise
+        except BaseException as err:
+            raise CheckpointError(
+                f"the checkpoint of step {step} could not be saved to {destination}: {_cause(err)}; "
+                f"{self._intact()}"
+            ) from err
+        seconds = time.monotonic() - t0
+        removed = prune(self.root, self.keep)
+        self.record({
+            "checkpoint/step": step, "checkpoint/save_time_s": seconds,
+            "checkpoint/bytes": written.get("bytes", 0), "checkpoint/path": str(destination),
+            "checkpoint/removed": [p.name for p in removed],
+        }, step)
+        log.info("saved checkpoint %s (%.1fs)", destination, seconds)
+
+    def _intact(self) -> str:
+        complete = [f for f in scan(self.root) if f.problem is None]
+        if not complete:
+            return "no earlier checkpoint exists"
+        return f"the last complete checkpoint, {complete[0].path}, is intact"
+
+
+def _cause(err: BaseException) -> str:
+    """The innermost cause of a failed save, in one phrase (a full disk names its path)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    text = str(err) or type(err).__name__
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+__all__ = ["POLICY_DIR", "Checkpointer"]

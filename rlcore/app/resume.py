@@ -1,0 +1,165 @@
+"""Which checkpoint a resumed run continues from, and whether this run may.
+
+:func:`choose` runs before anything starts (a resume with nothing to resume from fails in
+a second, not after minutes of setup). It takes the newest checkpoint that is complete,
+whose files match their digests, and that this run's config and policy backend can
+continue; a newer one that is corrupt is skipped and named. It never falls back to step 0:
+no usable checkpoint is a :class:`~rlcore.errors.CheckpointError` naming what was found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlcore.app.checkpoints import Found, clean_partial, scan, verify
+from rlcore.config import RunConfig
+from rlcore.declarations import Role
+from rlcore.errors import CheckpointError
+from rlcore.setup.prepared import PreparedRun
+
+#: Config keys a resumed run must share with its checkpoint: what the saved state means
+#: (the model), who can read it (the policy backend and its ranks), and what the steps
+#: after it would do with it (the env and the loop's sampling and loss). Everything else
+#: (``grpo.steps``, the generation engine, timeouts, placement, logging) may change.
+SHARED_KEYS = (
+    "model", "policy.backend", "policy.workers", "env.backend", "env.options",
+    "grpo.prompts_per_step", "grpo.samples_per_prompt", "grpo.max_new_tokens", "grpo.temperature",
+    "grpo.learning_rate", "grpo.clip_eps", "grpo.seed", "grpo.max_staleness",
+)
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        out[prefix] = value
+
+
+def shared_config(config: RunConfig) -> dict[str, Any]:
+    """The values of :data:`SHARED_KEYS` in ``config``, flattened to dotted keys, as they
+    read back from a manifest (JSON: tuples are lists)."""
+    whole = dataclasses.asdict(config)
+    out: dict[str, Any] = {}
+    for key in SHARED_KEYS:
+        value: Any = whole
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, Mapping) else None
+        _flatten(key, value, out)
+    return dict(json.loads(json.dumps(out, default=str)))
+
+
+def checkpoint_root(config: RunConfig, run_dir: Path) -> Path:
+    """Where a run's checkpoints are: ``checkpoint.dir``, else ``<run_dir>/checkpoints``."""
+    return Path(config.checkpoint.dir).expanduser() if config.checkpoint.dir else Path(run_dir) / "checkpoints"
+
+
+def differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """``key: checkpoint X, this run Y`` for each key whose value differs."""
+    keys = sorted(set(saved) | set(now))
+    return [
+        f"{k}: checkpoint {saved.get(k)!r}, this run {now.get(k)!r}"
+        for k in keys if saved.get(k) != now.get(k)
+    ]
+
+
+@dataclass(frozen=True)
+class PolicyFormat:
+    """The policy backend's side of a checkpoint: who wrote it and in what format."""
+
+    backend: str
+    format: str
+    version: str
+    distribution: str | None = None
+    distribution_version: str | None = None
+
+    def refusal(self, saved: Mapping[str, Any]) -> str | None:
+        """Why a checkpoint whose manifest says ``saved`` cannot be loaded by this backend."""
+        if saved.get("backend") != self.backend:
+            return f"it was saved by policy backend {saved.get('backend')!r}, this run's is {self.backend!r}"
+        if (saved.get("format"), saved.get("version")) != (self.format, self.version):
+            return (
+                f"its policy format is {saved.get('format')} version {saved.get('version')} "
+                f"({saved.get('distribution')} {saved.get('distribution_version')}), "
+                f"{self.backend} now reads {self.format} version {self.version} "
+                f"({self.distribution} {self.distribution_version})"
+            )
+        return None
+
+
+def policy_format(prepared: PreparedRun) -> PolicyFormat | None:
+    """The selected policy backend's checkpoint format (None: it declares none)."""
+    info = prepared.backends.get(Role.POLICY)
+    decl = None if info is None else info.declaration
+    if info is None or decl is None or decl.checkpoint is None:
+        return None
+    c = decl.checkpoint
+    return PolicyFormat(decl.name, c.format, c.version, info.distribution, info.version)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a resumed run continues from.
+
+    Attributes:
+        found: the checkpoint (its path, step and manifest).
+        skipped: newer checkpoints that could not be used, each with why.
+    """
+
+    found: Found
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        return self.found.step
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        assert self.found.manifest is not None
+        return self.found.manifest
+
+
+def choose(root: Path, config: RunConfig, policy: PolicyFormat) -> ResumePoint:
+    """The newest usable checkpoint under ``root`` (module doc).
+
+    Raises:
+        CheckpointError: none is usable (naming each one found and why), or the newest
+            complete one was saved by another config or policy format (naming the
+            difference: an older one would differ the same way).
+    """
+    clean_partial(root)
+    found = scan(root)
+    skipped: list[str] = []
+    for f in found:
+        if f.problem is not None or f.manifest is None:
+            skipped.append(f.describe())
+            continue
+        _check_compatible(f, config, policy)
+        problem = verify(f)
+        if problem is not None:
+            skipped.append(f"{f.path.name} ({problem})")
+            continue
+        return ResumePoint(f, skipped)
+    what = f"found {', '.join(skipped)}" if skipped else "it holds no checkpoint"
+    raise CheckpointError(
+        f"nothing to resume from in {root}: {what}. A run saves checkpoints with "
+        "checkpoint.every_steps=N; to start over instead, run with a new --out"
+    )
+
+
+def _check_compatible(f: Found, config: RunConfig, policy: PolicyFormat) -> None:
+    assert f.manifest is not None
+    refusal = policy.refusal(f.manifest.get("policy") or {})
+    if refusal is not None:
+        raise CheckpointError(f"cannot resume from {f.path}: {refusal}")
+    diff = differences(f.manifest.get("config") or {}, shared_config(config))
+    if diff:
+        raise CheckpointError(
+            f"cannot resume from {f.path}: this run's config differs from the checkpoint's in "
+            + "; ".join(diff) + " (resume with the checkpoint's values, or start a new run)"
+        )
