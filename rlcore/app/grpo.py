@@ -212,6 +212,7 @@ def run_grpo_on(
                 break
             metrics, failure = _step(s, step, sampled, record_check)
             _done(history, record_step, metrics, failure)
+            s.stop_if_preempted(step)
     except ProtocolError as err:
         # The guards name backend, role and method; the step is the loop's to say.
         raise ProtocolError(
@@ -389,6 +390,7 @@ def _run_ahead(
                 break
             metrics, failure = _step_ahead(s, step, k, stream)
             _done(history, record_step, metrics, failure)
+            s.stop_if_preempted(step)
             stream.release(step)
 
 

@@ -139,7 +139,13 @@ def kill_tree() -> None:
 
 def _guarded() -> bool:
     """Whether a :class:`SignalGuard` has this process's SIGINT now."""
-    return isinstance(getattr(signal.getsignal(signal.SIGINT), "__self__", None), SignalGuard)
+    return active_guard() is not None
+
+
+def active_guard() -> SignalGuard | None:
+    """The :class:`SignalGuard` that has this process's SIGINT now, if any."""
+    owner = getattr(signal.getsignal(signal.SIGINT), "__self__", None)
+    return owner if isinstance(owner, SignalGuard) else None
 
 
 class SignalGuard:
@@ -156,6 +162,9 @@ class SignalGuard:
     def __init__(self, hard_s: float = 9.0) -> None:
         self.hard_s = hard_s
         self.first: Interrupted | None = None
+        #: A signal held back by :meth:`defer`, not raised yet (the loop takes it at a step's end).
+        self.pending: Interrupted | None = None
+        self._deferred: dict[int, float] = {}
         self._saved: dict[int, Any] = {}
         self._left = threading.Event()
 
@@ -171,12 +180,49 @@ class SignalGuard:
             signal.signal(sig, handler)
         self._saved.clear()
 
+    def defer(self, signum: int, grace_s: float) -> None:
+        """Hold the first ``signum`` back for up to ``grace_s`` seconds (a preemption's
+        SIGTERM, while the loop finishes its step and saves a checkpoint): it only sets
+        :attr:`pending`, which the loop takes with :meth:`take_pending`. Past ``grace_s``, or
+        at any other signal meanwhile, the stop happens as without deferral."""
+        self._deferred[signum] = grace_s
+
+    def undefer(self) -> None:
+        """Signals raise at once again (a pending one is left to its grace timer)."""
+        self._deferred.clear()
+
+    def take_pending(self) -> Interrupted:
+        """The held-back signal as the run's stop: raise what this returns. From here on
+        the stop is bounded as any other (``hard_s``)."""
+        assert self.pending is not None
+        self.first, self.pending = self.pending, None
+        self._start_watchdog()
+        return self.first
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.first is None and self.pending is None and signum in self._deferred:
+            self.pending = Interrupted(signum)
+            threading.Thread(
+                target=self._grace, args=(self.pending, self._deferred[signum]),
+                name="rlcore-interrupt-grace", daemon=True,
+            ).start()
+            return
         if self.first is None:
-            self.first = Interrupted(signum)
-            threading.Thread(target=self._watchdog, name="rlcore-interrupt-watchdog", daemon=True).start()
+            self.first, self.pending = Interrupted(signum), None
+            self._start_watchdog()
             raise self.first
         self.force(f"second signal ({signal_name(signum)})")
+
+    def _start_watchdog(self) -> None:
+        threading.Thread(target=self._watchdog, name="rlcore-interrupt-watchdog", daemon=True).start()
+
+    def _grace(self, held: Interrupted, grace_s: float) -> None:
+        """Past the grace time with the signal still held: deliver it to the main thread."""
+        if self._left.wait(grace_s) or self.pending is not held:
+            return
+        import _thread
+
+        _thread.interrupt_main(held.signum)  # runs _handle in the main thread: raises now
 
     def _watchdog(self) -> None:
         if not self._left.wait(self.hard_s):

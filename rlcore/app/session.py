@@ -45,6 +45,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -60,7 +61,7 @@ from rlcore.app import overlap
 from rlcore.app.checkpointing import Checkpointer
 from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.health import check_train_health, reward_trend, trend_line
-from rlcore.app.interrupts import RunInterrupted, SignalGuard, signal_name, signum_of
+from rlcore.app.interrupts import RunInterrupted, SignalGuard, active_guard, signal_name, signum_of
 from rlcore.app.plots import plot_reward, plot_setup_timeline
 from rlcore.app.progress import RunPhase, SetupProgress, setup_display
 from rlcore.app.records import MetricsWriter, write_atomic
@@ -391,6 +392,7 @@ class Session:
         #: The loop's first step: 1, or the step after the checkpoint a resumed run loaded.
         self.first_step = 1
         self._checkpointer: Checkpointer | None = None
+        self._deferring: SignalGuard | None = None  # holds SIGTERM back for a last checkpoint
         self._generation_epoch = 0  # generation recoveries so far (a rollout stream's losses are told apart by it)
         self._refit, self._record, self._span, self._cancelled = given.refit, given.record, given.span, given.cancelled
         # Given handles take the place of the cached properties that build them from a run.
@@ -412,6 +414,10 @@ class Session:
         self._handoff = _handoff(self.config, run.setup)
         if self.config.checkpoint.every_steps > 0:
             self._checkpointer = self._make_checkpointer(run)
+            guard = active_guard()
+            if guard is not None and self.config.checkpoint.on_sigterm:
+                guard.defer(signal.SIGTERM, self.config.checkpoint.sigterm_grace_s)
+                self._deferring = guard
 
     # ---------------------------------------------------------------- handles
 
@@ -741,6 +747,18 @@ class Session:
         """The run saves checkpoints (``checkpoint.every_steps`` > 0)."""
         return self._checkpointer is not None
 
+    def stop_if_preempted(self, step: int) -> None:
+        """At the end of ``step``: a SIGTERM held back for a last checkpoint
+        (``checkpoint.on_sigterm``, within ``checkpoint.sigterm_grace_s``) saves the state
+        after ``step`` now, then stops the run as the signal would have (exit 143)."""
+        guard = self._deferring
+        if guard is None or guard.pending is None:
+            return
+        self.now = f"the checkpoint of step {step} ({signal_name(guard.pending.signum)} held for it)"
+        self.checkpoint(step, force=True)
+        self.wait_checkpoint()
+        raise guard.take_pending()
+
     def wait_checkpoint(self) -> None:
         """Wait for the save in flight, if any (raises its :class:`~rlcore.errors.CheckpointError`)."""
         if self._checkpointer is not None:
@@ -866,6 +884,8 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        if self._deferring is not None:
+            self._deferring.undefer()
         run = self._run
         if run is None:
             return

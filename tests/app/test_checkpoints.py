@@ -1,0 +1,270 @@
+"""Training checkpoints on disk: saved whole, kept, checked at resume, never lost to a bad save.
+
+The policy here is a stand-in that writes files (its real counterparts, FSDP and Megatron,
+are held to the round trip by their own tests and the conformance suite); what is tested is
+the core's side: the directory, the manifest's digests, keep-last-k, the choice at resume,
+a killed save, a full disk, a save overlapped with the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlcore.app.checkpoints import MANIFEST_NAME, POLICY_DIR, scan, step_dir, verify
+from rlcore.app.checkpointing import Checkpointer
+from rlcore.app.resume import PolicyFormat, choose, shared_config
+from rlcore.app.rundir import truncate_metrics
+from rlcore.config import load_config
+from rlcore.errors import CheckpointError
+from rlcore.publish import STAGING_PREFIX, publish_dir
+
+REPO = Path(__file__).resolve().parents[2]
+FORMAT = PolicyFormat("toy", "toy-files", "1", "rlcore-toy", "0.1")
+
+
+class FilePolicy:
+    """Writes its 'state' (a counter and a blob) as two files; ``gate`` holds a save."""
+
+    def __init__(self, blob: int = 1000, gate: threading.Event | None = None, fail: BaseException | None = None):
+        self.value, self.blob, self.gate, self.fail = 0, blob, gate, fail
+        self.calls: list[str] = []
+
+    def save_checkpoint(self, directory: str) -> None:
+        self.calls.append("save")
+        Path(directory, "state.json").write_text(json.dumps({"value": self.value}))
+        if self.gate is not None:
+            assert self.gate.wait(30)
+        if self.fail is not None:
+            raise self.fail
+        Path(directory, "shard-0.bin").write_bytes(os.urandom(self.blob))
+        self.calls.append("saved")
+
+    def load_checkpoint(self, directory: str) -> None:
+        self.value = json.loads(Path(directory, "state.json").read_text())["value"]
+
+
+def config(**over: Any) -> Any:
+    return load_config(REPO / "examples/quickstart.yaml", [f"{k}={v}" for k, v in over.items()])
+
+
+def checkpointer(root: Path, policy: FilePolicy, *, every: int = 1, keep: int = 2, overlap: bool = False,
+                 records: list | None = None, cfg: Any = None) -> Checkpointer:
+    cfg = cfg or config()
+    kept = records if records is not None else []
+    return Checkpointer(
+        root, policy=policy, publish=lambda dest, write: publish_dir(dest, write),
+        manifest={"policy": FORMAT.__dict__, "config": shared_config(cfg)}, config_yaml="name: x\n",
+        env_state=lambda step: {"position": step * 8}, record=lambda m, s: kept.append((s, m)),
+        every=every, last_step=10, keep=keep, overlap=overlap,
+    )
+
+
+def test_a_checkpoint_is_published_whole_with_every_files_digest(tmp_path: Path) -> None:
+    policy, records = FilePolicy(), []
+    c = checkpointer(tmp_path, policy, records=records)
+    policy.value = 7
+    c.save(3)
+    path = step_dir(tmp_path, 3)
+    manifest = json.loads((path / MANIFEST_NAME).read_text())
+    assert manifest["step"] == 3 and manifest["weight_version"] == 3 and manifest["env"] == {"position": 24}
+    assert manifest["policy"]["backend"] == "toy" and manifest["config"]["policy.backend"] == "fsdp"
+    assert set(manifest["files"]) == {f"{POLICY_DIR}/state.json", f"{POLICY_DIR}/shard-0.bin", "config.yaml"}
+    assert manifest["files"][f"{POLICY_DIR}/shard-0.bin"]["bytes"] == 1000
+    assert verify(scan(tmp_path)[0]) is None
+    assert records[0][0] == 3 and records[0][1]["checkpoint/path"] == str(path)
+    assert records[0][1]["checkpoint/bytes"] == manifest["bytes"] > 1000
+
+
+def test_only_the_last_k_are_kept_and_only_behind_a_newer_complete_one(tmp_path: Path) -> None:
+    c = checkpointer(tmp_path, FilePolicy(), keep=2)
+    for step in (1, 2, 3):
+        c.save(step)
+    assert [f.step for f in scan(tmp_path)] == [3, 2]
+    # A save that fails costs nothing already saved, and nothing is pruned for it.
+    failing = checkpointer(tmp_path, FilePolicy(fail=OSError(28, "No space left on device")), keep=1)
+    with pytest.raises(CheckpointError) as info:
+        failing.save(4)
+    assert f"the checkpoint of step 4 could not be saved to {step_dir(tmp_path, 4)}: " in str(info.value)
+    assert "No space left on device" in str(info.value)
+    assert f"the last complete checkpoint, {step_dir(tmp_path, 3)}, is intact" in str(info.value)
+    assert [f.step for f in scan(tmp_path)] == [3, 2]
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".staging")]  # its scratch is gone
+    # Across a restart: a new writer with keep=1 prunes only once its own save is complete.
+    checkpointer(tmp_path, FilePolicy(), keep=1).save(5)
+    assert [f.step for f in scan(tmp_path)] == [5]
+
+
+def test_resume_takes_the_newest_whole_checkpoint_and_names_each_one_it_skips(tmp_path: Path) -> None:
+    c = checkpointer(tmp_path, FilePolicy(), keep=5)
+    for step in (2, 4, 6):
+        c.save(step)
+    shard = step_dir(tmp_path, 6) / POLICY_DIR / "shard-0.bin"
+    shard.write_bytes(shard.read_bytes()[:500])  # truncated
+    blob = bytearray((step_dir(tmp_path, 4) / POLICY_DIR / "shard-0.bin").read_bytes())
+    blob[10] ^= 0xFF  # one bit flipped: same size
+    (step_dir(tmp_path, 4) / POLICY_DIR / "shard-0.bin").write_bytes(bytes(blob))
+    point = choose(tmp_path, config(), FORMAT)
+    assert point.step == 2
+    assert point.skipped == [
+        "step-00000006 (corrupt: policy/shard-0.bin has 500 bytes, 1000 were saved (truncated or overwritten))",
+        "step-00000004 (corrupt: policy/shard-0.bin does not match its SHA-256 digest)",
+    ]
+
+
+def test_resume_never_starts_over_silently(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"nothing to resume from in .*: it holds no checkpoint"):
+        choose(tmp_path / "checkpoints", config(), FORMAT)
+    checkpointer(tmp_path, FilePolicy()).save(1)
+    (step_dir(tmp_path, 1) / POLICY_DIR / "state.json").unlink()
+    with pytest.raises(CheckpointError) as info:
+        choose(tmp_path, config(), FORMAT)
+    assert "found step-00000001 (corrupt: policy/state.json is missing)" in str(info.value)
+    assert "checkpoint.every_steps" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"grpo.learning_rate": 0.1}, "grpo.learning_rate: checkpoint 0.005, this run 0.1"),
+        ({"policy.workers": 1}, "policy.workers: checkpoint 2, this run 1"),
+        ({"model.tiny.hidden_size": 64}, "model.tiny.hidden_size: checkpoint 128, this run 64"),
+    ],
+)
+def test_a_checkpoint_of_another_config_is_refused_naming_the_difference(
+    tmp_path: Path, change: dict[str, Any], words: str
+) -> None:
+    checkpointer(tmp_path, FilePolicy()).save(1)
+    with pytest.raises(CheckpointError) as info:
+        choose(tmp_path, config(**change), FORMAT)
+    assert words in str(info.value) and "\n" not in str(info.value)
+    # What may change on resume does not count: more steps, another generation engine.
+    assert choose(tmp_path, config(**{"grpo.steps": 99, "generation.backend": "sglang"}), FORMAT).step == 1
+
+
+def test_a_checkpoint_of_another_policy_format_is_refused_naming_both_versions(tmp_path: Path) -> None:
+    checkpointer(tmp_path, FilePolicy()).save(1)
+    newer = PolicyFormat("toy", "toy-files", "2", "rlcore-toy", "0.2")
+    with pytest.raises(CheckpointError, match=r"its policy format is toy-files version 1 \(rlcore-toy 0.1\), "
+                       r"toy now reads toy-files version 2 \(rlcore-toy 0.2\)"):
+        choose(tmp_path, config(), newer)
+    with pytest.raises(CheckpointError, match="saved by policy backend 'toy', this run's is 'other'"):
+        choose(tmp_path, config(), PolicyFormat("other", "toy-files", "1"))
+
+
+_KILLED_SAVE = """
+import sys, time
+from pathlib import Path
+from rlcore.publish import publish_dir
+
+def write(staging):
+    (staging / "policy").mkdir()
+    (staging / "policy" / "half.bin").write_bytes(b"x" * 4096)
+    print("writing", flush=True)
+    time.sleep(60)
+
+publish_dir(Path(sys.argv[1]) / "step-00000002", write)
+"""
+
+
+def test_a_save_killed_midway_is_ignored_and_cleaned_up(tmp_path: Path) -> None:
+    checkpointer(tmp_path, FilePolicy()).save(1)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+        assert [p for p in os.listdir(tmp_path) if p.startswith(STAGING_PREFIX)]  # mid-save
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    point = choose(tmp_path, config(), FORMAT)
+    assert point.step == 1 and point.skipped == []
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(STAGING_PREFIX)]  # cleaned at resume
+
+
+def test_an_overlapped_save_runs_beside_the_loop_and_is_joined_before_the_policy_is_used(tmp_path: Path) -> None:
+    gate = threading.Event()
+    policy, records = FilePolicy(gate=gate), []
+    c = checkpointer(tmp_path, policy, overlap=True, records=records)
+    c.save(1)  # returns while the policy is still writing
+    deadline = time.monotonic() + 30
+    while not policy.calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert c.saving and policy.calls == ["save"] and not step_dir(tmp_path, 1).exists()
+    threading.Timer(0.3, gate.set).start()
+    c.wait()
+    assert policy.calls == ["save", "saved"] and verify(scan(tmp_path)[0]) is None
+    assert c.take_blocked_s() > 0.1 and c.take_blocked_s() == 0.0
+    assert [s for s, _ in records] == [1]
+    # Its failure is raised by the join, on the loop's thread.
+    failing = checkpointer(tmp_path, FilePolicy(fail=RuntimeError("rank 1 died")), overlap=True)
+    failing.save(2)
+    with pytest.raises(CheckpointError, match="step 2 could not be saved .*: rank 1 died"):
+        failing.wait()
+
+
+def test_saves_are_due_every_n_steps_and_after_the_last(tmp_path: Path) -> None:
+    c = checkpointer(tmp_path, FilePolicy(), every=4)
+    assert [s for s in range(1, 11) if c.due(s)] == [4, 8, 10]
+    assert not any(checkpointer(tmp_path, FilePolicy(), every=0).due(s) for s in range(1, 11))
+
+
+def test_resuming_drops_the_metrics_of_the_steps_it_does_again(tmp_path: Path) -> None:
+    lines = [{"step": 0, "setup": 1}, {"step": 1}, {"step": 2}, {"step": 3}, {"step": 2, "checkpoint/step": 2}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 4')
+    assert truncate_metrics(tmp_path, 2) == 2
+    kept = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert kept == [lines[0], lines[1], lines[2], lines[4]]
+
+
+_FULL_DISK = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from test_checkpoints import FilePolicy, checkpointer, scan, verify
+root = Path(sys.argv[1]) / "checkpoints"
+checkpointer(root, FilePolicy(blob=60_000)).save(1)
+err = None
+try:
+    checkpointer(root, FilePolicy(blob=400_000)).save(2)
+except Exception as e:
+    err = str(e)
+found = scan(root)
+print(json.dumps({"err": err, "steps": [f.step for f in found], "ok": verify(found[0]) is None,
+                  "left": sorted(p.name for p in root.iterdir())}))
+"""
+
+
+def test_a_full_disk_ends_the_save_naming_the_path_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    from tests.app.test_rundir import _in_tmpfs, _namespaces
+
+    if not _namespaces():
+        pytest.skip("no user+mount namespace to mount a tmpfs in")
+    mnt = tmp_path / "mnt"
+    got = _in_tmpfs(mnt, "256k", textwrap.dedent(_FULL_DISK), str(Path(__file__).parent))
+    assert got["steps"] == [1] and got["ok"], got
+    assert got["err"].startswith(f"the checkpoint of step 2 could not be saved to {mnt}/checkpoints/step-00000002: ")
+    assert "No space left on device" in got["err"] and "step-00000001, is intact" in got["err"]
+    assert got["left"] == ["step-00000001"]  # no scratch of the failed save
+
+
+def test_a_slow_loop_never_sees_two_saves_at_once(tmp_path: Path) -> None:
+    gate = threading.Event()
+    policy = FilePolicy(gate=gate)
+    c = checkpointer(tmp_path, policy, overlap=True)
+    c.save(1)
+    t0 = time.monotonic()
+    threading.Timer(0.2, gate.set).start()
+    c.save(2)  # joins the first before it starts
+    c.wait()
+    assert time.monotonic() - t0 >= 0.2
+    assert policy.calls == ["save", "saved", "save", "saved"]
