@@ -22,15 +22,12 @@ from typing import Any
 import pytest
 import torch
 
-from rlcore.config import cache_dir, load_config, resolve_options
-from rlcore.context import InitContext
+from rlcore.config import resolve_options
 from rlcore.declarations import Role, validate_declaration
 from rlcore.errors import RlcoreError
 from rlcore.refit.specs import plan_buckets, spec_of
-from rlcore.runtime.addresses import free_port
 from rlcore.runtime.batches import shard_range
 from rlcore.testing import fixtures
-from rlcore.testing.fixtures import tiny_model_dir
 from rlcore.testing.policy_checks import (
     CLIP_EPS,
     LR,
@@ -39,7 +36,6 @@ from rlcore.testing.policy_checks import (
     check_logprobs,
     check_on_policy_step,
     check_train_step,
-    running_cluster,
     write_hf_model,
 )
 from rlcore.testing.reference import (
@@ -66,11 +62,6 @@ def assert_same_tensors(got: dict, want: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model_dir(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
 def tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 with tied input/output embeddings (one tensor under two names)."""
     d = tmp_path_factory.mktemp("tiny-qwen2-tied")
@@ -89,17 +80,6 @@ def test_sharding_helpers() -> None:
 
 
 # ------------------------------------------------------- 1. in-process rank
-
-
-@pytest.fixture(scope="module")
-def worker(model_dir: Path) -> Iterator[FSDPWorker]:
-    w = FSDPWorker(0, 1)
-    w.init_process_group("127.0.0.1", free_port(), "gloo", 60.0)
-    try:
-        w.load(str(model_dir), "float32", FSDPOptions(micro_batch_size=2))
-        yield w
-    finally:
-        w.teardown()
 
 
 def test_logprobs_match_transformers(worker: FSDPWorker, model_dir: Path) -> None:
@@ -161,43 +141,17 @@ def fsdp_actor_pids() -> set[int]:
     return actor_pids("FSDPWorker")
 
 
-def init_context(tmp: Path, *overrides: str) -> InitContext:
-    cfg = load_config(
-        None,
-        [
-            "policy.backend=fsdp",
-            "generation.backend=x",
-            "policy.workers=2",
-            f"setup.cache_dir={tmp}",
-            *overrides,
-        ],
-    )
-    return fixtures.init_context(
-        Role.POLICY,
-        "fsdp",
-        cfg,
-        FSDPOptions,
-        run_dir=tmp / "run",
-        cache_dir=cache_dir(cfg),
-        deadline_s=120.0,
-    )
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    with running_cluster(num_cpus=2):
-        yield
-
-
 @pytest.fixture(scope="module")
 def policy_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("fsdp-ray")
 
 
 @pytest.fixture(scope="module")
-def policy(ray_cluster: None, policy_tmp: Path) -> Iterator[Any]:
+def policy(ray_cluster: None, policy_tmp: Path, policy_context: Any) -> Iterator[Any]:
     # micro_batch_size 2 on 2 ranks: 5 rows -> 3 + 2 rows, 2 passes each (one padding).
-    handle = rlcore_init_policy(init_context(policy_tmp, "policy.options.micro_batch_size=2"))
+    handle = rlcore_init_policy(
+        policy_context(policy_tmp, "policy.options.micro_batch_size=2")
+    )
     try:
         yield handle
     finally:
@@ -205,10 +159,10 @@ def policy(ray_cluster: None, policy_tmp: Path) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def policy_model_dir(policy: Any, policy_tmp: Path) -> Path:
+def policy_model_dir(policy: Any, policy_tmp: Path, policy_context: Any) -> Path:
     from rlcore.models.tiny import ensure_model
 
-    return ensure_model(init_context(policy_tmp).config.model, policy_tmp)
+    return ensure_model(policy_context(policy_tmp).config.model, policy_tmp)
 
 
 def test_ray_init_two_ranks(policy: Any) -> None:
@@ -292,10 +246,10 @@ def test_ray_shutdown_leaves_nothing(policy: Any) -> None:
 
 
 def test_ray_tied_embeddings_two_ranks(
-    ray_cluster: None, policy_tmp: Path, tied_model_dir: Path
+    ray_cluster: None, policy_tmp: Path, tied_model_dir: Path, policy_context: Any
 ) -> None:
     """Rank 1 builds the model on the meta device: its tied weights must be re-tied."""
-    handle = rlcore_init_policy(init_context(policy_tmp, f"model.path={tied_model_dir}"))
+    handle = rlcore_init_policy(policy_context(policy_tmp, f"model.path={tied_model_dir}"))
     try:
         ref = hf_model(tied_model_dir)
         exported = handle.group.call("export_state_dict")[0]
@@ -311,7 +265,9 @@ def test_ray_tied_embeddings_two_ranks(
 
 
 @pytest.mark.timeout(240)
-def test_ray_init_failure_cleans_up(ray_cluster: None, policy_tmp: Path, model_dir: Path) -> None:
+def test_ray_init_failure_cleans_up(
+    ray_cluster: None, policy_tmp: Path, model_dir: Path, policy_context: Any
+) -> None:
     """Rank 0 cannot read the weights: every rank fails at once and no actor is left."""
     from rlcore.errors import WorkerError
 
@@ -321,18 +277,20 @@ def test_ray_init_failure_cleans_up(ray_cluster: None, policy_tmp: Path, model_d
     before = fsdp_actor_pids()
     # Promptly, not after the 300 s collective timeout: the test's own timeout is 240 s.
     with pytest.raises(WorkerError, match="loading the model"):
-        rlcore_init_policy(init_context(policy_tmp, f"model.path={broken}"))
+        rlcore_init_policy(policy_context(policy_tmp, f"model.path={broken}"))
     assert wait_for(lambda: not (fsdp_actor_pids() - before), 15.0, step_s=0.1), (
         "FSDP actors left after a failed init"
     )
 
 
-def test_init_needs_ray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_init_needs_ray(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy_context: Any
+) -> None:
     import ray
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     with pytest.raises(RuntimeError, match=r"rlcore\.runtime\.cluster\.Cluster"):
-        rlcore_init_policy(init_context(tmp_path))
+        rlcore_init_policy(policy_context(tmp_path))
 
 
 # ------------------------------------------------ 3. declaration and import
