@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
+from rlcore.errors import CheckpointError, WorkerError
 from rlcore.refit.specs import TensorSpec
 from rlcore.runtime.batches import put_rows
 from rlcore.runtime.policy_group import GroupPolicy
 from rlcore.runtime.worker_group import WorkerGroup
+from rlcore_fsdp import checkpoint
+
+log = logging.getLogger(__name__)
 
 
 class FSDPPolicy(GroupPolicy):
     """A started FSDP policy: N :class:`~rlcore_fsdp.worker.FSDPWorker` ranks in Ray actors.
 
     Implements :class:`rlcore.handles.RefitSender` (rank 0 sends; every rank takes
-    part in the export) and the policy side of :func:`rlcore.app.grpo.run_grpo`
+    part in the export), :class:`rlcore.handles.Checkpointable` (every rank writes and
+    reads its own shards: :mod:`rlcore_fsdp.checkpoint`) and the policy side of :func:`rlcore.app.grpo.run_grpo`
     (``logprobs``, ``train_step``). Every call waits through
     :meth:`rlcore.runtime.worker_group.WorkerGroup.call`, i.e. with the group's cancellation token
     and a deadline (``policy.options.timeout_s``), and names the failing rank.
@@ -58,3 +64,53 @@ class FSDPPolicy(GroupPolicy):
         self._check_open()
         parts = self.group.call("logprobs", put_rows(batch), what="logprobs")
         return [row for part in parts for row in part]
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Every rank writes its shards of the weights and AdamW state and its RNG states
+        into ``directory`` at once (format: :mod:`rlcore_fsdp.checkpoint`). Reads the
+        state only. A full disk raises the ``OSError`` naming the path."""
+        self._check_open()
+        parts = self._checkpoint_call("save_checkpoint", directory, what="checkpoint save")
+        log.info(
+            "fsdp checkpoint saved to %s: %.1f MiB over %d rank(s) in %.2fs",
+            directory,
+            sum(p["bytes"] for p in parts) / 2**20,
+            len(parts),
+            max(p["seconds"] for p in parts),
+        )
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote, resharding a checkpoint of another
+        world size. Another model, or a missing or truncated file, raises
+        :class:`rlcore.errors.CheckpointError` naming it before any rank loads."""
+        self._check_open()
+        meta = checkpoint.read_meta(directory)
+        checkpoint.check_compatible(directory, meta, self.weight_specs())
+        if int(meta["world_size"]) != self.world_size:
+            log.info(
+                "fsdp checkpoint %s was saved by %d rank(s): resharding it onto %d",
+                directory,
+                meta["world_size"],
+                self.world_size,
+            )
+        parts = self._checkpoint_call(
+            "load_checkpoint", directory, meta, what="checkpoint load"
+        )
+        log.info(
+            "fsdp checkpoint loaded from %s in %.2fs", directory, max(p["seconds"] for p in parts)
+        )
+
+    def _checkpoint_call(self, method: str, *args: Any, what: str) -> list[Any]:
+        """``group.call`` that raises a rank's ``OSError`` or ``CheckpointError`` as that
+        type (the contract's), with the group's message naming the rank."""
+        try:
+            return self.group.call(method, *args, what=what)
+        except WorkerError as err:
+            cause = getattr(err.__cause__, "cause", err.__cause__)
+            if isinstance(cause, OSError):
+                raise OSError(cause.errno, str(err), cause.filename) from err
+            if isinstance(cause, CheckpointError):
+                raise CheckpointError(str(err)) from err
+            raise

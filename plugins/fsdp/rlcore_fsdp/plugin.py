@@ -13,8 +13,16 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from rlcore.context import InitContext
-from rlcore.declarations import BackendDeclaration, OverlapSafety, Role, Transport
+from rlcore.declarations import (
+    BackendDeclaration,
+    CheckpointSupport,
+    OverlapSafety,
+    Role,
+    Transport,
+)
 from rlcore.hookspecs import hookimpl
+from rlcore_fsdp.checkpoint import FORMAT as CHECKPOINT_FORMAT
+from rlcore_fsdp.checkpoint import VERSION as CHECKPOINT_VERSION
 from rlcore_fsdp.options import FSDPOptions
 
 if TYPE_CHECKING:
@@ -50,7 +58,10 @@ def rlcore_declare_backend() -> BackendDeclaration:
         # versions old still gives the right gradient.
         max_staleness=8,
         options=FSDPOptions,
-        contract_version="2.1",
+        # Sharded DCP files written by every rank (rlcore_fsdp.checkpoint); the save only
+        # reads the shards, so the core may overlap it with the next step's rollouts.
+        checkpoint=CheckpointSupport(format=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION, overlap=True),
+        contract_version="2.2",
         description=(
             "Hugging Face causal LM trained with PyTorch FSDP (FSDP1, full shard, gloo on "
             "CPU / NCCL on CUDA); streams HF-named weights one FSDP unit at a time"

@@ -6,9 +6,9 @@ CUDA); a test can run one in-process after ``init_process_group`` with world
 size 1.
 
 Collective methods (``load``, ``logprobs``, ``train_step``, ``export_*``,
-``send_weights``) must be called on every rank, with the same arguments: FSDP
-all-gathers each unit's parameters in every forward, backward and export, so
-the ranks work in lockstep.
+``send_weights``, ``save_checkpoint``, ``load_checkpoint``) must be called on every
+rank, with the same arguments: FSDP all-gathers each unit's parameters in every
+forward, backward and export, so the ranks work in lockstep.
 
 Conventions:
 
@@ -187,17 +187,24 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
 
     def _shard(self, model: Any, options: FSDPOptions) -> None:
         """Wrap the model with FSDP; its optimizer, unit layout and weight specs."""
-        import torch
 
         self.model = self._wrap(model, options)
         self.model.eval()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=0.0, weight_decay=options.weight_decay
-        )
+        self.reset_optimizer()
         self._layout = self._unit_layout()
         self._specs = [
             TensorSpec(e.name, e.shape, e.dtype) for _, entries in self._layout for e in entries
         ]
+
+    def reset_optimizer(self) -> None:
+        """A fresh AdamW over the sharded parameters (no state: moments and step counts
+        start on the first step). The learning rate comes with every ``train_step``."""
+        import torch
+
+        assert self.options is not None
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=0.0, weight_decay=self.options.weight_decay
+        )
 
     def _sync_from_rank0(self, model: Any, error: BaseException | None) -> None:
         """Agree that every rank built the same model, then broadcast rank 0's tensors."""
@@ -458,6 +465,24 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
         assert self.options is not None
         max_norm = self.options.max_grad_norm if self.options.max_grad_norm > 0 else math.inf
         return float(self.model.clip_grad_norm_(max_norm))
+
+    # ---------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, directory: str) -> dict[str, Any]:
+        """This rank's part of a training checkpoint (:func:`rlcore_fsdp.checkpoint.save`);
+        its seconds and bytes. Collective; reads the state only."""
+        from rlcore_fsdp import checkpoint
+
+        self._require_model()
+        return checkpoint.save(self, directory)
+
+    def load_checkpoint(self, directory: str, meta: dict[str, Any]) -> dict[str, Any]:
+        """Restore weights, optimizer and RNG states from ``directory``
+        (:func:`rlcore_fsdp.checkpoint.load`); its seconds. Collective."""
+        from rlcore_fsdp import checkpoint
+
+        self._require_model()
+        return checkpoint.load(self, directory, meta)
 
     # ------------------------------------------------------------ lifecycle
 

@@ -1,0 +1,347 @@
+"""Training checkpoints of the FSDP policy: one rank's part of a save and a load.
+
+Format ``fsdp-sharded-dcp`` version 1, one directory:
+
+* ``.metadata`` and ``__<rank>_0.distcp``: torch.distributed.checkpoint (DCP) of
+  ``{"model": ..., "optim": ...}`` taken under FSDP1's ``SHARDED_STATE_DICT`` (each rank's
+  ShardedTensor shards of the weights and of AdamW's moments, FQN-keyed through
+  ``FSDP.optim_state_dict``). Every rank writes its own file at the same time, so no rank
+  gathers the model; rank 0 adds only the small ``.metadata``.
+* ``rng-<rank>.pt``: that rank's RNG states (torch CPU, CUDA where initialised, python
+  ``random``, numpy), tensors and plain lists only (loaded with ``weights_only=True``).
+* ``fsdp-checkpoint.json``: rank 0's description (format, world size, every weight's name,
+  shape and dtype, whether the optimizer had stepped), read by the driver before a load.
+
+Why sharded DCP rather than LOCAL_STATE_DICT: both copy the exact bytes of every shard
+(the round trip is bitwise either way), but DCP's files carry each shard's global offsets,
+so a checkpoint loads into another world size (DCP reads the overlapping parts of the
+saved shards); local flat-parameter files only fit the world size that wrote them.
+
+Functions here run inside a rank (torch imported lazily); they are collective: every rank
+calls them with the same directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlcore.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from rlcore_fsdp.worker import FSDPWorker
+
+#: The ``format`` the plugin declares (:class:`rlcore.declarations.CheckpointSupport`).
+FORMAT = "fsdp-sharded-dcp"
+#: Bump when this module can no longer load what an earlier release wrote.
+VERSION = "1"
+META_FILE = "fsdp-checkpoint.json"
+DCP_METADATA = ".metadata"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-{rank}.pt"
+
+
+# ------------------------------------------------------------------------ save
+
+
+def save(worker: FSDPWorker, directory: str) -> dict[str, Any]:
+    """Write this rank's part of a checkpoint of ``worker`` into ``directory``. Collective.
+
+    Only reads the policy's state (no unshard with writeback, no optimizer step, no RNG
+    draw), so the next step gives what it would have given without the save. Returns this
+    rank's seconds and bytes written. A write failure raises the ``OSError`` of the rank
+    that hit it, naming the path.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    t0 = time.monotonic()
+    path = Path(directory)
+    state = _sharded_state(worker, with_optimizer=bool(worker.optimizer.state))
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=False))
+    except dcp.api.CheckpointException as err:  # a BaseException: turned into what it wraps
+        raise _first_failure(err, f"fsdp checkpoint save into {path}") from None
+    # After DCP's collectives: a rank failing here fails alone, its peers do not wait on it.
+    _write_rng(path / rng_file(worker.rank))
+    if worker.rank == 0:
+        _write_meta(path / META_FILE, worker, optimizer=bool(worker.optimizer.state))
+    nbytes = sum(
+        f.stat().st_size for f in path.iterdir() if f.name.startswith(f"__{worker.rank}_")
+    )
+    return {"seconds": time.monotonic() - t0, "bytes": nbytes}
+
+
+def _sharded_state(worker: FSDPWorker, *, with_optimizer: bool) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` as FSDP1's sharded state dicts (ShardedTensors, not
+    DTensors; plain tensors at world size 1, where FSDP runs NO_SHARD). The tensors share
+    storage with the live shards: DCP reads from them on save and writes into them on load."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import (
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+        StateDictType,
+    )
+
+    with _quiet(), FSDP.state_dict_type(
+        worker.model,
+        StateDictType.SHARDED_STATE_DICT,
+        ShardedStateDictConfig(offload_to_cpu=False),
+        ShardedOptimStateDictConfig(offload_to_cpu=False),
+    ):
+        state: dict[str, Any] = {"model": worker.model.state_dict()}
+        if with_optimizer:
+            state["optim"] = FSDP.optim_state_dict(worker.model, worker.optimizer)
+    return state
+
+
+def _write_rng(path: Path) -> None:
+    import torch
+
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _python_rng()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = _numpy()
+    if numpy is not None:
+        kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
+        state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss]
+    torch.save(state, path)
+
+
+def _python_rng() -> list[Any]:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _write_meta(path: Path, worker: FSDPWorker, *, optimizer: bool) -> None:
+    import torch
+
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "world_size": worker.world_size,
+        "optimizer": optimizer,
+        "torch": torch.__version__,
+        "weights": [[s.name, list(s.shape), s.dtype] for s in worker.weight_specs()],
+    }
+    path.write_text(json.dumps(meta, indent=1))
+
+
+# ------------------------------------------------------------------------ load
+
+
+def read_meta(directory: str) -> dict[str, Any]:
+    """The checkpoint's description; :class:`CheckpointError` naming the file when it is
+    missing or unreadable (the driver checks it before any rank loads)."""
+    path = Path(directory) / META_FILE
+    try:
+        meta = json.loads(path.read_text())
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
+        int(meta["world_size"])
+        return meta
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"fsdp checkpoint {directory}: cannot read {path}: {err} (not a complete checkpoint "
+            "of the fsdp policy)"
+        ) from err
+
+
+def check_compatible(directory: str, meta: dict[str, Any], specs: list[Any]) -> None:
+    """Raise :class:`CheckpointError` naming the first difference when the checkpoint holds
+    another model than ``specs`` (the running policy's weights), or a file is missing."""
+    saved = [(n, tuple(s), d) for n, s, d in meta["weights"]]
+    running = [(s.name, tuple(s.shape), s.dtype) for s in specs]
+    if saved != running:
+        diff = next(
+            ((a, b) for a, b in zip(saved, running, strict=False) if a != b),
+            (f"{len(saved)} weights", f"{len(running)} weights"),
+        )
+        raise CheckpointError(
+            f"fsdp checkpoint {directory} holds another model than the running policy: "
+            f"saved {diff[0]}, running {diff[1]} (resume with the model the run was started with)"
+        )
+    ranks = int(meta["world_size"])
+    for name in [DCP_METADATA, *(rng_file(r) for r in range(ranks))]:
+        if not (Path(directory) / name).is_file():
+            raise CheckpointError(f"fsdp checkpoint {directory}: missing {Path(directory) / name}")
+
+
+def load(worker: FSDPWorker, directory: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """Restore ``worker`` from ``directory`` (checked by :func:`check_compatible`). Collective.
+
+    Weights and optimizer state are read into the live shards through DCP, which also
+    reshards a checkpoint of another world size. RNG states: rank ``r`` takes those of
+    saved rank ``r mod saved world size`` (every rank starts from one seed anyway).
+    Returns this rank's seconds.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import (
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+        StateDictType,
+    )
+
+    t0 = time.monotonic()
+    path = Path(directory)
+    _check_dcp_files(path)
+    rng = _agreed(worker, lambda: _read_rng(path / rng_file(worker.rank % int(meta["world_size"]))))
+    worker.reset_optimizer()
+    with_optimizer = bool(meta["optimizer"])
+    if with_optimizer:
+        _init_optimizer_state(worker)
+    state = _sharded_state(worker, with_optimizer=with_optimizer)
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    except dcp.api.CheckpointException as err:
+        files = ", ".join(sorted(str(f) for f in path.glob("*.distcp")))
+        raise _first_failure(err, f"fsdp checkpoint {path}: cannot read its shards ({files})") from None
+    with _quiet(), FSDP.state_dict_type(
+        worker.model,
+        StateDictType.SHARDED_STATE_DICT,
+        ShardedStateDictConfig(offload_to_cpu=False),
+        ShardedOptimStateDictConfig(offload_to_cpu=False),
+    ):
+        worker.model.load_state_dict(state["model"])
+        if with_optimizer:
+            worker.optimizer.load_state_dict(
+                FSDP.optim_state_dict_to_load(worker.model, worker.optimizer, state["optim"])
+            )
+    _set_rng(rng)
+    return {"seconds": time.monotonic() - t0}
+
+
+def _check_dcp_files(path: Path) -> None:
+    """Every data file DCP's metadata names is there and long enough: a missing or truncated
+    one is named here instead of deep inside DCP's read."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as err:
+        raise CheckpointError(
+            f"fsdp checkpoint {path}: cannot read {path / DCP_METADATA}: {type(err).__name__}: {err}"
+        ) from err
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        have = file.stat().st_size if file.is_file() else None
+        if have is None or have < size:
+            state = "missing" if have is None else f"truncated ({have} of {size} bytes)"
+            raise CheckpointError(f"fsdp checkpoint {path}: {file} is {state}")
+
+
+def _init_optimizer_state(worker: FSDPWorker) -> None:
+    """Give a fresh AdamW its state tensors, so that the sharded optimizer state dict has
+    the shapes DCP loads into: one step on zero gradients at learning rate 0 leaves every
+    weight bit-identical (AdamW's decay multiplies by 1 - 0 * wd, its update adds 0) and
+    the state it creates is overwritten by the load."""
+    import torch
+
+    optimizer = worker.optimizer
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+
+
+def _read_rng(path: Path) -> dict[str, Any]:
+    import torch
+
+    try:
+        state = torch.load(path, weights_only=True)
+        if not isinstance(state, dict) or "torch" not in state or "python" not in state:
+            raise ValueError("no torch and python RNG states in it")
+        return state
+    except Exception as err:
+        raise CheckpointError(
+            f"fsdp checkpoint: cannot read the RNG states in {path}: {type(err).__name__}: {err}"
+        ) from err
+
+
+def _set_rng(state: dict[str, Any]) -> None:
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    numpy = _numpy()
+    if numpy is not None and "numpy" in state:
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        numpy.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+
+
+def _agreed(worker: FSDPWorker, read: Callable[[], Any]) -> Any:
+    """``read()`` on every rank, raising on every rank when it failed on any: a rank that
+    failed alone would leave its peers waiting in DCP's collectives until the timeout."""
+    import torch.distributed as dist
+
+    error: CheckpointError | None = None
+    result = None
+    try:
+        result = read()
+    except CheckpointError as err:
+        error = err
+    errors: list[Any] = [str(error) if error else None] * worker.world_size
+    if worker.world_size > 1:
+        dist.all_gather_object(errors, errors[worker.rank])
+    if error is not None:
+        raise error
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:
+        raise CheckpointError(failed)
+    return result
+
+
+# --------------------------------------------------------------------- helpers
+
+
+def _first_failure(err: BaseException, what: str) -> Exception:
+    """DCP's ``CheckpointException`` (per-rank failures) as the first rank's own error: an
+    ``OSError`` (a full disk) keeps its type, errno and path; anything else becomes a
+    :class:`CheckpointError`."""
+    failures = getattr(err, "failures", {}) or {}
+    for rank, (exc, _trace) in sorted(failures.items()):
+        if isinstance(exc, OSError):
+            return OSError(exc.errno, f"{what}: rank {rank}: {exc.strerror or exc}", exc.filename)
+    first = next(iter(sorted(failures.items())), None)
+    detail = f"rank {first[0]}: {type(first[1][0]).__name__}: {first[1][0]}" if first else str(err)
+    return CheckpointError(f"{what}: {detail}")
+
+
+def _numpy() -> Any:
+    """numpy where installed (transformers brings it); its global RNG is saved too."""
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """FSDP1's state-dict calls warn about FSDP1's deprecation and, at world size 1, that
+    NO_SHARD returns full tensors; both are expected here."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.filterwarnings("ignore", message=".*NO_SHARD.*")
+        yield
