@@ -83,18 +83,8 @@ def _sharded_state(worker: FSDPWorker, *, with_optimizer: bool) -> dict[str, Any
     DTensors; plain tensors at world size 1, where FSDP runs NO_SHARD). The tensors share
     storage with the live shards: DCP reads from them on save and writes into them on load."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import (
-        ShardedOptimStateDictConfig,
-        ShardedStateDictConfig,
-        StateDictType,
-    )
 
-    with _quiet(), FSDP.state_dict_type(
-        worker.model,
-        StateDictType.SHARDED_STATE_DICT,
-        ShardedStateDictConfig(offload_to_cpu=False),
-        ShardedOptimStateDictConfig(offload_to_cpu=False),
-    ):
+    with _sharded(worker):
         state: dict[str, Any] = {"model": worker.model.state_dict()}
         if with_optimizer:
             state["optim"] = FSDP.optim_state_dict(worker.model, worker.optimizer)
@@ -183,11 +173,6 @@ def load(worker: FSDPWorker, directory: str, meta: dict[str, Any]) -> dict[str, 
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import (
-        ShardedOptimStateDictConfig,
-        ShardedStateDictConfig,
-        StateDictType,
-    )
 
     t0 = time.monotonic()
     path = Path(directory)
@@ -203,12 +188,7 @@ def load(worker: FSDPWorker, directory: str, meta: dict[str, Any]) -> dict[str, 
     except dcp.api.CheckpointException as err:
         files = ", ".join(sorted(str(f) for f in path.glob("*.distcp")))
         raise _first_failure(err, f"fsdp checkpoint {path}: cannot read its shards ({files})") from None
-    with _quiet(), FSDP.state_dict_type(
-        worker.model,
-        StateDictType.SHARDED_STATE_DICT,
-        ShardedStateDictConfig(offload_to_cpu=False),
-        ShardedOptimStateDictConfig(offload_to_cpu=False),
-    ):
+    with _sharded(worker):
         worker.model.load_state_dict(state["model"])
         if with_optimizer:
             worker.optimizer.load_state_dict(
@@ -333,6 +313,26 @@ def _numpy() -> Any:
     except ImportError:
         return None
     return numpy
+
+
+@contextlib.contextmanager
+def _sharded(worker: FSDPWorker) -> Iterator[None]:
+    """FSDP1's ``SHARDED_STATE_DICT`` mode for model and optimizer state dicts, kept on the
+    device (DCP copies to and from the files itself)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import (
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+        StateDictType,
+    )
+
+    with _quiet(), FSDP.state_dict_type(
+        worker.model,
+        StateDictType.SHARDED_STATE_DICT,
+        ShardedStateDictConfig(offload_to_cpu=False),
+        ShardedOptimStateDictConfig(offload_to_cpu=False),
+    ):
+        yield
 
 
 @contextlib.contextmanager
