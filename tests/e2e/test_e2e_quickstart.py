@@ -35,6 +35,8 @@ QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
 RLCORE = Path(sys.executable).with_name("rlcore")
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 STEPS = 12
+#: The shared run saves checkpoints (issue 33); the resume test is measured against it.
+CHECKPOINTS = ["checkpoint.every_steps=4", "checkpoint.keep=2"]
 
 
 @dataclass
@@ -52,7 +54,8 @@ def quickstart(tmp_path_factory: pytest.TempPathFactory) -> Quickstart:
     run_dir = tmp_path_factory.mktemp("quickstart") / "run"
     cache = tmp_path_factory.mktemp("cache")
     proc = subprocess.Popen(
-        [str(RLCORE), "run", QUICKSTART, f"grpo.steps={STEPS}", f"setup.cache_dir={cache}", "--out", str(run_dir)],
+        [str(RLCORE), "run", QUICKSTART, f"grpo.steps={STEPS}", *CHECKPOINTS, f"setup.cache_dir={cache}",
+         "--out", str(run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
     )
     seen: dict[tuple[str, int, str], str] = {}
@@ -145,6 +148,55 @@ def test_every_step_logged_and_refit_exact(quickstart_run: Path) -> None:
     assert all(1.0 <= e < 1.05 for e in errors), errors
     for r in steps:
         assert r["refit/weight_sync_time_s"] > 0 and r["refit/bytes"] > 0
+
+
+def _losses(run_dir: Path) -> dict[int, tuple[float, float, float]]:
+    return {
+        r["step"]: (r["train/loss"], r["train/grad_norm"], r["reward/mean"])
+        for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r
+    }
+
+
+def test_a_run_stopped_by_sigterm_saves_and_resumes_to_the_same_losses(quickstart_run: Path, tmp_path: Path) -> None:
+    """Preemption: SIGTERM mid-run finishes the step and saves it (exit 143); ``rlcore run
+    --resume DIR`` continues from it and, on this deterministic CPU, every step's loss,
+    gradient norm and reward equal the run that never stopped (the shared run)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [str(RLCORE), "run", QUICKSTART, f"grpo.steps={STEPS}", *CHECKPOINTS,
+         f"setup.cache_dir={tmp_path / 'cache'}", "--out", str(run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+    )
+    lines = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step   5"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        out = "".join(lines) + proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    last = int(saved[-1].removeprefix("step-"))
+    assert last > 4 and f"checkpoint of step {last}: " in out and "held for it" in out, out[-3000:]
+    assert saved == [f"step-{4:08d}", f"step-{last:08d}"]  # keep=2
+    resumed = subprocess.run(
+        [str(RLCORE), "run", "--resume", str(run_dir)], capture_output=True, text=True, cwd=REPO, timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / saved[-1]} (step {last}" in resumed.stdout
+    # No step before the checkpoint was done again, and one line per step in the records.
+    done_again = [int(x.split()[1]) for x in resumed.stdout.splitlines() if x.startswith("step ")]
+    assert done_again == list(range(last + 1, STEPS + 1))
+    steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
+    assert steps == list(range(1, STEPS + 1))
+    assert _losses(run_dir) == _losses(quickstart_run)
+    assert json.loads((run_dir / "run.json").read_text())["steps_done"] == STEPS
 
 
 def test_reward_rises(quickstart_run: Path) -> None:
