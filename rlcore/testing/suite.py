@@ -41,6 +41,7 @@ from rlcore.declarations import Role, Transport, validate_declaration
 from rlcore.errors import CancelToken, Deadline, ProtocolError, RlcoreError
 from rlcore.handles import (
     BackendHandle,
+    Checkpointable,
     Endpoint,
     EnvHandle,
     GenerationHandle,
@@ -1065,6 +1066,29 @@ class BackendConformance:
                 )
             training.check_learning_step(policy, who, dtype)
             training.check_step_is_memoryless(policy, who, dtype)
+        except training.TrainingFailure as err:
+            _fail(str(err))
+        finally:
+            harness.shutdown(policy, what="policy handle")
+
+    def test_checkpoint_round_trip(self, harness: Harness, tmp_path: Path) -> None:
+        """A policy that declares ``CheckpointSupport`` saves and loads its whole training
+        state: after ``load_checkpoint`` the same steps give exactly the same losses,
+        gradient norms and logprobs as right after the save (contract 2.2)."""
+        from rlcore.testing import training
+
+        decl = harness.declaration
+        self._role_or_skip(harness, Role.POLICY.value)
+        if decl.checkpoint is None:
+            pytest.skip(f"not claimed: backend '{decl.name}' declares no checkpoints")
+        policy = self._start(harness, Role.POLICY, harness.config())
+        try:
+            if not isinstance(policy, Checkpointable):
+                _fail(
+                    f"policy backend '{decl.name}' declares CheckpointSupport but its handle "
+                    f"({type(policy).__name__}) does not implement rlcore.handles.Checkpointable"
+                )
+            training.check_checkpoint_round_trip(policy, f"policy backend '{decl.name}'", tmp_path)
         except training.TrainingFailure as err:
             _fail(str(err))
         finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rlcore.errors import RlcoreError
@@ -235,6 +236,41 @@ def check_step_is_memoryless(policy: Any, who: str, dtype: str) -> None:
     stale = _step(policy, who, PROBE_BATCH, PROBE_ADVANTAGES, old, 0.0)
     check_metrics(stale, who, loss=grpo_loss(current, old, PROBE_ADVANTAGES), clip=clip_fraction(current, old),
                   tokens=n, lr=0.0, dtype=dtype, what="a step with stale old logprobs at lr=0")
+
+
+def check_checkpoint_round_trip(policy: Any, who: str, directory: Path) -> None:
+    """:class:`rlcore.handles.Checkpointable`: after ``load_checkpoint`` of what
+    ``save_checkpoint`` wrote, the next steps give exactly what they gave right after the
+    save (weights, optimizer moments and step count all came back), and a save changes
+    nothing of the state. Takes one learning step first, so the optimizer has state."""
+    _step(policy, who, LEARN_BATCH, LEARN_ADVANTAGES, None, LEARN_LR)
+    saved, again = directory / "saved", directory / "again"
+    saved.mkdir()
+    again.mkdir()
+    policy.save_checkpoint(str(saved))
+    if not any(saved.iterdir()):
+        raise TrainingFailure(f"{who}: save_checkpoint() wrote nothing into {saved}")
+    before = [_step(policy, who, LEARN_BATCH, LEARN_ADVANTAGES, None, LEARN_LR) for _ in range(2)]
+    after_steps = _logprobs(policy, PROBE_BATCH)
+    policy.load_checkpoint(str(saved))
+    policy.save_checkpoint(str(again))  # must leave the state as it is
+    replay = [_step(policy, who, LEARN_BATCH, LEARN_ADVANTAGES, None, LEARN_LR) for _ in range(2)]
+    for i, (want, got) in enumerate(zip(before, replay, strict=True)):
+        if (got.loss, got.grad_norm) != (want.loss, want.grad_norm):
+            raise TrainingFailure(
+                f"{who}: step {i + 1} after load_checkpoint gave loss {got.loss!r}, grad_norm "
+                f"{got.grad_norm!r}; right after the save it gave {want.loss!r}, {want.grad_norm!r}: "
+                + ("the weights did not come back" if i == 0 else
+                   "the optimizer state (moments, step count) did not come back")
+                + " exactly, or save_checkpoint changed the state"
+            )
+    moved = max(abs(x - y) for r, q in zip(_logprobs(policy, PROBE_BATCH), after_steps, strict=True)
+                for x, y in zip(r, q, strict=True))
+    if moved != 0.0:
+        raise TrainingFailure(
+            f"{who}: after load_checkpoint and the same two steps, logprobs differ by up to {moved:.2e} "
+            "from the run that never stopped"
+        )
 
 
 def check_export(
