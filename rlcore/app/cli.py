@@ -1,4 +1,4 @@
-"""The ``rlcore`` command line: ``plugins``, ``plan``, ``run``, ``new-backend``.
+"""The ``rlcore`` command line: ``plugins``, ``plan``, ``run``, ``export``, ``new-backend``.
 
 Only this module prints. It imports the heavy parts (Ray, torch) only inside
 ``run``; ``rlcore plugins`` and ``rlcore plan`` stay light.
@@ -254,6 +254,28 @@ def _resume_target(args: argparse.Namespace) -> tuple[str | None, bool]:
     return out, True
 
 
+# ---------------------------------------------------------------- export
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``rlcore export DIR [--step N] --to HF_DIR``: SIGINT/SIGTERM tear it down as they do
+    ``rlcore run`` (exit 130/143), leaving nothing at HF_DIR."""
+    from rlcore.app.export import export_checkpoint
+    from rlcore.app.interrupts import SignalGuard, end_leftovers, signal_name, signum_of
+
+    with SignalGuard():
+        try:
+            exported = export_checkpoint(Path(args.dir), Path(args.to), step=args.step, console=_console())
+        except KeyboardInterrupt as err:
+            signum = signum_of(err)
+            left = end_leftovers()
+            extra = f"; ended leftover processes {', '.join(left)}" if left else ""
+            _console(stderr=True).print(f"export interrupted ({signal_name(signum)}); {args.to} not written{extra}")
+            return 128 + signum
+    _console().print(f"Hugging Face model: {exported.path}")
+    return 0
+
+
 # ---------------------------------------------------------------- new-backend
 
 
@@ -305,6 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory")
+    p.add_argument("dir", metavar="DIR", help="run directory, its checkpoints directory, or one step-N checkpoint")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest that verifies)")
+    p.add_argument("--to", required=True, metavar="HF_DIR", help="the model directory to write; must be new or empty")
+    p.set_defaults(func=cmd_export)
+
     p = sub.add_parser("new-backend", help="write a ready backend plugin package")
     p.add_argument("name", help="backend name, e.g. mybackend")
     p.add_argument("--dir", default=".", help="parent directory of the new package")
@@ -344,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _console(stderr=True).print("[red]error:[/red] " + escape(str(err)))
         return EXIT_RUN_FAILED
     except OSError as err:
-        if args.command != "run" or err.errno not in DISK_ERRNOS:
+        if args.command not in ("run", "export") or err.errno not in DISK_ERRNOS:
             raise
         where = f"writing {err.filename}: " if err.filename else ""
         _console(stderr=True).print(

@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any
 from rlcore.config import RunConfig, resolve_options
 from rlcore.declarations import BackendDeclaration, Role
 from rlcore.errors import ConfigError, PlanError
-from rlcore.setup.plan import REFIT_TASK, Plan, role_of_task
+from rlcore.setup.plan import REFIT_TASK, Plan, Task, init_task, role_of_task
 from rlcore.setup.planner import build_plan, choose_transport, role_view, selected_roles
 from rlcore.setup.schedule import plan_schedule
 
 if TYPE_CHECKING:
     from rlcore.setup.registry import PluginInfo, Registry
 
-__all__ = ["PreparedRun", "check_dtype", "prepare", "selected_backends"]
+__all__ = ["PreparedRun", "check_dtype", "prepare", "prepare_role", "selected_backends"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,8 @@ class PreparedRun:
         plan: the setup plan the run executes, with the loop's schedule (``plan.schedule``).
         deadlines: the deadline in seconds of every task of the plan
             (``setup.task_deadline_s`` where it names the task, else ``setup.deadline_s``).
-        transport: the refit transport (the plan's, else the one the declarations agree on).
+        transport: the refit transport (the plan's, else the one the declarations agree on;
+            empty for a run of one role, which does no refit: :func:`prepare_role`).
     """
 
     config: RunConfig
@@ -84,10 +85,7 @@ def prepare(
     backends = selected_backends(registry, config)
     declarations = {r: i.declaration for r, i in backends.items() if i.declaration is not None}
     check_dtype(config, declarations)
-    options = {
-        role: resolve_options(getattr(config, role.value).options, d.options, section=role.value, backend=d.name)
-        for role, d in declarations.items()
-    }
+    options = {role: _resolved(config, role, d) for role, d in declarations.items()}
     if plan is None:
         plan = build_plan(config, declarations, options=options, accelerator=accelerator)
     elif plan.schedule is None:  # a plan made elsewhere: the loop still needs its schedule
@@ -100,6 +98,35 @@ def prepare(
         config, declarations[Role.POLICY], declarations[Role.GENERATION]
     )
     return PreparedRun(config, registry, backends, options, plan, task_deadlines(config, plan), transport)
+
+
+def prepare_role(config: RunConfig, registry: Registry, role: Role) -> PreparedRun:
+    """A run of ``role``'s backend alone: its plan is the one task ``init:<role>``.
+
+    For the commands that need one backend of a run and none of the others (``rlcore export``
+    starts only the policy, to load a checkpoint): the backends of the other roles need not
+    be installed. :func:`rlcore.setup.runner.run_prepared` runs it as it runs a whole run
+    (the same init context, deadline, cancellation and teardown), and it does no refit.
+
+    Raises:
+        BackendNotFoundError: the role's backend is missing.
+        ConfigError: bad ``<role>.options``, a ``model.dtype`` the backend does not run.
+    """
+    info = registry.backend_for(role, getattr(config, role.value).backend)
+    decl = info.declaration
+    assert decl is not None  # backend_for finds declared backends only
+    check_dtype(config, {role: decl})
+    task = Task(init_task(role), role.value, decl.name)
+    plan = Plan(tasks=(task,), edges=(), critical_path=(task.name,))
+    deadline = float(config.setup.task_deadline_s.get(task.name, config.setup.deadline_s))
+    return PreparedRun(
+        config, registry, {role: info}, {role: _resolved(config, role, decl)}, plan, {task.name: deadline}, ""
+    )
+
+
+def _resolved(config: RunConfig, role: Role, decl: BackendDeclaration) -> Any:
+    """``<role>.options`` checked against ``decl``'s options dataclass."""
+    return resolve_options(getattr(config, role.value).options, decl.options, section=role.value, backend=decl.name)
 
 
 def selected_backends(registry: Registry, config: RunConfig) -> dict[Role, PluginInfo]:

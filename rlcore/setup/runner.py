@@ -397,9 +397,12 @@ class _SetupRun:
 
         return on_done
 
+    def pair(self) -> str:
+        """``policy -> generation`` backends, as errors of a refit name them."""
+        return f"{self.declarations[Role.POLICY].name} -> {self.declarations[Role.GENERATION].name}"
+
     def task_specs(self) -> list[TaskSpec]:
         """The plan's tasks as executor tasks."""
-        pair = f"{self.declarations[Role.POLICY].name} -> {self.declarations[Role.GENERATION].name}"
         specs = []
         for task in self.plan.tasks:
             role = role_of_task(task.name)
@@ -411,7 +414,7 @@ class _SetupRun:
                 deadline_s=self.deadlines[task.name],
                 on_done=self.post_events(task.name),
                 # A refit involves both backends: name them both in errors.
-                label={"backend": task.backend or pair, "role": task.role},
+                label={"backend": task.backend or self.pair(), "role": task.role},
             ))
         return specs
 
