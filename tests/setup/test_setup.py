@@ -610,3 +610,23 @@ def test_a_task_deadline_ends_setup_within_2s(tmp_path: Path) -> None:
     with pytest.raises(SetupError):
         run_setup(config, registry, run_dir=tmp_path / "run")
     assert time.monotonic() - t0 < 2.0
+
+
+def test_a_role_prepared_alone_starts_only_its_backend_with_a_runs_context_and_no_refit(tmp_path: Path) -> None:
+    """``prepare_role`` (``rlcore export``): the policy alone, though the generation backend
+    the config names is not installed; its handle is shut down with the setup."""
+    from rlcore.declarations import Role
+    from rlcore.setup.prepared import prepare_role
+
+    journal = Journal()
+    policy = fakes(journal)["fake-policy"]
+    registry = load_registry(entry_points=False, extra=[("fake-policy", policy)])
+    config = replace(make_config(tmp_path, policy_s=0.0, task_deadline_s={"init:policy": 7.0}),
+                     generation=GenerationConfig(backend="not-installed"))
+    prepared = prepare_role(config, registry, Role.POLICY)
+    assert prepared.plan.names == ["init:policy"] and prepared.deadlines == {"init:policy": 7.0}
+    assert prepared.options[Role.POLICY] == FakeOptions(init_s=0.0)
+    with run_prepared(prepared, run_dir=tmp_path / "run") as setup:
+        assert list(setup.handles) == ["policy"] and setup.refit_report is None
+        assert journal.roles("ready") == ["policy"] and policy.refits == []
+    assert journal.roles("shutdown") == ["policy"]
