@@ -153,15 +153,20 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
     # Not under tmp: pytest's base temp can be long enough to push Ray's AF_UNIX socket paths
     # (<temp-dir>/session_<date>_<pid>/sockets/dash_MetricsHead) past 107 bytes.
     ray_dir = Path(tempfile.mkdtemp(prefix="rs", dir="/tmp"))
-    common = ["--node-ip-address", LOOPBACK, "--temp-dir", str(ray_dir), "--disable-usage-stats"]
+    common = ["--node-ip-address", LOOPBACK, "--disable-usage-stats"]
     procs = [_start([
         "--head", "--port", str(port), "--num-cpus", "2", "--resources", '{"node_head": 1}',
         "--include-dashboard", "true", "--dashboard-host", LOOPBACK, "--dashboard-port", str(dash), *common,
+        "--temp-dir", str(ray_dir / "head"),
     ], env, tmp / "head.log")]
     try:
         assert _up(procs[0], env, address, 1), (tmp / "head.log").read_text()
         procs.append(_start(
-            ["--address", address, "--num-cpus", "2", "--resources", '{"node_a": 1}', *common], env, tmp / "a.log",
+            # Each node its own --temp-dir, as each machine of a real cluster has its own /tmp:
+            # nodes sharing one have their runtime-env agents delete each other's working
+            # directories (a job's driver then lost its cwd, and MKL could not load libtorch).
+            ["--address", address, "--num-cpus", "2", "--resources", '{"node_a": 1}', *common,
+             "--temp-dir", str(ray_dir / "a")], env, tmp / "a.log",
             worker=True,
         ))
         assert _up(procs[1], env, address, 2), (tmp / "a.log").read_text()
@@ -347,7 +352,7 @@ def node_b(head: Head, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: rlcore-fsdp\nVersion: 0.0.1\n")
     env = {**head.env, "PYTHONPATH": f"{shadow}:{head.env.get('PYTHONPATH', '')}"}
     args = ["--address", head.address, "--num-cpus", "2", "--resources", '{"node_b": 1}',
-            "--node-ip-address", LOOPBACK, "--temp-dir", str(head.ray_dir), "--disable-usage-stats"]
+            "--node-ip-address", LOOPBACK, "--temp-dir", str(head.ray_dir / "b"), "--disable-usage-stats"]
     proc = _start(args, env, head.tmp / "b.log", worker=True)
     try:
         assert _up(proc, head.env, head.address, 3), (head.tmp / "b.log").read_text()
