@@ -91,8 +91,8 @@ class MetricsWriter:
         log.warning("%s ended in a cut line (%d bytes); dropped it", self.path, size - keep)
         os.ftruncate(self._fd, keep)
 
-    def write(self, record: Mapping[str, Any], *, step: int | None = None) -> None:
-        """Append ``record`` as one line.
+    def write(self, record: Mapping[str, Any], *, step: int | None = None) -> dict[str, Any]:
+        """Append ``record`` as one line; return the line's object (what a logger is sent).
 
         Raises:
             RunDirError: the line could not be written (it is not in the file).
@@ -108,6 +108,7 @@ class MetricsWriter:
             if self._fd is None:
                 raise ValueError(f"{self.path}: write to a closed MetricsWriter")
             self._append(self._fd, data)
+        return row
 
     def _append(self, fd: int, data: bytes) -> None:
         start = os.fstat(fd).st_size  # where O_APPEND puts the line: we are its only writer

@@ -35,6 +35,8 @@ RUN_STATUS_FILE = "run.json"
 RUN_FILES = (
     RUN_STATUS_FILE, "config.yaml", "metrics.jsonl", "trace.json", "placement.json",
     "setup_timeline.png", "reward.png",
+    # The loggers' (rlcore.app.loggers): their ids, and the stores under the run directory.
+    "loggers.json", "tensorboard", "wandb", "mlflow",
 )
 
 

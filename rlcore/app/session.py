@@ -62,9 +62,10 @@ from rlcore.app.checkpointing import Checkpointer
 from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.health import check_train_health, reward_trend, trend_line
 from rlcore.app.interrupts import RunInterrupted, SignalGuard, active_guard, signal_name, signum_of
+from rlcore.app.loggers import LoggedWriter
 from rlcore.app.plots import plot_reward, plot_setup_timeline
 from rlcore.app.progress import RunPhase, SetupProgress, setup_display
-from rlcore.app.records import MetricsWriter, write_atomic
+from rlcore.app.records import write_atomic
 from rlcore.app.recovery import GenerationRecovery, retry_on_generation_loss
 from rlcore.app.refit_check import check_divergence, probe_batch, token_mult_prob_error
 from rlcore.app.resume import ResumePoint, checkpoint_root, choose, policy_format, shared_config
@@ -974,7 +975,7 @@ class _Run:
         self.prepared, self.config, self.plan, self.run_dir = prepared, config, prepared.plan, run_dir
         self.status, self.console, self.guard = status, console, guard
         self.trace = TraceRecorder()
-        self.writer = MetricsWriter(run_dir / "metrics.jsonl")
+        self.writer = LoggedWriter(run_dir / "metrics.jsonl", config)  # and to logging.*
         self.cluster = cluster if cluster is not None else Cluster(config.cluster, choice)
         self.cancel = CancelToken()
         self.phase = RunPhase()
@@ -1077,6 +1078,7 @@ class _Run:
     def finish(self, failure: BaseException | None) -> None:
         """Shut everything down and close the records, whatever the run ended with; the
         process is left as before :func:`open` (no cluster, worker or signal handler)."""
+        self.writer.close_loggers(failure)  # first: bounded, and whatever fails below
         try:
             if self.plot is not None:  # the timeline of a setup that finished, whatever came after
                 self.plot.start()

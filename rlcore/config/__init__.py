@@ -304,30 +304,44 @@ class CheckpointConfig:
 
 @dataclass
 class WandbConfig:
-    """Weights & Biases (``pip install rlcore[wandb]``)."""
+    """Weights & Biases (``pip install 'rlcore[wandb]'``): a W&B run whose history is the
+    run's ``metrics.jsonl`` lines and whose config is the run's (:mod:`rlcore.app.loggers`)."""
 
+    #: Log to W&B. Its files go under ``<run_dir>/wandb``.
     enabled: bool = False
+    #: The W&B project (and, online, where the run appears).
     project: str = "rlcore"
+    #: The W&B team or user (``null``: W&B's default for the logged-in user).
     entity: str | None = None
-    #: ``offline`` writes under the run directory with no network; ``online`` syncs.
+    #: One of :data:`WANDB_MODES`: ``offline`` writes under the run directory with no
+    #: network (upload later with ``wandb sync``); ``online`` syncs as it goes.
     mode: str = "offline"
+
+
+#: ``logging.wandb.mode`` values (W&B's own ``disabled`` is ``logging.wandb.enabled=false``).
+WANDB_MODES = ("offline", "online")
 
 
 @dataclass
 class MLflowConfig:
-    """MLflow (``pip install rlcore[mlflow]``)."""
+    """MLflow (``pip install 'rlcore[mlflow]'``): an MLflow run whose metrics are the run's
+    ``metrics.jsonl`` lines and whose params are the run's config (dotted keys)."""
 
+    #: Log to MLflow.
     enabled: bool = False
-    #: Default: a local store under the run directory.
+    #: The tracking store. ``null``: SQLite at ``<run_dir>/mlflow/mlflow.db``, no server
+    #: (``mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow/mlflow.db`` shows it).
     tracking_uri: str | None = None
+    #: The MLflow experiment the run goes in (created if missing).
     experiment: str = "rlcore"
 
 
 @dataclass
 class LoggingConfig:
-    """Where a run's metrics go besides ``metrics.jsonl`` (each an optional extra)."""
+    """Where a run's metrics go besides ``metrics.jsonl`` (each an optional extra, checked
+    before the run starts): the same lines, step for step (:mod:`rlcore.app.loggers`)."""
 
-    #: TensorBoard event files under ``<run_dir>/tensorboard`` (``pip install rlcore[tensorboard]``).
+    #: TensorBoard event files under ``<run_dir>/tensorboard`` (``pip install 'rlcore[tensorboard]'``).
     tensorboard: bool = False
     wandb: WandbConfig = field(default_factory=WandbConfig)
     mlflow: MLflowConfig = field(default_factory=MLflowConfig)
@@ -571,7 +585,8 @@ def _check_model(cfg: RunConfig) -> None:
 
 
 def _check_choices(cfg: RunConfig) -> None:
-    """``refit.transport``, ``generation.on_worker_loss`` and ``refit.check`` are among their choices."""
+    """``refit.transport``, ``generation.on_worker_loss``, ``refit.check`` and
+    ``logging.wandb.mode`` are among their choices."""
     from rlcore.declarations import Transport
 
     allowed_transports = {"auto", *(t.value for t in Transport)}
@@ -594,6 +609,12 @@ def _check_choices(cfg: RunConfig) -> None:
             f"{list(REFIT_CHECKS)} (sampled: the next step's sampling logprobs; probe: the probe "
             "batch after every refit)",
             key="refit.check",
+        )
+    if cfg.logging.wandb.mode not in WANDB_MODES:
+        raise ConfigError(
+            f"config key 'logging.wandb.mode' is {cfg.logging.wandb.mode!r}; expected one of "
+            f"{list(WANDB_MODES)} (offline: files under the run directory, no network)",
+            key="logging.wandb.mode",
         )
 
 

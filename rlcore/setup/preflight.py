@@ -22,7 +22,8 @@ a second with one line that names the key and the fix:
    ``placement.nodes`` is asked only of a joined cluster, in Ray's terms (a cluster to
    join is asked by the app, through its GCS, before the run directory is written:
    :func:`check_joined_resources`);
-5. the output directory and the cache directory can be created and written (a few KiB are
+5. each logger ``logging.*`` enables has its packages installed (:func:`check_loggers`);
+6. the output directory and the cache directory can be created and written (a few KiB are
    written and removed, so a full disk is found here); a given ``--out`` is checked by the
    app (:func:`rlcore.app.rundir.check_run_dir`, the same write check and whether it holds
    another run's results).
@@ -33,6 +34,7 @@ Every failure is a :class:`~rlcore.errors.ConfigError` with a one-line message.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import math
 import os
@@ -97,6 +99,7 @@ def check_before_start(
     check_resources(config)
     check_placement(config)
     check_checkpoints(prepared)
+    check_loggers(config)
     if output_dir:
         check_writable_dir(Path(config.output_dir).expanduser(), key="output_dir")
     check_writable_dir(cache_dir(config), key="setup.cache_dir (or $RLCORE_CACHE_DIR)")
@@ -493,6 +496,37 @@ def check_placement(config: RunConfig) -> None:
 
 
 # ---------------------------------------------------------------- directories
+
+
+# ---------------------------------------------------------------- loggers
+
+
+def logger_needs(config: RunConfig) -> list[tuple[str, str, tuple[str, ...]]]:
+    """``(config key, extra, modules)`` of each logger the config enables: the modules it
+    imports (:mod:`rlcore.app.loggers`) and the ``rlcore[<extra>]`` that installs them."""
+    logging = config.logging
+    needs: list[tuple[str, str, tuple[str, ...]]] = []
+    if logging.tensorboard:
+        needs.append(("logging.tensorboard", "tensorboard", ("tensorboard",)))
+    if logging.wandb.enabled:
+        needs.append(("logging.wandb.enabled", "wandb", ("wandb",)))
+    if logging.mlflow.enabled:
+        # The default store, SQLite under the run directory, is MLflow's SQLAlchemy store.
+        local = () if logging.mlflow.tracking_uri else ("sqlalchemy", "alembic")
+        needs.append(("logging.mlflow.enabled", "mlflow", ("mlflow", *local)))
+    return needs
+
+
+def check_loggers(config: RunConfig) -> None:
+    """Each enabled logger's packages are installed (looked up, not imported)."""
+    for key, extra, modules in logger_needs(config):
+        missing = [m for m in modules if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ConfigError(
+                f"config key '{key}' is on but {', '.join(missing)} is not installed: "
+                f"pip install 'rlcore[{extra}]' (or turn it off: {key}=false)",
+                key=key,
+            )
 
 
 def _nearest_existing(path: Path) -> Path:

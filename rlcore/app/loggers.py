@@ -1,0 +1,380 @@
+"""A run's metrics sent on to TensorBoard, Weights & Biases and MLflow, line for line as
+``metrics.jsonl`` gets them (``logging.*`` in the config; each an optional extra).
+
+:class:`LoggedWriter` is the run's :class:`~rlcore.app.records.MetricsWriter`: every line it
+appends (the setup's at step 0, each step's, a replaced worker's, the reward's trend, an
+interrupt's) is then handed to each enabled logger, with the line's ``step`` and ``time``:
+
+- numeric values (int, float, bool as 0/1) go to every logger under the line's key, at its
+  ``step`` (TensorBoard's ``global_step``, MLflow's ``step``, and W&B's ``step`` metric,
+  which every other W&B metric is plotted against: each line is its own W&B history row, so
+  a line written for an earlier step, such as the reward's trend, is kept, where W&B's own
+  ``_step`` would drop it); a nested mapping's values go under ``outer/inner``;
+- non-finite numbers are not sent: ``metrics.jsonl`` writes them as ``null`` and the
+  libraries disagree on them (MLflow clamps infinities), so "no value" is what all agree on;
+- strings, lists and ``null`` stay in ``metrics.jsonl`` only (they are notes, not series);
+- a line without a step (an interrupt's) goes at the last step a line had.
+
+The loggers run on one thread of their own, fed by a queue: a slow or hung logger never
+holds the training loop up. Their ids are kept in ``<run_dir>/loggers.json``, so
+``--resume`` of the directory logs into the same MLflow run and W&B run id (online W&B
+resumes that run; offline, W&B writes a second offline run of the same id, which
+``wandb sync`` uploads into it), and TensorBoard adds an event file to the same directory.
+A logger that raises, when it opens or later, is reported once (a log warning and a
+``logging/dropped`` line in ``metrics.jsonl``) and dropped; the run goes on. At the run's
+end, whatever it ended with, each is closed with the run's outcome, within a deadline.
+
+The libraries are imported on the loggers' thread, when a logger is enabled; the preflight
+(:func:`rlcore.setup.preflight.check_loggers`) has refused a run whose logger's package is
+missing, naming the extra that installs it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from rlcore.app.records import MetricsWriter, write_atomic
+from rlcore.config import RunConfig
+from rlcore.errors import RunDirError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LOGGERS_FILE", "LoggedWriter", "Loggers", "Sink", "make_sinks", "scalars"]
+
+#: The loggers' ids, for ``--resume``: ``{"<config key>": {...}}``.
+LOGGERS_FILE = "loggers.json"
+#: How long the run's end waits for the loggers to close (an interrupted run: less).
+CLOSE_TIMEOUT_S = 30.0
+INTERRUPTED_CLOSE_TIMEOUT_S = 3.0
+#: Keys of a metrics line that are its coordinates, not metrics.
+_COORDINATES = ("step", "time")
+
+
+def scalars(row: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """The numeric, finite values of a metrics line by key (nested mappings flattened with
+    ``/``), without its ``step`` and ``time``."""
+    out: dict[str, float] = {}
+    for key, value in row.items():
+        name = f"{prefix}{key}"
+        if not prefix and key in _COORDINATES:
+            continue
+        if isinstance(value, Mapping):
+            out.update(scalars(value, f"{name}/"))
+        elif isinstance(value, int | float) and math.isfinite(value):
+            out[name] = float(value)
+    return out
+
+
+class Sink(Protocol):
+    """One logger. Called on the loggers' thread only, in order: ``open``, ``log`` per
+    line, ``close`` once (also after a failed ``open``: it must close what it opened)."""
+
+    #: The config key that enables it (``logging.wandb``): in reports and ``loggers.json``.
+    key: str
+
+    def open(self, saved: Mapping[str, Any]) -> dict[str, Any]:
+        """Start (or, with ``saved``, continue) the logger's run; return what to save for
+        ``--resume`` (``saved`` is what an earlier run of this directory returned)."""
+        ...
+
+    def log(self, values: dict[str, float], step: int, wall_time: float) -> None:
+        """Log one metrics line's values at ``step`` (``wall_time``: epoch seconds)."""
+        ...
+
+    def close(self, outcome: str) -> None:
+        """Flush and close; ``outcome`` is ``finished``, ``failed`` or ``interrupted``."""
+        ...
+
+
+class TensorBoardSink:
+    """Event files under ``<run_dir>/tensorboard`` (PyTorch's writer of the ``tensorboard``
+    package's format)."""
+
+    key = "logging.tensorboard"
+
+    def __init__(self, run_dir: Path) -> None:
+        self.log_dir = run_dir / "tensorboard"
+        self._writer: Any = None
+
+    def open(self, saved: Mapping[str, Any]) -> dict[str, Any]:
+        from torch.utils.tensorboard import SummaryWriter
+
+        # A resumed run adds an event file beside the first: TensorBoard reads them all.
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=10)
+        return {"log_dir": str(self.log_dir)}
+
+    def log(self, values: dict[str, float], step: int, wall_time: float) -> None:
+        for key, value in values.items():
+            self._writer.add_scalar(key, value, global_step=step, walltime=wall_time)
+
+    def close(self, outcome: str) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+class WandbSink:
+    """A W&B run (``logging.wandb``) whose files are under ``<run_dir>/wandb``; its config
+    is the run's."""
+
+    key = "logging.wandb"
+
+    def __init__(self, config: RunConfig, run_dir: Path) -> None:
+        self.config, self.run_dir = config, run_dir
+        self._run: Any = None
+
+    def open(self, saved: Mapping[str, Any]) -> dict[str, Any]:
+        import wandb
+        from omegaconf import OmegaConf
+
+        cfg = self.config.logging.wandb
+        self._run = wandb.init(
+            mode=cfg.mode,
+            project=cfg.project,
+            entity=cfg.entity,
+            dir=str(self.run_dir),
+            name=self.run_dir.name,
+            config=OmegaConf.to_container(OmegaConf.structured(self.config)),
+            id=saved.get("id"),
+            resume="allow" if saved.get("id") else None,
+            reinit="create_new",  # a run of its own, beside any the user's code has open
+            settings=wandb.Settings(console="off"),  # rlcore's console stays rlcore's
+        )
+        self._run.define_metric("*", step_metric="step")
+        return {"id": self._run.id, "mode": cfg.mode}
+
+    def log(self, values: dict[str, float], step: int, wall_time: float) -> None:
+        self._run.log({"step": step, **values})
+
+    def close(self, outcome: str) -> None:
+        if self._run is not None:
+            self._run.finish(exit_code=0 if outcome == "finished" else 1)
+
+
+class MLflowSink:
+    """An MLflow run (``logging.mlflow``), its params the run's config (dotted keys).
+
+    The default store is SQLite at ``<run_dir>/mlflow/mlflow.db`` (artifacts beside it):
+    MLflow 3 refuses its file store unless told otherwise, and SQLite needs no server.
+    """
+
+    key = "logging.mlflow"
+    #: MLflow's limits on one ``log_batch`` and on a param's value.
+    _BATCH, _PARAM_CHARS = 100, 6000
+
+    def __init__(self, config: RunConfig, run_dir: Path) -> None:
+        self.config, self.run_dir = config, run_dir
+        self._client: Any = None
+        self._run_id: str | None = None
+
+    def tracking_uri(self) -> str:
+        uri = self.config.logging.mlflow.tracking_uri
+        return uri if uri else f"sqlite:///{(self.run_dir / 'mlflow' / 'mlflow.db').resolve()}"
+
+    def open(self, saved: Mapping[str, Any]) -> dict[str, Any]:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        cfg, uri = self.config.logging.mlflow, self.tracking_uri()
+        if not cfg.tracking_uri:
+            (self.run_dir / "mlflow").mkdir(parents=True, exist_ok=True)
+        client = MlflowClient(tracking_uri=uri)
+        if saved.get("run_id") and saved.get("tracking_uri") == uri:
+            self._run_id = str(saved["run_id"])
+            client.update_run(self._run_id, status="RUNNING")
+        else:
+            experiment = client.get_experiment_by_name(cfg.experiment)
+            if experiment is not None:
+                experiment_id = experiment.experiment_id
+            else:
+                artifacts = None if cfg.tracking_uri else (self.run_dir / "mlflow" / "artifacts").resolve().as_uri()
+                experiment_id = client.create_experiment(cfg.experiment, artifact_location=artifacts)
+            self._run_id = client.create_run(experiment_id, run_name=self.run_dir.name).info.run_id
+            params = [Param(k, v[: self._PARAM_CHARS]) for k, v in _flat_config(self.config).items()]
+            for i in range(0, len(params), self._BATCH):
+                client.log_batch(self._run_id, params=params[i : i + self._BATCH])
+        self._client = client
+        return {"run_id": self._run_id, "tracking_uri": uri}
+
+    def log(self, values: dict[str, float], step: int, wall_time: float) -> None:
+        from mlflow.entities import Metric
+
+        ms = int(wall_time * 1000)
+        metrics = [Metric(key, value, ms, step) for key, value in values.items()]
+        for i in range(0, len(metrics), self._BATCH):
+            self._client.log_batch(self._run_id, metrics=metrics[i : i + self._BATCH])
+
+    def close(self, outcome: str) -> None:
+        if self._client is not None and self._run_id is not None:
+            status = {"finished": "FINISHED", "interrupted": "KILLED"}.get(outcome, "FAILED")
+            self._client.set_terminated(self._run_id, status=status)
+
+
+def _flat_config(config: RunConfig) -> dict[str, str]:
+    """The config's leaves by dotted key, as strings (MLflow params are strings)."""
+    from omegaconf import OmegaConf
+
+    out: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, Mapping) and node:
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        else:
+            out[prefix[:-1]] = json.dumps(node) if not isinstance(node, str) else node
+
+    walk(OmegaConf.to_container(OmegaConf.structured(config)), "")
+    return out
+
+
+def make_sinks(config: RunConfig, run_dir: Path) -> list[Sink]:
+    """The loggers the config enables."""
+    sinks: list[Sink] = []
+    if config.logging.tensorboard:
+        sinks.append(TensorBoardSink(run_dir))
+    if config.logging.wandb.enabled:
+        sinks.append(WandbSink(config, run_dir))
+    if config.logging.mlflow.enabled:
+        sinks.append(MLflowSink(config, run_dir))
+    return sinks
+
+
+def _outcome(failure: BaseException | None) -> str:
+    if failure is None:
+        return "finished"
+    return "interrupted" if isinstance(failure, KeyboardInterrupt) else "failed"
+
+
+class Loggers:
+    """Hands metrics lines to ``sinks`` on a thread of its own; drops a sink that raises.
+
+    Args:
+        sinks: the loggers (:func:`make_sinks`); opened on the thread, in order.
+        run_dir: where ``loggers.json`` is read (``--resume``) and written.
+        report: writes a line to ``metrics.jsonl`` (a dropped logger's ``logging/dropped``).
+    """
+
+    def __init__(
+        self, sinks: list[Sink], run_dir: Path, report: Callable[[dict[str, Any], int | None], None]
+    ) -> None:
+        self.sinks, self.run_dir, self._report = list(sinks), run_dir, report
+        self.dropped: dict[str, str] = {}  # key -> why
+        self._gone: list[Sink] = []  # dropped: still closed at the end, for what they opened
+        self._queue: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._closed = False
+        self._last_step = 0
+        # Daemon: a logger hung past the close deadline must not keep the process alive.
+        self._thread = threading.Thread(target=self._work, name="rlcore-loggers", daemon=True)
+        self._thread.start()
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        """Queue one ``metrics.jsonl`` line (as written, with ``step`` and ``time``)."""
+        if not self._closed:
+            self._queue.put(("line", dict(row)))
+
+    def close(self, failure: BaseException | None = None, timeout: float | None = None) -> None:
+        """Log what is queued, then close every logger with the run's outcome, waiting at
+        most ``timeout`` seconds (default: :data:`CLOSE_TIMEOUT_S`, or
+        :data:`INTERRUPTED_CLOSE_TIMEOUT_S` after an interrupt). Once; never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        outcome = _outcome(failure)
+        if timeout is None:
+            timeout = INTERRUPTED_CLOSE_TIMEOUT_S if outcome == "interrupted" else CLOSE_TIMEOUT_S
+        self._queue.put(("close", outcome))
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            names = ", ".join(s.key for s in self.sinks) or "none"
+            log.warning("loggers (%s) did not close within %.0fs; left behind", names, timeout)
+
+    # ---------------------------------------------------------------- the thread
+
+    def _work(self) -> None:
+        self._open()
+        while True:
+            kind, item = self._queue.get()
+            if kind == "close":
+                for sink in self.sinks + self._gone:
+                    try:
+                        sink.close(item)
+                    except Exception as err:  # closing is best effort: the run has ended
+                        log.warning("%s: closing failed: %s: %s", sink.key, type(err).__name__, err)
+                return
+            step = item.get("step")
+            if isinstance(step, int):
+                self._last_step = step
+            values = scalars(item)
+            if not values:
+                continue
+            for sink in list(self.sinks):
+                try:
+                    sink.log(values, self._last_step, float(item.get("time", 0.0)))
+                except Exception as err:
+                    self._drop(sink, err, "logging")
+
+    def _open(self) -> None:
+        saved = self._saved()
+        ids: dict[str, Any] = {}
+        for sink in list(self.sinks):
+            try:
+                ids[sink.key] = sink.open(saved.get(sink.key) or {})
+            except Exception as err:
+                self._drop(sink, err, "opening")
+        if ids:
+            try:
+                write_atomic(self.run_dir / LOGGERS_FILE, json.dumps({**saved, **ids}, indent=2) + "\n")
+            except RunDirError as err:
+                log.warning("%s (a --resume of this run will start new logger runs)", err)
+
+    def _saved(self) -> dict[str, Any]:
+        path = self.run_dir / LOGGERS_FILE
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as err:
+            log.warning("%s unreadable (%s); the loggers start new runs", path, err)
+            return {}
+        return saved if isinstance(saved, dict) else {}
+
+    def _drop(self, sink: Sink, err: BaseException, during: str) -> None:
+        why = f"{type(err).__name__}: {' '.join(str(err).split())}"
+        self.sinks.remove(sink)
+        self._gone.append(sink)
+        self.dropped[sink.key] = why
+        log.warning("%s dropped after an error %s: %s; the run goes on without it", sink.key, during, why)
+        try:
+            self._report({"logging/dropped": sink.key, "logging/dropped_error": why}, self._last_step)
+        except (RunDirError, ValueError) as report_err:  # a full disk, or the writer closed
+            log.warning("%s", report_err)
+
+
+class LoggedWriter(MetricsWriter):
+    """``metrics.jsonl``'s writer whose every line also goes to the loggers the config
+    enables (none: it is a plain :class:`MetricsWriter`)."""
+
+    def __init__(self, path: str | Path, config: RunConfig, sinks: list[Sink] | None = None) -> None:
+        super().__init__(path)
+        sinks = make_sinks(config, self.path.parent) if sinks is None else sinks
+        self.loggers = Loggers(sinks, self.path.parent, self._report) if sinks else None
+
+    def write(self, record: Mapping[str, Any], *, step: int | None = None) -> dict[str, Any]:
+        row = super().write(record, step=step)
+        if self.loggers is not None:
+            self.loggers.log(row)
+        return row
+
+    def _report(self, record: dict[str, Any], step: int | None) -> None:
+        MetricsWriter.write(self, record, step=step)  # not to the loggers: it is about them
+
+    def close_loggers(self, failure: BaseException | None) -> None:
+        """Close the loggers with the run's outcome (bounded; never raises)."""
+        if self.loggers is not None:
+            self.loggers.close(failure)
