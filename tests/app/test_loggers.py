@@ -374,3 +374,31 @@ def test_an_unknown_wandb_mode_is_refused_before_start(
     rc = main(["run", QUICKSTART, "logging.wandb.mode=ofline", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert rc == 2 and "'logging.wandb.mode'" in err and "offline" in err
+
+
+def test_a_runs_records_reach_the_loggers_through_run_record_and_finish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_cluster: None
+) -> None:
+    """The session's wiring, without Ray: ``_Run``'s writer feeds the loggers what its
+    ``record`` writes, and ``finish`` closes them with the run's outcome."""
+    from rich.console import Console
+
+    from rlcore.app import session
+    from rlcore.app.rundir import RunStatus, make_run_dir
+    from rlcore.config import load_config
+    from rlcore.setup.preflight import check_before_start
+    from rlcore.setup.registry import load_registry
+
+    sink = Recording("logging.tensorboard")
+    monkeypatch.setattr("rlcore.app.loggers.make_sinks", lambda config, run_dir: [sink])
+    config = load_config(QUICKSTART, ["logging.tensorboard=true", f"setup.cache_dir={tmp_path / 'cache'}"])
+    prepared = check_before_start(config, load_registry(), output_dir=False)
+    run_dir = make_run_dir(config, str(tmp_path / "run"))
+    run = session._Run(prepared, run_dir, RunStatus(run_dir, resume=False), Console(quiet=True), None)
+    run.record({"reward/mean": 0.5, "train/loss": 0.25}, 1, True)
+    run.record({"refit/checked_step": 1}, 1, False)
+    run.finish(RuntimeError("the loop failed"))
+
+    assert sink.lines == [(1, {"reward/mean": 0.5, "train/loss": 0.25}), (1, {"refit/checked_step": 1.0})]
+    assert sink.outcome == "failed"
+    assert [ln["step"] for ln in read_metrics(run_dir / "metrics.jsonl")] == [1, 1]
