@@ -36,6 +36,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -267,7 +268,8 @@ class Loggers:
         self.dropped: dict[str, str] = {}  # key -> why
         self._gone: list[Sink] = []  # dropped: still closed at the end, for what they opened
         self._queue: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._closed = False
+        self._deadline: float | None = None  # set by end()
+        self._left_behind = False
         self._last_step = 0
         # Daemon: a logger hung past the close deadline must not keep the process alive.
         self._thread = threading.Thread(target=self._work, name="rlcore-loggers", daemon=True)
@@ -275,24 +277,39 @@ class Loggers:
 
     def log(self, row: Mapping[str, Any]) -> None:
         """Queue one ``metrics.jsonl`` line (as written, with ``step`` and ``time``)."""
-        if not self._closed:
+        if self._deadline is None:
             self._queue.put(("line", dict(row)))
 
-    def close(self, failure: BaseException | None = None, timeout: float | None = None) -> None:
-        """Log what is queued, then close every logger with the run's outcome, waiting at
-        most ``timeout`` seconds (default: :data:`CLOSE_TIMEOUT_S`, or
-        :data:`INTERRUPTED_CLOSE_TIMEOUT_S` after an interrupt). Once; never raises."""
-        if self._closed:
+    def end(self, failure: BaseException | None = None, timeout: float | None = None) -> None:
+        """Start closing: what is queued is logged, then every logger is closed with the
+        run's outcome, on the loggers' thread, while the caller goes on (the run's teardown).
+        :meth:`wait` waits for it until ``timeout`` seconds from now (default:
+        :data:`CLOSE_TIMEOUT_S`, or :data:`INTERRUPTED_CLOSE_TIMEOUT_S` after an interrupt).
+        Once; later calls do nothing."""
+        if self._deadline is not None:
             return
-        self._closed = True
         outcome = _outcome(failure)
         if timeout is None:
             timeout = INTERRUPTED_CLOSE_TIMEOUT_S if outcome == "interrupted" else CLOSE_TIMEOUT_S
+        self._deadline = time.monotonic() + timeout
         self._queue.put(("close", outcome))
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+
+    def wait(self) -> None:
+        """Wait for :meth:`end`'s closing until its deadline (a run that did not call it:
+        closed as ``finished``); a logger still busy then is left behind, with a warning.
+        Never raises."""
+        self.end()
+        assert self._deadline is not None
+        self._thread.join(max(0.0, self._deadline - time.monotonic()))
+        if self._thread.is_alive() and not self._left_behind:
+            self._left_behind = True
             names = ", ".join(s.key for s in self.sinks) or "none"
-            log.warning("loggers (%s) did not close within %.0fs; left behind", names, timeout)
+            log.warning("loggers (%s) did not close by their deadline; left behind", names)
+
+    def close(self, failure: BaseException | None = None, timeout: float | None = None) -> None:
+        """:meth:`end` and :meth:`wait`."""
+        self.end(failure, timeout)
+        self.wait()
 
     # ---------------------------------------------------------------- the thread
 
@@ -375,6 +392,13 @@ class LoggedWriter(MetricsWriter):
         MetricsWriter.write(self, record, step=step)  # not to the loggers: it is about them
 
     def close_loggers(self, failure: BaseException | None) -> None:
-        """Close the loggers with the run's outcome (bounded; never raises)."""
+        """Start closing the loggers with the run's outcome (:meth:`Loggers.end`): they
+        close while the run is torn down; :meth:`close` waits for them, bounded."""
         if self.loggers is not None:
-            self.loggers.close(failure)
+            self.loggers.end(failure)
+
+    def close(self) -> None:
+        """Wait for the loggers (until their deadline), then close ``metrics.jsonl``."""
+        if self.loggers is not None:
+            self.loggers.wait()
+        super().close()

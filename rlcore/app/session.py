@@ -1078,7 +1078,7 @@ class _Run:
     def finish(self, failure: BaseException | None) -> None:
         """Shut everything down and close the records, whatever the run ended with; the
         process is left as before :func:`open` (no cluster, worker or signal handler)."""
-        self.writer.close_loggers(failure)  # first: bounded, and whatever fails below
+        self.writer.close_loggers(failure)  # they close during the teardown; close_records waits (bounded)
         try:
             if self.plot is not None:  # the timeline of a setup that finished, whatever came after
                 self.plot.start()
