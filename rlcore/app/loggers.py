@@ -154,8 +154,15 @@ class WandbSink:
         self._run.log({"step": step, **values})
 
     def close(self, outcome: str) -> None:
+        import wandb
+
         if self._run is not None:
             self._run.finish(exit_code=0 if outcome == "finished" else 1)
+        # W&B's service process (wandb-core) outlives its runs until the interpreter exits;
+        # nothing of the run may (the CLI would end it as a leftover after an interrupt).
+        # Left alone while the user's code has a run of its own open.
+        if wandb.run is None:
+            wandb.teardown(exit_code=0 if outcome == "finished" else 1)
 
 
 class MLflowSink:

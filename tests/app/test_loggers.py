@@ -16,6 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from rlcore.app.cli import main
@@ -168,6 +169,9 @@ def test_every_logger_holds_what_metrics_jsonl_holds_step_for_step(tmp_path: Pat
     write_a_run(writer)
     end(writer)
     assert writer.loggers is not None and writer.loggers.dropped == {}
+    # Nothing the loggers started outlives them (W&B's service process included).
+    children = [c.name() for c in psutil.Process().children(recursive=True)]
+    assert not [n for n in children if "wandb" in n], children
 
     want = expected(tmp_path / "metrics.jsonl")
     # The reading is metrics.jsonl's own: a NaN is null there and in no logger; strings and
