@@ -503,7 +503,7 @@ def check_placement(config: RunConfig) -> None:
 
 def logger_needs(config: RunConfig) -> list[tuple[str, str, tuple[str, ...]]]:
     """``(config key, extra, modules)`` of each logger the config enables: the modules it
-    imports (:mod:`rlcore.app.loggers`) and the ``rlcore[<extra>]`` that installs them."""
+    imports (:mod:`rlcore.app.logger_sinks`) and the ``rlcore[<extra>]`` that installs them."""
     logging = config.logging
     needs: list[tuple[str, str, tuple[str, ...]]] = []
     if logging.tensorboard:
