@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from rlcore.app.checkpoints import MANIFEST_NAME, POLICY_DIR, scan, step_dir, verify
 from rlcore.app.checkpointing import Checkpointer
+from rlcore.app.checkpoints import MANIFEST_NAME, POLICY_DIR, scan, step_dir, verify
 from rlcore.app.resume import PolicyFormat, choose, shared_config
 from rlcore.app.rundir import truncate_metrics
 from rlcore.config import load_config
