@@ -367,10 +367,16 @@ def load_checkpoint(model: Any, path: str | Path) -> None:
     from megatron.core import dist_checkpointing
 
     state = dist_checkpointing.load(model.sharded_state_dict(), str(path))
+    unfit = load_model_state(model, state)
+    if unfit:
+        raise ConversionError(f"{path}: checkpoint does not fit the model ({unfit})")
+
+
+def load_model_state(model: Any, state: dict[str, Any]) -> str | None:
+    """Copy a loaded (dist checkpoint) state into ``model``'s parameters in place; what did
+    not fit (``missing [...], unexpected [...]``), or None. megatron-core's ``_extra_state``
+    entries (Transformer Engine's; empty in the local spec) are not weights."""
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise ConversionError(
-            f"{path}: checkpoint does not fit the model (missing {missing}, unexpected {unexpected})"
-        )
+    return f"missing {missing}, unexpected {unexpected}" if missing or unexpected else None

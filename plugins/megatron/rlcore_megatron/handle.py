@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.context import InitContext
-from rlcore.errors import CancelToken, ConfigError
+from rlcore.errors import CancelToken, CheckpointError, ConfigError, WorkerError
 from rlcore.handles import Endpoint, SamplingParams
 from rlcore.refit.specs import TensorSpec
 from rlcore.runtime.batches import put_rows
@@ -202,6 +202,68 @@ class MegatronPolicy(GroupPolicy, _Handle):
 
     # refit_address, open_refit_channel, refit_ceiling, send_weights and train_step:
     # rlcore.runtime.policy_group.GroupPolicy; weight_specs and logprobs: _Handle.
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Every rank writes its part of a training checkpoint into ``directory``
+        (:class:`rlcore.handles.Checkpointable`; format: :mod:`rlcore_megatron.train_state`).
+        Reads the policy's state only, so the core may run it beside the generation."""
+        t0 = time.monotonic()
+        parts = self.group.get(self._submit("save_train_state", directory), what="saving a training checkpoint")
+        log.info(
+            "megatron policy: training checkpoint written to %s in %.2fs (%s)",
+            directory,
+            time.monotonic() - t0,
+            _size(Path(directory), parts),
+        )
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Every rank restores its training state from ``directory``
+        (:class:`rlcore.handles.Checkpointable`). A checkpoint it cannot take raises
+        :class:`rlcore.errors.CheckpointError`: its record is checked here first, the
+        model and layout on the ranks, before anything is loaded."""
+        from rlcore_megatron import train_state
+
+        train_state.read_meta(directory)
+        t0 = time.monotonic()
+        try:
+            parts = self.group.get(
+                self._submit("load_train_state", directory), what="loading a training checkpoint"
+            )
+        except WorkerError as err:
+            refused = _cause(err, CheckpointError)
+            if refused is None:
+                raise
+            raise CheckpointError(f"megatron policy: {refused}") from err
+        log.info(
+            "megatron policy: training checkpoint %s loaded in %.2fs%s",
+            directory,
+            time.monotonic() - t0,
+            " (resharded to this layout)" if parts[0].get("resharded") else "",
+        )
+
+
+def _size(root: Path, parts: Sequence[dict[str, float]]) -> str:
+    try:
+        total = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    except OSError:
+        total = int(sum(p["bytes"] for p in parts))
+    return f"{total / 2**20:.1f} MiB, slowest rank {max(p['seconds'] for p in parts):.2f}s"
+
+
+def _cause(err: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The first ``kind`` in ``err``'s chain of causes (a worker's error arrives wrapped by
+    Ray and :class:`rlcore.errors.WorkerError`)."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        if isinstance(e, kind):
+            return e
+        seen.add(id(e))
+        # Ray's RayTaskError keeps the worker's exception as ``cause``
+        e = e.__cause__ or getattr(e, "cause", None) or e.__context__
+    return None
 
 
 class MegatronGeneration(_Handle):

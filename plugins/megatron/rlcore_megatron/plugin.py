@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from rlcore.declarations import (
     Artifact,
     BackendDeclaration,
+    CheckpointSupport,
     Condition,
     Need,
     OverlapSafety,
@@ -26,6 +27,7 @@ from rlcore.declarations import (
     Transport,
 )
 from rlcore.hookspecs import hookimpl
+from rlcore_megatron import train_state  # light: the format's name and version
 from rlcore_megatron.options import CHECKPOINT_ARTIFACT, MegatronOptions
 
 if TYPE_CHECKING:
@@ -85,7 +87,11 @@ def rlcore_declare_backend() -> BackendDeclaration:
         # clipped ratio of rlcore.runtime.losses.clipped_pg_loss), so a sample a few
         # versions old still gives the right gradient.
         max_staleness=8,
-        contract_version="2.1",
+        # Training checkpoints (rlcore_megatron.train_state): megatron-core's distributed
+        # checkpoint of weights and AdamW state, plus each rank's RNG states. The save only
+        # reads them (no step, no RNG draw, no state moved), so it may overlap sampling.
+        checkpoint=CheckpointSupport(format=train_state.FORMAT, version=train_state.FORMAT_VERSION, overlap=True),
+        contract_version="2.2",
         options=MegatronOptions,
         description=(
             "megatron-core GPTModel (local layer spec, tensor parallel over gloo/NCCL) as "

@@ -560,6 +560,26 @@ class MegatronPolicyWorker(PolicyGradientWorker, RefitSenderWorker, MegatronWork
         self._require_model()
         yield from self._native
 
+    # ------------------------------------------------------------ checkpoints
+
+    def save_train_state(self, directory: str) -> dict[str, float]:
+        """Write this rank's part of a training checkpoint into ``directory``: weights and
+        AdamW state (megatron-core's distributed checkpoint), RNG states. Collective; reads
+        the state only. See :mod:`rlcore_megatron.train_state`."""
+        from rlcore_megatron import train_state
+
+        self._require_model()
+        return train_state.save(self, directory)
+
+    def load_train_state(self, directory: str) -> dict[str, Any]:
+        """Restore what :meth:`save_train_state` wrote (resharded from another layout where
+        megatron-core can). Collective; raises :class:`rlcore.errors.CheckpointError` on
+        every rank when any rank cannot take the checkpoint."""
+        from rlcore_megatron import train_state
+
+        self._require_model()
+        return train_state.load(self, directory)
+
     # ---------------------------------------------------------------- export
 
     def export_stream(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -6,10 +6,12 @@ Functions run by ``torch.multiprocessing`` must live in an importable module
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,23 @@ def write_tiny_qwen2(directory: Path, seed: int = 0) -> None:
             p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.1 * noise)
 
     write_hf_model(directory, "qwen2", seed=seed, init=init, **QWEN2_SHAPE)
+
+
+@contextlib.contextmanager
+def in_process_policy(model_dir: Path, options: Any) -> Iterator[Any]:
+    """One MegatronPolicyWorker rank in this process (world size 1, gloo), loaded from
+    ``model_dir``; torn down after (its parallel state and process group with it, so
+    other workers of the module share them and the next module starts afresh)."""
+    from rlcore.runtime.addresses import free_port
+    from rlcore_megatron.worker import MegatronPolicyWorker
+
+    w = MegatronPolicyWorker(0, 1)
+    w.init_process_group("127.0.0.1", free_port(), "gloo", 60.0)
+    try:
+        w.load(str(model_dir), "float32", options)
+        yield w
+    finally:
+        w.teardown()
 
 
 def input_ids(vocab_size: int, batch: int = 2, seq: int = 12, seed: int = 0) -> Any:

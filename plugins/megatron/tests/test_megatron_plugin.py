@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from rlcore.config import resolve_options
-from rlcore.declarations import Role, Transport, validate_declaration
+from rlcore.declarations import CheckpointSupport, Role, Transport, validate_declaration
 from rlcore.errors import ConfigError
 from rlcore_megatron.options import MegatronOptions
 from rlcore_megatron.plugin import rlcore_declare_backend
@@ -33,6 +33,9 @@ def test_declaration_is_valid_and_says_what_the_brief_says() -> None:
     assert decl.refit_fed and decl.options is MegatronOptions
     # rlcore.serve.openai_endpoint in front of either engine (generation.options.serve_openai).
     assert decl.openai_endpoint and "serve_openai" in (decl.option_names() or [])
+    # Training checkpoints (contract 2.2): the save only reads state, so it may overlap sampling.
+    assert decl.checkpoint == CheckpointSupport("megatron-dist-ckpt", "1", overlap=True)
+    assert decl.contract_version == "2.2"
 
 
 def test_options_are_checked_against_the_dataclass() -> None:
@@ -53,7 +56,7 @@ def test_plugin_and_checkpoint_key_import_no_heavy_module() -> None:
     """Nor the worker module, which the driver imports to name the actor classes."""
     code = (
         "import sys, rlcore_megatron.plugin, rlcore_megatron.checkpoint, rlcore_megatron.convert, "
-        "rlcore_megatron.handle, rlcore_megatron.worker; "
+        "rlcore_megatron.handle, rlcore_megatron.worker, rlcore_megatron.train_state; "
         "print(sorted(m for m in ('torch', 'megatron', 'ray', 'transformers', 'safetensors') if m in sys.modules))"
     )
     out = subprocess.run(

@@ -20,6 +20,7 @@ from _megatron_helpers import (
     check_on_policy_step,
     check_train_step,
     hf_model,
+    in_process_policy,
     max_diff,
     reference_logprobs,
 )
@@ -28,7 +29,6 @@ from rlcore.errors import NotServingError
 from rlcore.handles import SamplingParams
 from rlcore.refit.channels import ChannelSpec
 from rlcore.refit.specs import plan_buckets, spec_of
-from rlcore.runtime.addresses import free_port
 from rlcore_megatron import convert
 from rlcore_megatron.options import MegatronOptions
 from rlcore_megatron.worker import MegatronGenerationWorker, MegatronPolicyWorker, shard_range
@@ -40,13 +40,8 @@ OPTIONS = MegatronOptions(micro_batch_size=2)  # 5 rows: three micro-batches
 
 @pytest.fixture(scope="module")
 def policy(llama_dir: Path) -> Iterator[MegatronPolicyWorker]:
-    w = MegatronPolicyWorker(0, 1)
-    w.init_process_group("127.0.0.1", free_port(), "gloo", 60.0)
-    try:
-        w.load(str(llama_dir), "float32", OPTIONS)
+    with in_process_policy(llama_dir, OPTIONS) as w:
         yield w
-    finally:
-        w.teardown()  # destroys the parallel state and the process group (the last user)
 
 
 @pytest.fixture(scope="module")
