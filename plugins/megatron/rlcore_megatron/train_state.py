@@ -36,6 +36,7 @@ import io
 import json
 import logging
 import random
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -333,17 +334,20 @@ def load(worker: MegatronPolicyWorker, directory: str) -> dict[str, Any]:
 
 def _agree(worker: MegatronPolicyWorker, refused: CheckpointError | None, root: Path) -> None:
     """Raise on every rank when any refused the checkpoint (its own RNG file may be the
-    only one missing): the others must not go on into the load's collectives alone."""
-    import torch
+    only one missing): the others must not go on into the load's collectives alone, and
+    every rank names the first refusal, whichever rank the driver hears from first."""
     import torch.distributed as dist
 
-    flag = torch.tensor([0 if refused is None else 1], dtype=torch.int32, device=worker.device)
-    if worker.world_size > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if refused is not None:
-        raise refused
-    if int(flag.item()):
-        raise CheckpointError(f"another megatron policy rank refused the checkpoint {root} (its error names why)")
+    if worker.world_size == 1:
+        if refused is not None:
+            raise refused
+        return
+    reasons: list[str | None] = [None] * worker.world_size
+    dist.all_gather_object(reasons, None if refused is None else str(refused))
+    first = next(((r, why) for r, why in enumerate(reasons) if why is not None), None)
+    if first is not None:
+        rank, why = first
+        raise CheckpointError(f"rank {rank} refused {root}: {why}") from refused
 
 
 def _load_model(model: Any, state: dict[str, Any], root: Path) -> None:
@@ -439,3 +443,21 @@ def _read_rng(root: Path, rank: int) -> dict[str, Any]:
     if not isinstance(rng, dict) or not {"torch", "cuda", "python", "numpy", "tracker"} <= set(rng):
         raise CheckpointError(f"{path} does not hold a rank's RNG states")
     return rng
+
+
+def release() -> None:
+    """Stop the process megatron-core's checkpoint writer started in this process for its
+    results queue (a ``multiprocessing`` manager, kept in a module global for the process's
+    lifetime); a rank's teardown calls it, so a worker leaves no process of its own behind.
+    The writer's per-file processes end with each save."""
+    filesystem_async = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    if filesystem_async is None:  # no checkpoint writer was ever loaded here
+        return
+    queue = getattr(filesystem_async, "_results_queue", None)
+    manager = getattr(queue, "_manager", None)
+    filesystem_async._results_queue = None
+    if manager is not None:
+        try:
+            manager.shutdown()
+        except Exception as err:  # teardown must not raise
+            log.debug("stopping megatron-core's checkpoint results queue failed: %s", err)

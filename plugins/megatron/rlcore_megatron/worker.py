@@ -612,8 +612,11 @@ class MegatronPolicyWorker(PolicyGradientWorker, RefitSenderWorker, MegatronWork
         return {name: t.detach().cpu().clone() for name, t in self.export_stream()}
 
     def teardown(self) -> None:
+        from rlcore_megatron import train_state
+
         self.optimizer = None
         self._host_state.clear()
+        train_state.release()
         super().teardown()
 
 

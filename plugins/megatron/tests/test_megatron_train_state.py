@@ -222,3 +222,18 @@ def test_other_model_dtype_or_padding_is_refused_naming_both(
     _edit_meta(d, layout=meta["layout"], padded_vocab_size=128, version="0")
     with pytest.raises(CheckpointError, match="version '0'; this rlcore-megatron reads version 1"):
         policy.load_train_state(str(d))
+
+
+def test_release_stops_the_writers_results_queue(saved: dict[str, Any]) -> None:
+    """megatron-core's writer keeps a multiprocessing manager for its results: a torn-down
+    rank stops it (and the next save starts another)."""
+    import psutil
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    manager = filesystem_async._results_queue._manager  # the save of ``saved`` started it
+    pid = manager._process.pid
+    assert psutil.pid_exists(pid)
+    train_state.release()
+    assert filesystem_async._results_queue is None
+    if psutil.pid_exists(pid):
+        psutil.Process(pid).wait(10)  # psutil.TimeoutExpired if it were still serving
