@@ -342,18 +342,24 @@ def test_shutdown_leaves_nothing(pair: tuple[Any, Any]) -> None:
 # ----------------------------------------------------------------- 2. data parallel
 
 
-def test_data_parallel_policy_matches_reference(
-    ray_cluster: None, work: Path, llama_dir: Path
-) -> None:
-    policy = rlcore_init_policy(
+def data_parallel_policy(work: Path, llama_dir: Path, *overrides: str) -> Any:
+    """Two TP=1 policy replicas on the cluster's two CPUs, started by the init hook."""
+    return rlcore_init_policy(
         context(
             Role.POLICY,
             work,
             f"model.path={llama_dir}",
             "policy.workers=2",
             "policy.devices_per_worker=0.5",
+            *overrides,
         )
     )
+
+
+def test_data_parallel_policy_matches_reference(
+    ray_cluster: None, work: Path, llama_dir: Path
+) -> None:
+    policy = data_parallel_policy(work, llama_dir)
     try:
         assert [(x["tp_rank"], x["dp_rank"]) for x in policy.layout] == [(0, 0), (0, 1)]
         ref_model = hf_model(llama_dir)
@@ -372,16 +378,7 @@ def test_tp2_checkpoint_reshards_to_two_data_parallel_ranks(
     sharded matmuls' summation order. The pair goes first: the cluster's two CPUs hold it."""
     for handle in pair:
         handle.shutdown()
-    policy = rlcore_init_policy(
-        context(
-            Role.POLICY,
-            work,
-            f"model.path={llama_dir}",
-            "policy.workers=2",
-            "policy.devices_per_worker=0.5",
-            "policy.options.make_vocab_size_divisible_by=256",
-        )
-    )
+    policy = data_parallel_policy(work, llama_dir, "policy.options.make_vocab_size_divisible_by=256")
     try:
         policy.load_checkpoint(str(tp2_checkpoint["dir"]))
         assert max_diff(policy.logprobs(BATCH), tp2_checkpoint["at_save"]) < 1e-5
