@@ -237,3 +237,20 @@ def test_release_stops_the_writers_results_queue(saved: dict[str, Any]) -> None:
     assert filesystem_async._results_queue is None
     if psutil.pid_exists(pid):
         psutil.Process(pid).wait(10)  # psutil.TimeoutExpired if it were still serving
+
+
+def test_a_full_disk_is_an_oserror_naming_the_path(
+    policy: MegatronPolicyWorker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch DCP gathers the ranks' write errors into a CheckpointException (a BaseException):
+    the save raises the OSError inside it, naming the directory, as the contract asks."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise CheckpointException("write_data", {0: OSError(28, "No space left on device")})
+
+    monkeypatch.setattr(dist_checkpointing, "save", full)
+    with pytest.raises(OSError, match="No space left on device") as err:
+        policy.save_train_state(str(tmp_path))
+    assert err.value.errno == 28 and err.value.filename == str(tmp_path / "dist")
