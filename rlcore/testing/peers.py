@@ -33,7 +33,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlcore.context import InitContext
-from rlcore.declarations import BackendDeclaration, OverlapSafety, Role, Transport
+from rlcore.declarations import (
+    BackendDeclaration,
+    CheckpointSupport,
+    OverlapSafety,
+    Role,
+    Transport,
+)
 from rlcore.handles import SamplingParams
 from rlcore.hookspecs import hookimpl
 from rlcore.refit.worker import RefitChannels, RefitSenderWorker
@@ -122,6 +128,20 @@ class ReferencePolicyWorker(HFWorker, RefitSenderWorker):
     def export_stream(self) -> Any:
         """(name, tensor) of every weight in send order (what the refit sends)."""
         return iter(list(self.model.state_dict().items()))
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Its whole training state: the weights (its step keeps no optimizer state) and
+        torch's RNG state, with ``torch.save``."""
+        import torch
+
+        torch.save({"model": self.model.state_dict(), "rng": torch.get_rng_state()}, f"{directory}/policy.pt")
+
+    def load_checkpoint(self, directory: str) -> None:
+        import torch
+
+        state = torch.load(f"{directory}/policy.pt", weights_only=True)
+        self.model.load_state_dict(state["model"])
+        torch.set_rng_state(state["rng"])
 
 
 class ReferenceGenerationWorker(HFWorker, RefitChannels):
@@ -232,10 +252,18 @@ class _Group(GroupHandle):
 
 
 class ReferencePolicy(_Group, GroupPolicy):
-    """The reference policy handle (PolicyHandle + RefitSender); see the module doc."""
+    """The reference policy handle (PolicyHandle + RefitSender + Checkpointable); see the module doc."""
 
     role = "policy"
     device_type = "cpu"
+
+    def save_checkpoint(self, directory: str) -> None:
+        self._check_open()
+        self.group.call("save_checkpoint", directory, ranks=[0], what="checkpoint save")
+
+    def load_checkpoint(self, directory: str) -> None:
+        self._check_open()
+        self.group.call("load_checkpoint", directory, ranks=[0], what="checkpoint load")
 
 
 class ReferenceGeneration(_Group):
@@ -306,6 +334,7 @@ class ReferencePlugin:
             refit_fed=gen,
             options=ReferenceOptions,
             dtypes={"float32"},  # its workers load the checkpoint in float32 whatever model.dtype says
+            checkpoint=CheckpointSupport("reference-torch-save", "1", overlap=True) if pol else None,
             contract_version=CONTRACT_VERSION,
             description="transformers reference peer of rlcore's conformance suite (one Ray actor)",
         )

@@ -101,6 +101,7 @@ SUITE_ROWS = {
     "test_generate_logprobs_at_temperature_1",
     "test_weight_versions_before_refit",
     "test_env_collect_rollouts",
+    "test_checkpoint_round_trip",
     *(f"test_train_step_semantics[{d}]" for d in ("float32", "bfloat16", "float16")),
 }
 

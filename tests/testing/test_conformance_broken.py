@@ -71,6 +71,10 @@ class FaultyPolicyWorker(ReferencePolicyWorker):
             out["clip_fraction"] = 0.0
         return out
 
+    def load_checkpoint(self, directory: str) -> None:
+        if self.fault != "checkpoint_load_ignored":  # says it loaded, keeps its weights
+            super().load_checkpoint(directory)
+
     def export_stream(self) -> Any:
         import torch
 
@@ -397,6 +401,11 @@ CASES = [
 ]
 
 #: The unbroken reference on the shared actors: passes every selected test.
+CASES.append(
+    case("checkpoint_load_ignored", "load_checkpoint() restores the saved state",
+         ("test_checkpoint_round_trip",), ("after load_checkpoint", "the weights did not come back")),
+)
+
 HONEST = Case(BrokenPlugin("broken-none"), "none", frozenset(), "", ())
 
 #: The suite tests run against every case (the cheap ones that exercise the handles).
@@ -407,6 +416,8 @@ SELECTED = (
 #: The cases the training test runs for (it is the only test these faults reach).
 TRAINING = ("none", "loss-sign-flipped", "grads-not-reset", "tokens-are-rows", "lr-fixed",
             "clip-fraction-never", "export-float64")
+#: The cases the checkpoint round trip runs for.
+CHECKPOINTS = ("none", "checkpoint-load-ignored")
 
 
 @pytest.fixture(scope="module")
@@ -475,6 +486,7 @@ def outcomes(shared: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     select = (
         f"{' or '.join(SELECTED)} or (({' or '.join(TRIPS)}) and ({classes(tripped)}))"
         f" or (test_train_step_semantics and ({classes(TRAINING)}))"
+        f" or (test_checkpoint_round_trip and ({classes(CHECKPOINTS)}))"
         f" or ({VERSIONS} and ({classes(versioned)}))"
     )
     reports = run_pytest(root, test_file, args=("-k", select))
