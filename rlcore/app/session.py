@@ -373,6 +373,9 @@ class Session:
         tokenizer: the run's tokenizer (``tokenizer(text).input_ids``, ``encode``,
             ``decode``, ``eos_token_id``: :func:`rlcore.models.tokenizer.load`).
         probe: the fixed batch a probe refit check compares (``refit.probe_prompts`` pairs).
+        first_step: the loop's first step: 1, or the step after the checkpoint a resumed
+            run loaded (:func:`open` with ``resume``); :meth:`checkpoint` saves the state
+            after a step (``checkpoint.every_steps``).
     """
 
     def __init__(self, *, config: RunConfig, **over_handles: Any) -> None:

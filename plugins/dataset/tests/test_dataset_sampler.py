@@ -38,3 +38,17 @@ def test_state_resumes_the_stream_where_it_was() -> None:
         assert "seed" in str(err)
     else:
         raise AssertionError("a state of another seed was accepted")
+
+
+def test_the_state_after_a_step_ignores_steps_taken_ahead() -> None:
+    """A loop that samples ahead (grpo.max_staleness) has taken steps 3 and 4 when step 2's
+    checkpoint is saved: the state after step 2 still resumes at step 3's rows."""
+    run = EpochSampler(7, seed=1)
+    steps = [run.take(3, step) for step in range(1, 6)]
+    ahead = EpochSampler(7, seed=1)
+    for step in range(1, 5):
+        ahead.take(3, step)
+    resumed = EpochSampler(7, seed=1)
+    resumed.load_state(ahead.state(after_step=2))
+    assert [resumed.take(3, step) for step in range(3, 6)] == steps[2:]
+    assert ahead.state()["position"] == 12 and ahead.state(after_step=2)["position"] == 6
