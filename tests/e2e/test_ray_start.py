@@ -215,14 +215,8 @@ def test_a_ray_start_cluster_is_joined_with_the_token_ray_finds_and_roles_placed
     assert not _listening_beyond_loopback(head)
 
 
-@pytest.mark.soak  # a known failure (below) costs CI minutes and proves nothing until it is understood
+@pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: on this two-node loopback cluster the job's driver dies in setup with 'Intel oneMKL FATAL "
-    "ERROR: Cannot load libtorch_cpu.so' (exit 139), also with the entrypoint on the head; the same job on a "
-    "one-node `ray start` head runs to the end",
-)
 def test_ray_job_submit_runs_on_the_cluster_it_was_submitted_to(head: Head, tmp_path: Path) -> None:
     # The job's working directory is a runtime environment the run's actors must get
     # (a nested cluster could not fetch it: RuntimeEnvSetupError).
