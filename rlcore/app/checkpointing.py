@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,43 @@ log = logging.getLogger(__name__)
 Publish = Callable[[Path, Callable[[Path], None]], Path]
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """When saves happen and how.
+
+    Attributes:
+        every: ``checkpoint.every_steps`` (0: never).
+        last_step: the run's last step (saved too).
+        keep: ``checkpoint.keep``.
+        overlap: run saves on their own thread (the policy allows it and the config wants it).
+    """
+
+    every: int
+    last_step: int
+    keep: int
+    overlap: bool
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is saved: every ``every`` steps and the last."""
+        return self.every > 0 and (step % self.every == 0 or step == self.last_step)
+
+
+@dataclass(frozen=True)
+class Contents:
+    """What a checkpoint holds besides the policy's files.
+
+    Attributes:
+        manifest: what every manifest carries besides the step and files: the policy's
+            format, the config keys a resume must share.
+        config_yaml: the run's config, saved beside the state.
+        env_state: ``env_state(step)``: the env's state after ``step`` (None: it has none).
+    """
+
+    manifest: Mapping[str, Any]
+    config_yaml: str
+    env_state: Callable[[int], Any]
+
+
 class Checkpointer:
     """A run's saves (module doc).
 
@@ -39,15 +77,9 @@ class Checkpointer:
         root: where the checkpoints go (``checkpoint.dir`` or ``<run_dir>/checkpoints``).
         policy: the policy handle (:class:`rlcore.handles.Checkpointable`).
         publish: publishes a directory atomically (the ``rlcore_publish`` hook).
-        manifest: what every checkpoint's manifest carries besides the step and files:
-            the policy's format, the config keys a resume must share.
-        config_yaml: the run's config, saved beside the state.
-        env_state: ``env_state(step)``: the env's state after ``step`` (None: it has none).
+        contents: what a checkpoint holds besides the policy's files.
+        schedule: when saves happen, how many stay, whether they overlap the loop.
         record: ``record(metrics, step)``: a ``metrics.jsonl`` line about a save.
-        every: ``checkpoint.every_steps`` (0: never).
-        last_step: the run's last step (saved too).
-        keep: ``checkpoint.keep``.
-        overlap: run saves on their own thread (the policy allows it and the config wants it).
     """
 
     def __init__(
@@ -56,26 +88,20 @@ class Checkpointer:
         *,
         policy: Any,
         publish: Publish,
-        manifest: Mapping[str, Any],
-        config_yaml: str,
-        env_state: Callable[[int], Any],
+        contents: Contents,
+        schedule: Schedule,
         record: Callable[[dict[str, Any], int], None],
-        every: int,
-        last_step: int,
-        keep: int,
-        overlap: bool,
     ) -> None:
         self.root, self.policy, self.publish = Path(root), policy, publish
-        self.manifest, self.config_yaml, self.env_state, self.record = dict(manifest), config_yaml, env_state, record
-        self.every, self.last_step, self.keep, self.overlap = every, last_step, keep, overlap
+        self.contents, self.schedule, self.record = contents, schedule, record
         self.last_saved: int | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._blocked_s = 0.0
 
     def due(self, step: int) -> bool:
-        """Whether ``step`` is saved: every ``every`` steps and the last."""
-        return self.every > 0 and (step % self.every == 0 or step == self.last_step)
+        """Whether ``step`` is saved (:meth:`Schedule.due`)."""
+        return self.schedule.due(step)
 
     def save(self, step: int) -> None:
         """Save the state after ``step``: on a thread where the policy allows (joined by
@@ -84,8 +110,8 @@ class Checkpointer:
         if self.last_saved == step:
             return
         self.last_saved = step
-        env = self.env_state(step)  # now, on the caller's thread: the env moves on next step
-        if not self.overlap:
+        env = self.contents.env_state(step)  # now, on the caller's thread: the env moves on next step
+        if not self.schedule.overlap:
             t0 = time.monotonic()
             try:
                 self._save(step, env)
@@ -133,8 +159,8 @@ class Checkpointer:
         def write(staging: Path) -> None:
             written.update(write_checkpoint(
                 staging, step=step, save_policy=self.policy.save_checkpoint,
-                manifest={**self.manifest, "weight_version": step, "env": env, "time": time.time()},
-                config_yaml=self.config_yaml,
+                manifest={**self.contents.manifest, "weight_version": step, "env": env, "time": time.time()},
+                config_yaml=self.contents.config_yaml,
             ))
 
         try:
@@ -147,7 +173,7 @@ class Checkpointer:
                 f"{self._intact()}"
             ) from err
         seconds = time.monotonic() - t0
-        removed = prune(self.root, self.keep)
+        removed = prune(self.root, self.schedule.keep)
         self.record({
             "checkpoint/step": step, "checkpoint/save_time_s": seconds,
             "checkpoint/bytes": written.get("bytes", 0), "checkpoint/path": str(destination),
@@ -170,4 +196,4 @@ def _cause(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-__all__ = ["POLICY_DIR", "Checkpointer"]
+__all__ = ["POLICY_DIR", "Checkpointer", "Contents", "Schedule"]

@@ -130,20 +130,19 @@ class _StepClock:
 
 def _step_metrics(
     step: int,
-    rewards: list[list[float]],
+    got: _Samples,
     train: dict[str, float],
     gen_vs_policy: float | None,
     report: Any,
     check: dict[str, Any],
-    tokens: int = 0,
-    versions: Sequence[Sequence[int]] = (),
-    failed: Sequence[Sequence[bool]] = (),
 ) -> dict[str, Any]:
     """One step's metrics: rewards, generated tokens, train step, generation vs policy,
     refit, refit check; with the samples' weight ``versions`` (those that carry them),
     their staleness: each sample's lag is the policy's version (step - 1) minus its
     oldest token's version. Samples marked ``failed`` (no reward) are counted in
     ``reward/failed`` and left out of the reward figures (NaN when every one failed)."""
+    rewards, failed, versions = got.rewards, got.failed, got.versions
+    tokens = sum(len(completion) for _, completion in got.batch)
     flags = [f for g in failed for f in g] if failed else [False] * sum(len(g) for g in rewards)
     flat_rewards = [r for r, f in zip((r for g in rewards for r in g), flags, strict=True) if not f]
     lags = [step - 1 - min(v) for v in versions if v]
@@ -356,8 +355,7 @@ def _step(
     if failure is None and s.checkpointing:
         with clock("checkpoint"):
             s.checkpoint(step)
-    tokens = sum(len(completion) for _, completion in got.batch)
-    metrics = _step_metrics(step, got.rewards, train, gen_vs_policy, report, check, tokens, got.versions, got.failed)
+    metrics = _step_metrics(step, got, train, gen_vs_policy, report, check)
     _add_timing(metrics, clock, t_step, len(got.batch))
     return metrics, failure
 
@@ -444,9 +442,9 @@ def _step_ahead(
     if failure is None and s.checkpointing:
         with clock("checkpoint"):
             s.checkpoint(step)
-    tokens = sum(len(completion) for _, completion in batch)
     versions = _sample_versions(groups, got.version)
-    metrics = _step_metrics(step, rewards, train, None, report, check, tokens, versions, failed)
+    samples = _Samples(rewards=rewards, batch=batch, advantages=advantages, logprobs=[], versions=versions, failed=failed)
+    metrics = _step_metrics(step, samples, train, None, report, check)
     _add_timing(metrics, clock, t_step, len(batch))
     metrics.update({
         "timing/generate_time_s": got.generate_s,  # the producer's call, beside earlier steps

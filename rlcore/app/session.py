@@ -58,7 +58,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from rlcore.app import overlap
-from rlcore.app.checkpointing import Checkpointer
+from rlcore.app.checkpointing import Checkpointer, Contents, Schedule
 from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.health import check_train_health, reward_trend, trend_line
 from rlcore.app.interrupts import RunInterrupted, SignalGuard, active_guard, signal_name, signum_of
@@ -788,15 +788,17 @@ class Session:
             publish=lambda dest, write: publish(
                 destination=dest, write=write, cancel=run.cancel, deadline=Deadline(deadline_s, f"publish of {dest}")
             ),
-            manifest={"policy": dataclasses.asdict(fmt), "config": shared_config(config)},
-            config_yaml=OmegaConf.to_yaml(OmegaConf.structured(config)),
-            env_state=(lambda step: state(after_step=step)) if callable(state) else (lambda step: None),
+            contents=Contents(
+                manifest={"policy": dataclasses.asdict(fmt), "config": shared_config(config)},
+                config_yaml=OmegaConf.to_yaml(OmegaConf.structured(config)),
+                env_state=(lambda step: state(after_step=step)) if callable(state) else (lambda step: None),
+            ),
+            schedule=Schedule(
+                every=config.checkpoint.every_steps, last_step=config.grpo.steps, keep=config.checkpoint.keep,
+                # A policy that sleeps while the generation samples (colocated) cannot save then.
+                overlap=decl.checkpoint.overlap and config.checkpoint.overlap and self._handoff.policy is None,
+            ),
             record=self._saved,
-            every=config.checkpoint.every_steps,
-            last_step=config.grpo.steps,
-            keep=config.checkpoint.keep,
-            # A policy that sleeps while the generation samples (colocated) cannot save then.
-            overlap=decl.checkpoint.overlap and config.checkpoint.overlap and self._handoff.policy is None,
         )
 
     def _saved(self, m: dict[str, Any], step: int) -> None:

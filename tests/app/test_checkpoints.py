@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from rlcore.app.checkpointing import Checkpointer
+from rlcore.app.checkpointing import Checkpointer, Contents, Schedule
 from rlcore.app.checkpoints import MANIFEST_NAME, POLICY_DIR, scan, step_dir, verify
 from rlcore.app.resume import PolicyFormat, choose, shared_config
 from rlcore.app.rundir import truncate_metrics
@@ -64,9 +64,12 @@ def checkpointer(root: Path, policy: FilePolicy, *, every: int = 1, keep: int = 
     kept = records if records is not None else []
     return Checkpointer(
         root, policy=policy, publish=lambda dest, write: publish_dir(dest, write),
-        manifest={"policy": FORMAT.__dict__, "config": shared_config(cfg)}, config_yaml="name: x\n",
-        env_state=lambda step: {"position": step * 8}, record=lambda m, s: kept.append((s, m)),
-        every=every, last_step=10, keep=keep, overlap=overlap,
+        contents=Contents(
+            manifest={"policy": FORMAT.__dict__, "config": shared_config(cfg)}, config_yaml="name: x\n",
+            env_state=lambda step: {"position": step * 8},
+        ),
+        schedule=Schedule(every=every, last_step=10, keep=keep, overlap=overlap),
+        record=lambda m, s: kept.append((s, m)),
     )
 
 

@@ -65,7 +65,8 @@ def save(worker: FSDPWorker, directory: str) -> dict[str, Any]:
     path = Path(directory)
     state = _sharded_state(worker, with_optimizer=bool(worker.optimizer.state))
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=False))
+        with _quiet():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=False))
     except dcp.api.CheckpointException as err:  # a BaseException: turned into what it wraps
         raise _first_failure(err, f"fsdp checkpoint save into {path}") from None
     # After DCP's collectives: a rank failing here fails alone, its peers do not wait on it.
@@ -184,7 +185,8 @@ def load(worker: FSDPWorker, directory: str, meta: dict[str, Any]) -> dict[str, 
         _init_optimizer_state(worker)
     state = _sharded_state(worker, with_optimizer=with_optimizer)
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+        with _quiet():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path))
     except dcp.api.CheckpointException as err:
         files = ", ".join(sorted(str(f) for f in path.glob("*.distcp")))
         raise _first_failure(err, f"fsdp checkpoint {path}: cannot read its shards ({files})") from None
@@ -344,4 +346,8 @@ def _quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         warnings.filterwarnings("ignore", message=".*NO_SHARD.*")
+        # DCP's collectives over a gloo group ask torch for the group's device in a way torch
+        # deprecates, twice per call per rank; nothing to act on here.
+        warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*")
+        warnings.filterwarnings("ignore", message="Multiple backends are registered with this ProcessGroup.*")
         yield

@@ -925,11 +925,7 @@ class MegatronGenerationWorker(MegatronWorker):
         except BaseException:
             if pulled == 0:  # the channel failed before its first tensor: nothing was written
                 self.stale = before
-            try:
-                for _ in stream:
-                    pass
-            except Exception as err:  # the channel itself is broken: nothing left to drain
-                log.debug("rank %d: draining refit step %d failed: %s", self.rank, step, err)
+            _drain(stream, self.rank, step)
             raise
         self.stale, self.serving, self.loaded_version = None, True, step
         return time.monotonic() - t0
@@ -969,3 +965,13 @@ class MegatronGenerationWorker(MegatronWorker):
     def teardown(self) -> None:
         self.engine = None
         super().teardown()
+
+
+def _drain(stream: Iterator[Any], rank: int, step: int) -> None:
+    """The rest of a collective refit stream whose load failed, read and dropped: its sender
+    is not left blocked on a receiver that stopped reading."""
+    try:
+        for _ in stream:
+            pass
+    except Exception as err:  # the channel itself is broken: nothing left to drain
+        log.debug("rank %d: draining refit step %d failed: %s", rank, step, err)
