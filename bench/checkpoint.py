@@ -10,9 +10,10 @@ each run's ``metrics.jsonl``:
   (the share of the step saving blocks);
 
 then resumes the last run (``--resume``) with one step more and reads
-``checkpoint/load_time_s``. Prints ``blocked_share_overlap_over_serial: X`` (below 1: the
-overlap hides part of the save) with the figures under it; ``--write`` appends them with the
-command to a file.
+``checkpoint/load_time_s``. Prints ``step_time_overlap_over_serial: X`` (mean step time with
+a save after every step, overlapped over serial; below 1: the overlap hides part of the save)
+and ``blocked_share_overlap_over_serial`` with the figures under them; ``--write`` appends
+them with the command to a file.
 
     python bench/checkpoint.py --config examples/quickstart.yaml --steps 8 --rounds 2 \\
         --write bench/results/checkpoint_cpu.txt
@@ -55,6 +56,7 @@ def figures(lines: list[dict[str, Any]]) -> dict[str, float]:
         "mib": statistics.median(m["checkpoint/bytes"] for m in saves) / 2**20,
         "blocked_share": blocked / sum(m["timing/step_time_s"] for m in steps),
         "step_s_median": statistics.median(m["timing/step_time_s"] for m in steps),
+        "step_s_mean": statistics.fmean(m["timing/step_time_s"] for m in steps),
     }
 
 
@@ -80,6 +82,7 @@ def main() -> None:
     mean = {k: {f: statistics.fmean(x[f] for x in v) for f in v[0]} for k, v in got.items()}
     ratio = mean[True]["blocked_share"] / mean[False]["blocked_share"] if mean[False]["blocked_share"] else float("nan")
     lines = [
+        f"step_time_overlap_over_serial: {mean[True]['step_s_mean'] / mean[False]['step_s_mean']:.3f}",
         f"blocked_share_overlap_over_serial: {ratio:.3f}",
         f"  serial:  save {mean[False]['save_s_median']:.3f} s, {mean[False]['mib']:.1f} MiB, "
         f"blocks {mean[False]['blocked_share']:.1%} of a step ({mean[False]['step_s_median']:.2f} s)",
