@@ -1,7 +1,7 @@
 """``rlcore export`` without Ray: which checkpoint it takes, what it refuses, what it writes.
 
 The checkpoints are written by the core's own writer around a stand-in policy that writes
-files; the real export (FSDP policy, transformers loading the result) is tests/e2e/test_export.py.
+files; the real export (FSDP policy, transformers loading the result) is tests/e2e/test_e2e_export.py.
 """
 
 from __future__ import annotations
