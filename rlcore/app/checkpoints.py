@@ -22,8 +22,8 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,12 @@ _CHUNK = 8 << 20
 def step_dir(root: Path, step: int) -> Path:
     """The checkpoint of ``step`` under ``root``."""
     return Path(root) / f"step-{step:08d}"
+
+
+def step_of(path: Path) -> int | None:
+    """The step a checkpoint directory's name says (``step-00000040``: 40), else ``None``."""
+    m = _STEP_DIR.match(Path(path).name)
+    return int(m.group(1)) if m is not None else None
 
 
 def file_digests(directory: Path) -> dict[str, dict[str, Any]]:
@@ -136,11 +142,11 @@ def scan(root: Path) -> list[Found]:
     except FileNotFoundError:
         return []
     for name in names:
-        m = _STEP_DIR.match(name)
-        if m is None or not (Path(root) / name).is_dir():
+        step = step_of(Path(name))
+        if step is None or not (Path(root) / name).is_dir():
             continue
         manifest, problem = _read_manifest(Path(root) / name)
-        found.append(Found(Path(root) / name, int(m.group(1)), problem, manifest))
+        found.append(Found(Path(root) / name, step, problem, manifest))
     return sorted(found, key=lambda f: f.step, reverse=True)
 
 
@@ -165,6 +171,46 @@ def verify(found: Found) -> str | None:
         if h.hexdigest() != want.get("sha256"):
             return f"corrupt: {rel} does not match its SHA-256 digest"
     return None
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The checkpoint a resume or an export reads.
+
+    Attributes:
+        found: the checkpoint (its path, step and manifest).
+        skipped: newer checkpoints that could not be used, each with why.
+    """
+
+    found: Found
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        return self.found.step
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        assert self.found.manifest is not None
+        return self.found.manifest
+
+
+def newest_whole(found: Sequence[Found], check: Callable[[Found], None] = lambda f: None) -> tuple[Found | None, list[str]]:
+    """The newest of ``found`` (newest first, as :func:`scan` lists them) that is complete
+    and whose files match their digests (``None`` if none is), and each one passed over with
+    why. ``check(found)`` runs before a candidate's digests are read and may raise (a resume
+    refuses another config at once: an older checkpoint would differ the same way)."""
+    skipped: list[str] = []
+    for f in found:
+        if f.problem is not None or f.manifest is None:
+            skipped.append(f.describe())
+            continue
+        check(f)
+        problem = verify(f)
+        if problem is None:
+            return f, skipped
+        skipped.append(f"{f.path.name} ({problem})")
+    return None, skipped
 
 
 def prune(root: Path, keep: int) -> list[Path]:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlcore.app.checkpoints import POLICY_DIR, Found, scan, verify
+from rlcore.app.checkpoints import POLICY_DIR, Chosen, Found, newest_whole, scan, step_of, verify
 from rlcore.config import RunConfig, cache_dir, load_config
 from rlcore.declarations import Role
 from rlcore.errors import CancelToken, CheckpointError, ConfigError
@@ -47,30 +47,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Exported", "Selected", "export_checkpoint", "find_checkpoint", "start_policy", "write_model"]
+__all__ = ["Exported", "export_checkpoint", "find_checkpoint", "start_policy", "write_model"]
 
 #: Files of a Hugging Face model directory that hold weights: the export writes its own.
 _WEIGHT_FILE = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.ckpt|\.h5|\.msgpack|\.index\.json)$")
-_STEP_NAME = re.compile(r"^step-(\d{8})$")
 #: Largest ``model-0000i-of-0000n.safetensors`` shard (transformers' own default).
 MAX_SHARD = "5GB"
-
-
-@dataclass(frozen=True)
-class Selected:
-    """The checkpoint an export reads.
-
-    Attributes:
-        found: the checkpoint (path, step, manifest).
-        skipped: newer checkpoints passed over, each with why.
-    """
-
-    found: Found
-    skipped: list[str] = field(default_factory=list)
-
-    @property
-    def step(self) -> int:
-        return self.found.step
 
 
 @dataclass(frozen=True)
@@ -86,7 +68,7 @@ class Exported:
     """
 
     path: Path
-    selected: Selected
+    selected: Chosen
     files: list[str]
     logprobs: list[list[float]] = field(default_factory=list)
 
@@ -103,15 +85,15 @@ def checkpoint_root(directory: Path) -> tuple[Path, int | None]:
     directory = Path(directory).expanduser()
     if not directory.is_dir():
         raise ConfigError(f"rlcore export {directory}: no such directory", key="DIR")
-    m = _STEP_NAME.match(directory.name)
-    if m is not None:
-        return directory.parent, int(m.group(1))
+    named = step_of(directory)
+    if named is not None:
+        return directory.parent, named
     if (directory / "checkpoints").is_dir() or not (directory / "config.yaml").is_file():
         return (directory / "checkpoints" if (directory / "checkpoints").is_dir() else directory), None
     return run_checkpoints(load_config(directory / "config.yaml"), directory), None
 
 
-def find_checkpoint(directory: Path, step: int | None = None) -> Selected:
+def find_checkpoint(directory: Path, step: int | None = None) -> Chosen:
     """The checkpoint to export from ``directory`` (module doc, step 1).
 
     Raises:
@@ -124,13 +106,10 @@ def find_checkpoint(directory: Path, step: int | None = None) -> Selected:
     step = named if step is None else step
     found = scan(root)
     if step is not None:
-        return Selected(_the_step(found, step, root))
-    skipped = []
-    for f in found:
-        problem = verify(f)
-        if problem is None:
-            return Selected(f, skipped)
-        skipped.append(f"{f.path.name} ({problem})")
+        return Chosen(_the_step(found, step, root))
+    newest, skipped = newest_whole(found)
+    if newest is not None:
+        return Chosen(newest, skipped)
     what = f"found {', '.join(skipped)}" if skipped else "it holds no checkpoint"
     raise ConfigError(
         f"nothing to export in {root}: {what}. A run saves checkpoints with checkpoint.every_steps=N",
@@ -157,7 +136,7 @@ def check_target(to: Path) -> Path:
     return to
 
 
-def checkpoint_config(selected: Selected) -> RunConfig:
+def checkpoint_config(selected: Chosen) -> RunConfig:
     """The run's config as the checkpoint saved it."""
     path = selected.found.path / "config.yaml"
     if not path.is_file():
@@ -309,12 +288,12 @@ def export_checkpoint(
     return Exported(to, selected, written, logprobs)
 
 
-def _say_selected(console: Console, selected: Selected) -> None:
+def _say_selected(console: Console, selected: Chosen) -> None:
     skipped = f"; skipped {', '.join(selected.skipped)}" if selected.skipped else ""
     console.print(f"exporting {selected.found.path} (step {selected.step}){skipped}")
 
 
-def _check_format(prepared: PreparedRun, selected: Selected) -> None:
+def _check_format(prepared: PreparedRun, selected: Chosen) -> None:
     """The checkpoint's policy format is one this policy backend loads (else refused now)."""
     from rlcore.app.resume import policy_format
 
@@ -329,7 +308,7 @@ def _check_format(prepared: PreparedRun, selected: Selected) -> None:
 
 
 def _restore_and_capture(
-    policy: Any, prepared: PreparedRun, selected: Selected, cancel: CancelToken, console: Console,
+    policy: Any, prepared: PreparedRun, selected: Chosen, cancel: CancelToken, console: Console,
     probe: Sequence[Pair],
 ) -> tuple[dict[str, Any], list[list[float]]]:
     """Load the checkpoint into the started policy and take its weights (and the probe's

@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlcore.app.checkpoints import Found, clean_partial, scan, verify
+from rlcore.app.checkpoints import Chosen, Found, clean_partial, newest_whole, scan
 from rlcore.config import RunConfig
 from rlcore.declarations import Role
 from rlcore.errors import CheckpointError
@@ -102,29 +102,7 @@ def policy_format(prepared: PreparedRun) -> PolicyFormat | None:
     return PolicyFormat(decl.name, c.format, c.version, info.distribution, info.version)
 
 
-@dataclass(frozen=True)
-class ResumePoint:
-    """The checkpoint a resumed run continues from.
-
-    Attributes:
-        found: the checkpoint (its path, step and manifest).
-        skipped: newer checkpoints that could not be used, each with why.
-    """
-
-    found: Found
-    skipped: list[str] = field(default_factory=list)
-
-    @property
-    def step(self) -> int:
-        return self.found.step
-
-    @property
-    def manifest(self) -> dict[str, Any]:
-        assert self.found.manifest is not None
-        return self.found.manifest
-
-
-def choose(root: Path, config: RunConfig, policy: PolicyFormat) -> ResumePoint:
+def choose(root: Path, config: RunConfig, policy: PolicyFormat) -> Chosen:
     """The newest usable checkpoint under ``root`` (module doc).
 
     Raises:
@@ -133,18 +111,9 @@ def choose(root: Path, config: RunConfig, policy: PolicyFormat) -> ResumePoint:
             difference: an older one would differ the same way).
     """
     clean_partial(root)
-    found = scan(root)
-    skipped: list[str] = []
-    for f in found:
-        if f.problem is not None or f.manifest is None:
-            skipped.append(f.describe())
-            continue
-        _check_compatible(f, config, policy)
-        problem = verify(f)
-        if problem is not None:
-            skipped.append(f"{f.path.name} ({problem})")
-            continue
-        return ResumePoint(f, skipped)
+    found, skipped = newest_whole(scan(root), lambda f: _check_compatible(f, config, policy))
+    if found is not None:
+        return Chosen(found, skipped)
     what = f"found {', '.join(skipped)}" if skipped else "it holds no checkpoint"
     raise CheckpointError(
         f"nothing to resume from in {root}: {what}. A run saves checkpoints with "
@@ -163,3 +132,4 @@ def _check_compatible(f: Found, config: RunConfig, policy: PolicyFormat) -> None
             f"cannot resume from {f.path}: this run's config differs from the checkpoint's in "
             + "; ".join(diff) + " (resume with the checkpoint's values, or start a new run)"
         )
+

@@ -59,6 +59,7 @@ from rich.console import Console
 
 from rlcore.app import overlap
 from rlcore.app.checkpointing import Checkpointer, Contents, Schedule
+from rlcore.app.checkpoints import Chosen
 from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.health import check_train_health, reward_trend, trend_line
 from rlcore.app.interrupts import RunInterrupted, SignalGuard, active_guard, signal_name, signum_of
@@ -68,7 +69,7 @@ from rlcore.app.progress import RunPhase, SetupProgress, setup_display
 from rlcore.app.records import write_atomic
 from rlcore.app.recovery import GenerationRecovery, retry_on_generation_loss
 from rlcore.app.refit_check import check_divergence, probe_batch, token_mult_prob_error
-from rlcore.app.resume import ResumePoint, checkpoint_root, choose, policy_format, shared_config
+from rlcore.app.resume import checkpoint_root, choose, policy_format, shared_config
 from rlcore.app.rundir import (
     RunStatus,
     check_run_dir,
@@ -265,7 +266,7 @@ def _prepared_run(config: RunConfig, opts: OpenOptions, console: Console, guard:
     return run
 
 
-def _resume_point(prepared: PreparedRun, run_dir: Path) -> ResumePoint:
+def _resume_point(prepared: PreparedRun, run_dir: Path) -> Chosen:
     """The checkpoint a resumed run continues from, chosen before anything starts."""
     check_checkpoints(prepared, resume=True)
     fmt = policy_format(prepared)
@@ -810,7 +811,7 @@ class Session:
                 f"({m['checkpoint/bytes'] / 2**20:.1f} MiB in {m['checkpoint/save_time_s']:.1f}s)"
             )
 
-    def _restore(self, point: ResumePoint) -> None:
+    def _restore(self, point: Chosen) -> None:
         """Load the checkpoint a resumed run continues from, then refit the generation from
         the restored policy (checked as every refit is, by the loop); the loop starts at
         the step after it."""
@@ -989,7 +990,7 @@ class _Run:
         self.plot: overlap.Background | None = None
         self.groups_before = len(placed_groups())
         self.done: set[int] = set()  # steps recorded as done (run.json)
-        self.resume_point: ResumePoint | None = None  # the checkpoint a resumed run loads
+        self.resume_point: Chosen | None = None  # the checkpoint a resumed run loads
         self.history: list[dict[str, Any]] = []  # their lines with a reward, for the plot
         # The model and its tokenizer get ready while Ray starts.
         overlap.prefetch_tokenizer(config.model, cache_dir(config), self.cancel)
