@@ -282,3 +282,50 @@ def test_an_abandoned_ray_wait_makes_no_call_after_the_cluster_shut_down() -> No
     with pytest.raises(Exception, match="(?i)ray"):  # auto-init is off: a stray call fails
         ray.get(refs)
     assert not ray.is_initialized()
+
+
+# ---------------------------------------------------------------- a SIGTERM held for a checkpoint
+
+
+def _deliver(signum: int) -> None:
+    os.kill(os.getpid(), signum)
+    time.sleep(0.05)  # the handler runs in the main thread at its next bytecode
+
+
+def test_a_held_sigterm_waits_for_the_loop_and_then_stops_the_run() -> None:
+    from rlcore.app.interrupts import Interrupted, SignalGuard
+
+    with SignalGuard(hard_s=60) as guard:
+        guard.defer(signal.SIGTERM, grace_s=30)
+        _deliver(signal.SIGTERM)  # held: nothing raised here
+        assert guard.pending is not None and guard.pending.signum == signal.SIGTERM and guard.first is None
+        with pytest.raises(Interrupted) as info:
+            raise guard.take_pending()  # what the loop does once its step is saved
+        assert info.value.exit_code == 143 and guard.first is info.value and guard.pending is None
+
+
+def test_another_signal_while_one_is_held_stops_the_run_at_once() -> None:
+    from rlcore.app.interrupts import Interrupted, SignalGuard
+
+    with SignalGuard(hard_s=60) as guard:
+        guard.defer(signal.SIGTERM, grace_s=30)
+        _deliver(signal.SIGTERM)
+        with pytest.raises(Interrupted) as info:
+            _deliver(signal.SIGINT)
+        assert info.value.signum == signal.SIGINT and guard.pending is None
+
+
+def test_a_held_sigterm_past_its_grace_stops_the_run_as_without_checkpoints() -> None:
+    from rlcore.app.interrupts import Interrupted, SignalGuard
+
+    with SignalGuard(hard_s=60) as guard:
+        guard.defer(signal.SIGTERM, grace_s=0.3)
+        _deliver(signal.SIGTERM)
+        t0 = time.monotonic()
+        with pytest.raises(Interrupted) as info:
+            while time.monotonic() - t0 < 10:  # a step that never ends
+                time.sleep(0.01)
+        assert info.value.signum == signal.SIGTERM and time.monotonic() - t0 >= 0.25  # held until the grace ended
+    # Without defer a SIGTERM raises at once, as before.
+    with SignalGuard(hard_s=60), pytest.raises(Interrupted):
+        _deliver(signal.SIGTERM)
