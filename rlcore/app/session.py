@@ -271,7 +271,10 @@ def _resume_point(prepared: PreparedRun, run_dir: Path) -> Chosen:
     check_checkpoints(prepared, resume=True)
     fmt = policy_format(prepared)
     assert fmt is not None  # check_checkpoints refused a policy without checkpoints
-    return choose(checkpoint_root(prepared.config, run_dir), prepared.config, fmt)
+    try:
+        return choose(checkpoint_root(prepared.config, run_dir), prepared.config, fmt)
+    except CheckpointError as err:  # bad input, found before anything started (exit 2)
+        raise ConfigError(str(err), key="--resume") from None
 
 
 def _joined_cluster(prepared: PreparedRun, choice: ClusterChoice) -> Cluster:

@@ -271,3 +271,26 @@ def test_a_slow_loop_never_sees_two_saves_at_once(tmp_path: Path) -> None:
     c.wait()
     assert time.monotonic() - t0 >= 0.2
     assert policy.calls == ["save", "saved", "save", "saved"]
+
+
+def test_rlcore_run_resume_without_a_usable_checkpoint_is_bad_input_before_anything_starts(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text((REPO / "examples/quickstart.yaml").read_text())
+    rlcore = Path(sys.executable).with_name("rlcore")
+
+    def resume() -> str:
+        before = sorted(p.name for p in run.iterdir())
+        proc = subprocess.run([str(rlcore), "run", "--resume", str(run)], capture_output=True, text=True, cwd=REPO,
+                              timeout=300)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+        assert "Started a local Ray instance" not in proc.stdout + proc.stderr
+        assert sorted(p.name for p in run.iterdir()) == before  # nothing written
+        return errors[0]
+
+    line = resume()
+    assert "nothing to resume from in" in line and "it holds no checkpoint" in line
+    # A checkpoint of another policy backend (the quickstart's is fsdp): named, not loaded.
+    checkpointer(run / "checkpoints", FilePolicy()).save(1)
+    assert "it was saved by policy backend 'toy', this run's is 'fsdp'" in resume()
