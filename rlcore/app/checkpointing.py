@@ -70,6 +70,14 @@ class Contents:
     env_state: Callable[[int], Any]
 
 
+def save_overlaps(config: Any, decl: Any) -> bool:
+    """Whether a run's saves run beside its next rollouts: the policy declares its save
+    only reads (``CheckpointSupport.overlap``), ``checkpoint.overlap`` is on, and the policy
+    does not sleep while the generation samples (colocated roles that hand the devices over)."""
+    sleeps = config.placement.colocated and config.placement.memory_handoff and decl.memory_handoff
+    return bool(decl.checkpoint is not None and decl.checkpoint.overlap and config.checkpoint.overlap and not sleeps)
+
+
 class Checkpointer:
     """A run's saves (module doc).
 

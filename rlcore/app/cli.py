@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from rlcore.declarations import Role
 from rlcore.errors import BackendNotFoundError, ConfigError, PlanError, RlcoreError
 
 if TYPE_CHECKING:
@@ -185,13 +186,40 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     config, prepared = build_plan_from_args(args.config, args.overrides)
     plan, choice = prepared.plan, choose_cluster(config.cluster)
+    checkpoints = checkpoint_plan(prepared)
     if args.json:
         cluster = {"address": choice.address, "attached": choice.attached, "why": choice.why}
-        print(json.dumps({**plan.to_dict(), "cluster": cluster}, indent=2))
+        print(json.dumps({**plan.to_dict(), "cluster": cluster, "checkpoints": checkpoints}, indent=2))
     else:
         render_plan(plan, _console())
         _console().print(f"[bold]cluster[/bold]: {escape(choice.describe())}")
+        if checkpoints is not None:
+            _console().print(f"[bold]checkpoints[/bold]: {escape(checkpoints['describe'])}")
     return 0
+
+
+def checkpoint_plan(prepared: Any) -> dict[str, Any] | None:
+    """What the run saves and when (``checkpoint.*`` and the policy's declaration), or
+    ``None`` when it saves nothing."""
+    from rlcore.app.checkpointing import save_overlaps
+    from rlcore.app.resume import checkpoint_root, policy_format
+
+    c = prepared.config.checkpoint
+    fmt = policy_format(prepared)
+    if c.every_steps == 0 or fmt is None:
+        return None
+    overlap = save_overlaps(prepared.config, prepared.declarations[Role.POLICY])
+    where = c.dir or str(checkpoint_root(prepared.config, Path("<run dir>")))
+    how = "beside the next step's rollouts" if overlap else "before the next step"
+    return {
+        "every_steps": c.every_steps, "keep": c.keep, "dir": where, "format": fmt.format,
+        "format_version": fmt.version, "overlap": overlap, "on_sigterm": c.on_sigterm,
+        "describe": (
+            f"every {c.every_steps} steps and after the last, the last {c.keep} kept, in {where}; "
+            f"{fmt.backend} writes {fmt.format} v{fmt.version}, {how}"
+            + (f"; SIGTERM saves the step in progress (within {c.sigterm_grace_s:g}s)" if c.on_sigterm else "")
+        ),
+    }
 
 
 # ---------------------------------------------------------------- run

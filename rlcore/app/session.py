@@ -58,7 +58,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from rlcore.app import overlap
-from rlcore.app.checkpointing import Checkpointer, Contents, Schedule
+from rlcore.app.checkpointing import Checkpointer, Contents, Schedule, save_overlaps
 from rlcore.app.checkpoints import Chosen
 from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.health import check_train_health, reward_trend, trend_line
@@ -799,8 +799,7 @@ class Session:
             ),
             schedule=Schedule(
                 every=config.checkpoint.every_steps, last_step=config.grpo.steps, keep=config.checkpoint.keep,
-                # A policy that sleeps while the generation samples (colocated) cannot save then.
-                overlap=decl.checkpoint.overlap and config.checkpoint.overlap and self._handoff.policy is None,
+                overlap=save_overlaps(config, decl),
             ),
             record=self._saved,
         )

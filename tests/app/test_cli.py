@@ -65,6 +65,24 @@ def test_plan_json_of_quickstart(capsys) -> None:
     assert plan["refit_transport"] == "collective"
 
 
+def test_plan_shows_what_the_run_saves(capsys) -> None:
+    """``rlcore plan`` says when checkpoints are saved, in what format, and whether beside the
+    next rollouts; with colocated roles that hand the devices over, not beside them."""
+    pytest.importorskip("rlcore_fsdp")
+    pytest.importorskip("rlcore_vllm")
+    quickstart = str(REPO / "examples" / "quickstart.yaml")
+    assert main(["plan", quickstart, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoints"] is None
+    assert main(["plan", quickstart, "checkpoint.every_steps=10", "checkpoint.keep=3"]) == 0
+    assert (
+        "checkpoints: every 10 steps and after the last, the last 3 kept, in <run dir>/checkpoints; fsdp writes "
+        "fsdp-sharded-dcp v1, beside the next step's rollouts; SIGTERM saves the step in progress (within 120s)"
+    ) in " ".join(capsys.readouterr().out.split())
+    assert main(["plan", quickstart, "checkpoint.every_steps=10", "checkpoint.overlap=false", "--json"]) == 0
+    saves = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert saves["overlap"] is False and saves["format"] == "fsdp-sharded-dcp" and saves["every_steps"] == 10
+
+
 def test_plan_shows_the_schedule(capsys) -> None:
     """``rlcore plan`` says how the loop overlaps generation with training; nothing starts."""
     pytest.importorskip("rlcore_fsdp")
