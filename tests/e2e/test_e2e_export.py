@@ -1,6 +1,7 @@
 """End to end: ``rlcore export`` of a real run's checkpoints (FSDP policy, CPU).
 
-One short quickstart run (module fixture) saves the checkpoints of steps 1 and 2. Exported,
+The session's shared quickstart run (tests/e2e/conftest.py) saves the checkpoints of steps 8
+and 12. Exported,
 transformers loads the result and gives the restored policy's per-token logprobs (taken in
 the export before its teardown) within 1e-5; ``--step`` takes an older one; a corrupt newest
 one is skipped by name; an existing HF_DIR is refused before anything starts.
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +23,7 @@ pytest.importorskip("rlcore_vllm")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from quickstart_run import STEPS  # noqa: E402  (the shared run's)
 from safetensors.torch import load_file  # noqa: E402
 
 from rlcore.app.checkpoints import POLICY_DIR, step_dir  # noqa: E402
@@ -41,17 +44,11 @@ class Checkpointed:
 
 
 @pytest.fixture(scope="module")
-def checkpointed(tmp_path_factory: pytest.TempPathFactory) -> Checkpointed:
-    run = tmp_path_factory.mktemp("export") / "run"
-    cache = tmp_path_factory.mktemp("cache")
-    proc = subprocess.run(
-        [str(RLCORE), "run", str(REPO / "examples/quickstart.yaml"), "grpo.steps=2", "checkpoint.every_steps=1",
-         "checkpoint.keep=2", f"setup.cache_dir={cache}", "--out", str(run)],
-        capture_output=True, text=True, cwd=REPO, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (step_dir(run / "checkpoints", 1)).is_dir() and (step_dir(run / "checkpoints", 2)).is_dir()
-    return Checkpointed(run, cache)
+def checkpointed(quickstart: Any) -> Checkpointed:
+    """The session's shared quickstart run (tests/e2e/conftest.py): checkpoints of steps 8 and 12."""
+    run = quickstart.dir
+    assert step_dir(run / "checkpoints", STEPS - 4).is_dir() and step_dir(run / "checkpoints", STEPS).is_dir()
+    return Checkpointed(run, quickstart.cache)
 
 
 def export_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -102,7 +99,7 @@ def test_the_export_loads_in_transformers_and_gives_the_restored_policys_logprob
     checkpointed: Checkpointed, newest: Newest
 ) -> None:
     out, pairs = newest.exported, newest.pairs
-    assert out.selected.step == 2 and out.selected.skipped == []
+    assert out.selected.step == STEPS and out.selected.skipped == []
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(out.files)
     got = hf_logprobs(out.path, pairs)
     assert [len(r) for r in got] == [len(c) for _, c in pairs]
@@ -121,17 +118,17 @@ def test_a_corrupt_newest_is_skipped_by_name_and_refusals_are_one_line(
     # (--step's choice is unit-tested in tests/app/test_export.py: one export less here, for CI's time.)
     copy = tmp_path / "run"
     shutil.copytree(checkpointed.run / "checkpoints", copy / "checkpoints")
-    shard = next(p for p in sorted((step_dir(copy / "checkpoints", 2) / POLICY_DIR).rglob("*")) if p.is_file())
+    shard = next(p for p in sorted((step_dir(copy / "checkpoints", STEPS) / POLICY_DIR).rglob("*")) if p.is_file())
     shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 0xFF]))
 
     proc = export_cli(str(copy), "--to", str(tmp_path / "hf"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "(step 1); skipped step-00000002 (corrupt: policy/" in proc.stdout
+    assert f"(step {STEPS - 4}); skipped step-{STEPS:08d} (corrupt: policy/" in proc.stdout
     one, two = weights(tmp_path / "hf"), weights(newest.exported.path)
-    assert set(one) == set(two) and any(not torch.equal(two[n], one[n]) for n in one)  # step 1's, not 2's
+    assert set(one) == set(two) and any(not torch.equal(two[n], one[n]) for n in one)  # step 8's, not 12's
 
-    proc = export_cli(str(copy), "--step", "2", "--to", str(tmp_path / "again"))
-    assert proc.returncode == 2 and "step-00000002 is unusable: corrupt" in proc.stderr
+    proc = export_cli(str(copy), "--step", str(STEPS), "--to", str(tmp_path / "again"))
+    assert proc.returncode == 2 and f"step-{STEPS:08d} is unusable: corrupt" in proc.stderr
     proc = export_cli(str(copy), "--to", str(tmp_path / "hf"))
     assert proc.returncode == 2 and "exists and is not empty" in proc.stderr
     assert not (tmp_path / "again").exists()

@@ -1,6 +1,7 @@
 """End to end: the README's main job on real backends (FSDP + vLLM + arithmetic env).
 
-One shared run (module fixture: ``rlcore run`` in a subprocess, as a user starts it)
+One shared run (``quickstart``, a session fixture of tests/e2e/conftest.py: ``rlcore run`` in a
+subprocess, as a user starts it, saving checkpoints; tests/e2e/test_e2e_export.py exports them)
 is checked from several angles, among them that every socket its processes listen on
 is on loopback (issue 12, item 3); a second run kills a generation worker mid-run and
 must end with an error naming it.
@@ -13,73 +14,22 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 
 pytest.importorskip("rlcore_fsdp")
 pytest.importorskip("rlcore_vllm")
 
+from quickstart_run import CHECKPOINTS, QUICKSTART, REPO, RLCORE, STEPS, Quickstart  # noqa: E402  (the shared run)
+
 from rlcore.app.records import read_metrics  # noqa: E402
 from rlcore.app.run import run_job  # noqa: E402
 from rlcore.errors import RlcoreError  # noqa: E402
 from rlcore.hookspecs import hookimpl  # noqa: E402
-from rlcore.testing.fixtures import listening_sockets  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
-RLCORE = Path(sys.executable).with_name("rlcore")
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
-STEPS = 12
-#: The shared run saves checkpoints (issue 33); the resume test is measured against it.
-CHECKPOINTS = ["checkpoint.every_steps=4", "checkpoint.keep=2"]
-
-
-@dataclass
-class Quickstart:
-    dir: Path
-    #: Every listening TCP socket and bound UDP socket seen in the run's process tree
-    #: (Ray's GCS, raylet and agents, the worker actors, vLLM inside them, the driver),
-    #: and the name of the process that had it.
-    sockets: dict[tuple[str, int, str], str]
-    output: str
-
-
-@pytest.fixture(scope="module")
-def quickstart(tmp_path_factory: pytest.TempPathFactory) -> Quickstart:
-    run_dir = tmp_path_factory.mktemp("quickstart") / "run"
-    cache = tmp_path_factory.mktemp("cache")
-    proc = subprocess.Popen(
-        [str(RLCORE), "run", QUICKSTART, f"grpo.steps={STEPS}", *CHECKPOINTS, f"setup.cache_dir={cache}",
-         "--out", str(run_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-    )
-    seen: dict[tuple[str, int, str], str] = {}
-    try:
-        root = psutil.Process(proc.pid)
-        while proc.poll() is None:
-            try:
-                procs = [root, *root.children(recursive=True)]
-            except psutil.Error:
-                break
-            for p in procs:
-                try:
-                    for sock in listening_sockets(p):
-                        seen.setdefault(sock, p.name())
-                except psutil.Error:
-                    pass  # exited meanwhile
-            time.sleep(0.1)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, output[-3000:]
-    return Quickstart(run_dir, seen, output)
 
 
 @pytest.fixture(scope="module")
