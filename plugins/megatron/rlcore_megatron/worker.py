@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlcore.errors import NotServingError
 from rlcore.handles import Sample, SamplingParams
+from rlcore.refit import transports
 from rlcore.refit.worker import RefitChannels, RefitSenderWorker
 from rlcore.runtime.batches import Row, shard_range
 from rlcore.runtime.losses import LogprobWorker, PolicyGradientWorker, right_padded
@@ -112,6 +113,12 @@ def eos_token_ids(model_dir: str) -> list[int]:
     if gen_cfg.is_file():
         eos += _token_ids(json.loads(gen_cfg.read_text()).get("eos_token_id"))
     return list(dict.fromkeys(eos))
+
+
+def _maps_sender_storage(spec: ChannelSpec) -> bool:
+    """Whether ``spec``'s receivers map the sender's own GPU storages (its transport's
+    ``device_ipc``, today ``cuda_ipc``): the only channels a native layout can move over."""
+    return transports.get(spec.transport).device_ipc
 
 
 class MegatronWorker(LogprobWorker, RefitChannels, DistributedWorker):
@@ -274,7 +281,7 @@ class MegatronWorker(LogprobWorker, RefitChannels, DistributedWorker):
         """Before joining ``spec``: offer this rank's native layout (cuda_ipc, TP=1: one
         sender holds the whole model, so only then can a receiver copy its tensors as
         they are). A channel that agrees on it at open runs the native path."""
-        if spec.transport == "cuda_ipc" and self.native_refit and self.tp_size == 1:
+        if _maps_sender_storage(spec) and self.native_refit and self.tp_size == 1:
             from rlcore.refit.transports import cuda_ipc
 
             self._require_model()
@@ -283,7 +290,7 @@ class MegatronWorker(LogprobWorker, RefitChannels, DistributedWorker):
     def refit_path(self, spec: ChannelSpec) -> tuple[str, str]:
         """``("native", layout)`` when this rank's end of ``spec`` agreed on a native layout
         at open, else ``("hf", why not)``."""
-        if spec.transport != "cuda_ipc":
+        if not _maps_sender_storage(spec):
             return "hf", f"{spec.transport} moves the plan's Hugging Face tensors"
         from rlcore.refit.transports import cuda_ipc
 
@@ -533,7 +540,7 @@ class MegatronPolicyWorker(PolicyGradientWorker, RefitSenderWorker, MegatronWork
         if self.rank == 0:
             self._offer_native_layout(spec)
         super().open_refit_channel(spec)
-        if spec.transport == "cuda_ipc" and self.rank == 0:
+        if _maps_sender_storage(spec) and self.rank == 0:
             from rlcore.refit.transports import cuda_ipc
 
             self._require_model()
@@ -545,7 +552,7 @@ class MegatronPolicyWorker(PolicyGradientWorker, RefitSenderWorker, MegatronWork
         takes part: the native layout is offered at TP=1 alone, where other ranks are
         other data-parallel replicas), else the plan ``buckets`` (Hugging Face tensors,
         bytes as before)."""
-        if self.rank == 0 and spec.transport == "cuda_ipc":
+        if self.rank == 0 and _maps_sender_storage(spec):
             path, layout = self.refit_path(spec)
             if path == "native":
                 from rlcore.refit.transports import cuda_ipc

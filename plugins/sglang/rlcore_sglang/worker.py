@@ -5,16 +5,17 @@ A :class:`SGLangWorker` owns one SGLang server process group (see
 
 * ``/generate`` (token ids in, token ids and logprobs out) for ``generate`` and
   ``logprobs``; SGLang's OpenAI-compatible ``/v1`` is the endpoint others use;
-* refit, by transport:
+* refit, by what the channel's transport is (its ``process_group``,
+  :class:`rlcore.refit.transports.base.RefitTransport`), never by its name:
 
-  - ``collective``: ``/init_weights_update_group`` once per channel (the server's
+  - a group transport (``collective``): ``/init_weights_update_group`` once per channel (the server's
     rank joins the core's channel: :mod:`rlcore_sglang.site.sitecustomize`), then
     per refit ``/begin_weight_update``, one ``/update_weights_from_distributed``
     per bucket (``load_format="flattened_bucket"``: one broadcast of the
     bucket's packed bytes, as the core's sender sends it) and
     ``/end_weight_update``; the session calls only when the server has those
     routes (read from its OpenAPI schema at start);
-  - ``disk`` / ``shared_memory``: ``/update_weights_from_disk`` of the step
+  - otherwise (``disk`` / ``shared_memory``): ``/update_weights_from_disk`` of the step
     directory the core published atomically (one safetensors file per bucket).
 
 Module import is light (the driver imports this module to name the class);
@@ -32,6 +33,7 @@ from typing import Any
 
 from rlcore.errors import RefitError
 from rlcore.handles import Sample, SamplingParams
+from rlcore.refit import transports
 from rlcore.refit.worker import HFWeightSpecs
 from rlcore.runtime import engine_http
 from rlcore.runtime.engine_http import Request, sample_seeds
@@ -140,6 +142,12 @@ def _sample(meta: dict[str, Any]) -> Sample:
 def group_name(spec: Any) -> str:
     """SGLang group name of the core's collective channel ``spec`` (key and timeout in it)."""
     return f"{GROUP_PREFIX}{spec.key}:{spec.timeout_s:g}"
+
+
+def _joins_group(spec: Any) -> bool:
+    """Whether the server joins ``spec``'s torch.distributed group through SGLang's own
+    routes (its transport's ``process_group``); otherwise it loads the step's files."""
+    return transports.get(spec.transport).process_group
 
 
 def server_env(threads: int, *, cuda: bool) -> dict[str, str]:
@@ -260,8 +268,9 @@ class SGLangWorker(HFWeightSpecs, EngineWorker):
     # ----------------------------------------------------------------- refit
 
     def open_refit_channel(self, spec: Any, rank: int) -> None:
-        """Join channel ``spec`` as ``rank``: collective through ``/init_weights_update_group``."""
-        if spec.transport != "collective" or spec.key in self.groups:
+        """Join channel ``spec`` as ``rank``: a group transport through
+        ``/init_weights_update_group`` (the server's rank joins; this worker holds no end)."""
+        if not _joins_group(spec) or spec.key in self.groups:
             return
         name = group_name(spec)
         body = {
@@ -288,7 +297,7 @@ class SGLangWorker(HFWeightSpecs, EngineWorker):
         """
         t0 = time.monotonic()
         version = f"step-{step}"
-        if spec.transport == "collective":
+        if _joins_group(spec):
             with self._held_for_refit(PAUSE, step, spec.timeout_s + 30):
                 self._receive_collective(spec, step, buckets, version)
         else:
@@ -385,7 +394,7 @@ class SGLangWorker(HFWeightSpecs, EngineWorker):
         """
         from rlcore.refit import channels
 
-        if spec.transport != "collective":
+        if not _joins_group(spec):
             return channels.ceiling(spec, rank, step, nbytes)
         s, timeout = self._server(), spec.timeout_s + 30
         t0 = time.monotonic()

@@ -62,6 +62,19 @@ class RefitTransport:
             when they are not (lower first; ``None``: only when the config asks for it).
         lockstep: the sender waits for every receiver to take every bucket (a receiver
             that fails mid-refit must still drain the stream, or the sender hangs).
+        process_group: every receiver joins a torch.distributed group at
+            :attr:`ChannelSpec.addr <rlcore.refit.specs.ChannelSpec.addr>`/``port`` and the
+            sender broadcasts over it. A backend whose receiving process is not the worker
+            (an inference server) has that process join the group through its own API;
+            otherwise it reads what the transport left for the step (files).
+        device_ipc: the receivers map the sender's own device storages through IPC
+            handles (same GPU), so a backend whose two sides hold the same layout may move
+            its native tensors in place (``offer_layout``/``agreed_layout`` of
+            :mod:`rlcore.refit.transports.cuda_ipc`) instead of the plan's.
+
+    A backend's worker dispatches on these attributes
+    (``transports.get(spec.transport).process_group``), never on a transport's name, so a
+    transport added to the registry reaches its paths by what it is.
     """
 
     transport: ClassVar[Transport]
@@ -70,6 +83,8 @@ class RefitTransport:
     colocated_rank: ClassVar[int | None] = None
     apart_rank: ClassVar[int | None] = None
     lockstep: ClassVar[bool] = False
+    process_group: ClassVar[bool] = False
+    device_ipc: ClassVar[bool] = False
 
     def channel(self, req: ChannelRequest) -> ChannelSpec:
         """Driver: the spec both sides of a new channel open."""

@@ -211,6 +211,7 @@ class CollectiveTransport(RefitTransport):
     describe = "a private torch.distributed group (NCCL on GPUs, gloo on CPUs), one broadcast per bucket"
     colocated_rank, apart_rank = 2, 0
     lockstep = True  # every broadcast waits for every receiver
+    process_group = True
 
     def channel(self, req: ChannelRequest) -> ChannelSpec:
         addr, port = req.policy.refit_address()

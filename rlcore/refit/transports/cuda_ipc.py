@@ -909,6 +909,7 @@ class CudaIpcTransport(RefitTransport):
     )
     accelerator = "cuda"
     colocated_rank = 0  # the first choice on one GPU; never across GPUs
+    device_ipc = True
 
     def channel(self, req: ChannelRequest) -> ChannelSpec:
         """Its side channel's store listens on the sender's node (``refit_address``, as the
