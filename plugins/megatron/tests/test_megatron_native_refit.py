@@ -29,7 +29,7 @@ from rlcore.refit.sync import _path
 from rlcore.refit.transports import cuda_ipc
 from rlcore.runtime.addresses import free_port
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests" / "refit"))
 import test_megatron_colocated  # noqa: E402
 from test_refit_cuda_ipc import ThreadIpc  # noqa: E402
 
