@@ -16,9 +16,10 @@ Everything that changes the run's workers stays on the trainer's thread: a
 producer's failure is handed to :meth:`RolloutStream.next` of its step, which
 raises it there, so a lost generation is replaced (and refitted from a policy
 that is not training) where the synchronous loop replaces it; the step is then
-generated again. A loss the trainer has already recovered from (its *generation
-epoch* moved on since the failed call began) is not raised twice: the step is
-generated again at once.
+generated again. A failure of a call that began before the trainer's latest
+recovery (its *generation epoch* moved on since: the call met the loss already
+recovered from, or the replaced engine's handle shut down under it) is not raised:
+the step is generated again at once.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlcore.errors import Cancelled, WorkerLost
+from rlcore.errors import Cancelled
 from rlcore.handles import Rollout
 
 __all__ = ["RolloutStream", "StepRollouts"]
@@ -133,9 +134,12 @@ class RolloutStream:
             got = self._wait_for(step)
             if isinstance(got, StepRollouts):
                 return got
-            stale_loss = isinstance(got.error, WorkerLost) and got.epoch < self._epoch()
+            # A call that began before the trainer's last recovery failed on the engine that
+            # recovery replaced: the loss itself (WorkerLost), or the old handle shut down
+            # under it. Either way it is the old engine's, already dealt with: generate again.
+            stale = got.epoch < self._epoch()
             self._restart(step)
-            if not stale_loss:
+            if not stale:
                 raise got.error
 
     def regenerate(self, step: int) -> StepRollouts:

@@ -16,7 +16,7 @@ from rlcore.app.grpo import _fresh, probe_batch, run_grpo
 from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.stream import RolloutStream, StepRollouts
 from rlcore.config import GRPOConfig
-from rlcore.errors import Cancelled, RefitError, WorkerLost
+from rlcore.errors import Cancelled, RefitError, RlcoreError, WorkerLost
 from rlcore.handles import PromptAndScoreEnv, RefitReport
 
 WAIT_S = 30.0  # bound on every wait of these tests: a broken overlap fails, never hangs
@@ -219,6 +219,29 @@ def test_a_loss_the_run_recovered_from_meanwhile_is_not_recovered_from_twice() -
         got = stream.next(1)
     assert isinstance(got, StepRollouts) and got.step == 1
     assert calls[:2] == [1, 1] and recovers == []
+
+
+def test_a_call_on_the_engine_a_recovery_shut_down_is_generated_again_and_a_current_failure_is_raised() -> None:
+    """The trainer replaced the generation while the producer's call ran on the old one: the
+    call fails on the old handle shut down under it (not a WorkerLost). That failure is the old
+    engine's: the step is generated again. A failure with no recovery since is raised."""
+    epoch = {"now": 0}
+    calls: list[int] = []
+
+    def produce(step: int) -> Any:
+        calls.append(step)
+        if len(calls) == 1:
+            epoch["now"] = 1
+            raise RlcoreError("vllm-generation: the vllm generation handle was shut down")
+        if step == 2:
+            raise RlcoreError("the env's reward file is gone")
+        return [[]]
+
+    with stream_over(produce, epoch=lambda: epoch["now"]) as stream:
+        assert stream.next(1).step == 1
+        with pytest.raises(RlcoreError, match="reward file is gone"):
+            stream.next(2)
+    assert calls[:3] == [1, 1, 2]
 
 
 def test_a_cancelled_run_stops_the_wait_and_the_producer() -> None:
