@@ -105,7 +105,6 @@ class Checkpointer:
         self.last_saved: int | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._blocked_s = 0.0
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is saved (:meth:`Schedule.due`)."""
@@ -120,11 +119,7 @@ class Checkpointer:
         self.last_saved = step
         env = self.contents.env_state(step)  # now, on the caller's thread: the env moves on next step
         if not self.schedule.overlap:
-            t0 = time.monotonic()
-            try:
-                self._save(step, env)
-            finally:
-                self._blocked_s += time.monotonic() - t0
+            self._save(step, env)
             return
         self._thread = threading.Thread(
             target=self._save_in_background, args=(step, env), name=f"rlcore-checkpoint-{step}", daemon=True
@@ -135,9 +130,7 @@ class Checkpointer:
         """Join the save in flight, if any; raise its failure."""
         thread = self._thread
         if thread is not None:
-            t0 = time.monotonic()
             thread.join()
-            self._blocked_s += time.monotonic() - t0
             self._thread = None
         err, self._error = self._error, None
         if err is not None:
@@ -147,11 +140,6 @@ class Checkpointer:
     def saving(self) -> bool:
         """A save is running on its thread."""
         return self._thread is not None and self._thread.is_alive()
-
-    def take_blocked_s(self) -> float:
-        """Seconds the loop waited for saves since the last call."""
-        blocked, self._blocked_s = self._blocked_s, 0.0
-        return blocked
 
     def _save_in_background(self, step: int, env: Any) -> None:
         try:

@@ -772,10 +772,6 @@ class Session:
         if self._checkpointer is not None:
             self._checkpointer.wait()
 
-    def checkpoint_blocked_s(self) -> float:
-        """Seconds the loop waited for saves since the last call (``timing/checkpoint_time_s``)."""
-        return self._checkpointer.take_blocked_s() if self._checkpointer is not None else 0.0
-
     def _make_checkpointer(self, run: _Run) -> Checkpointer:
         config, prepared = self.config, run.prepared
         fmt = policy_format(prepared)
