@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlcore.errors import CheckpointError
+from rlcore.runtime import rng as rng_states
 
 if TYPE_CHECKING:
     from rlcore_fsdp.worker import FSDPWorker
@@ -95,19 +95,7 @@ def _sharded_state(worker: FSDPWorker, *, with_optimizer: bool) -> dict[str, Any
 def _write_rng(path: Path) -> None:
     import torch
 
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _python_rng()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    numpy = _numpy()
-    if numpy is not None:
-        kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
-        state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss]
-    torch.save(state, path)
-
-
-def _python_rng() -> list[Any]:
-    version, internal, gauss = random.getstate()
-    return [version, list(internal), gauss]
+    torch.save(rng_states.capture(), path)
 
 
 def _write_meta(path: Path, worker: FSDPWorker, *, optimizer: bool) -> None:
@@ -196,7 +184,7 @@ def load(worker: FSDPWorker, directory: str, meta: dict[str, Any]) -> dict[str, 
             worker.optimizer.load_state_dict(
                 FSDP.optim_state_dict_to_load(worker.model, worker.optimizer, state["optim"])
             )
-    _set_rng(rng)
+    rng_states.restore(rng)
     return {"seconds": time.monotonic() - t0}
 
 
@@ -256,20 +244,6 @@ def _read_rng(path: Path) -> dict[str, Any]:
         ) from err
 
 
-def _set_rng(state: dict[str, Any]) -> None:
-    import torch
-
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    numpy = _numpy()
-    if numpy is not None and "numpy" in state:
-        kind, keys, pos, has_gauss, gauss = state["numpy"]
-        numpy.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
-
-
 def _agreed(worker: FSDPWorker, read: Callable[[], Any]) -> Any:
     """``read()`` on every rank, raising on every rank when it failed on any: a rank that
     failed alone would leave its peers waiting in DCP's collectives until the timeout."""
@@ -306,15 +280,6 @@ def _first_failure(err: BaseException, what: str) -> Exception:
     first = next(iter(sorted(failures.items())), None)
     detail = f"rank {first[0]}: {type(first[1][0]).__name__}: {first[1][0]}" if first else str(err)
     return CheckpointError(f"{what}: {detail}")
-
-
-def _numpy() -> Any:
-    """numpy where installed (transformers brings it); its global RNG is saved too."""
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy
 
 
 @contextlib.contextmanager

@@ -35,13 +35,13 @@ import dataclasses
 import io
 import json
 import logging
-import random
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlcore.errors import CheckpointError
+from rlcore.runtime import rng as rng_states
 
 if TYPE_CHECKING:
     from rlcore_megatron.worker import MegatronPolicyWorker
@@ -378,21 +378,14 @@ def _load_optimizer(worker: MegatronPolicyWorker, loaded: dict[str, Any] | None)
 
 
 def capture_rng(worker: MegatronPolicyWorker) -> dict[str, Any]:
-    """This process's RNG states (copies): torch CPU, the current CUDA device's where
-    the rank runs on one, python ``random``, numpy's global one, and megatron-core's
-    tensor-parallel tracker (named states that dropout inside tensor-parallel regions
-    draws from)."""
-    import numpy as np
-    import torch
+    """This process's RNG states (:func:`rlcore.runtime.rng.capture`: torch CPU, CUDA, python
+    ``random``, numpy) and megatron-core's tensor-parallel tracker (named states that dropout
+    inside tensor-parallel regions draws from), as copies."""
     from megatron.core import tensor_parallel
 
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
     tracker = tensor_parallel.get_cuda_rng_tracker()
     return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if worker.device.type == "cuda" else None,
-        "python": random.getstate(),
-        "numpy": [str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)],
+        **rng_states.capture(),
         "tracker": {name: _state_tensor(s).clone() for name, s in tracker.get_states().items()},
     }
 
@@ -405,17 +398,9 @@ def _state_tensor(state: Any) -> Any:
 
 def restore_rng(worker: MegatronPolicyWorker, rng: dict[str, Any]) -> None:
     """Set the states :func:`capture_rng` took."""
-    import numpy as np
-    import torch
     from megatron.core import tensor_parallel
 
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] is not None and worker.device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"])
-    version, internal, gauss_next = rng["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    kind, keys, pos, has_gauss, gauss = rng["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    rng_states.restore(rng)
     tracker = tensor_parallel.get_cuda_rng_tracker()
     current = tracker.get_states()
     states = {}
@@ -440,7 +425,7 @@ def _read_rng(root: Path, rank: int) -> dict[str, Any]:
         raise CheckpointError(f"{root}: rank {rank}'s RNG states are missing ({path})") from err
     except Exception as err:
         raise CheckpointError(f"{path} cannot be read: {type(err).__name__}: {err}") from err
-    if not isinstance(rng, dict) or not {"torch", "cuda", "python", "numpy", "tracker"} <= set(rng):
+    if not isinstance(rng, dict) or not {"torch", "python", "tracker"} <= set(rng):
         raise CheckpointError(f"{path} does not hold a rank's RNG states")
     return rng
 
