@@ -9,6 +9,7 @@ checkpoints.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -68,3 +69,22 @@ def run_quickstart(run_dir: Path, cache: Path) -> Quickstart:
             proc.wait()
     assert proc.returncode == 0, output[-3000:]
     return Quickstart(run_dir, cache, seen, output)
+
+
+def stop_at_line(cmd: list[str], prefix: str, **popen: object) -> tuple[int, str]:
+    """Runs ``cmd`` and sends it SIGTERM once a line of its output starts with ``prefix``
+    (a preempted run); its exit code and whole output, once it has exited."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)  # type: ignore[call-overload]
+    lines = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(prefix):
+                proc.send_signal(signal.SIGTERM)
+                break
+        return proc.wait(timeout=600), "".join(lines) + proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -16,11 +16,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from quickstart_run import stop_at_line
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -118,30 +120,14 @@ def test_a_gpu_run_stopped_by_sigterm_resumes_within_the_stated_tolerance(exampl
     state dict), refits the generation from it and runs steps after it only; every step's loss,
     gradient norm and reward stay within :data:`RESUME_FLOOR` plus twice the gap between two
     runs that never stopped."""
-    import signal
-
     cache = tmp_path / "cache"
     never = [tmp_path / "never-a", tmp_path / "never-b"]
     for out in never:
         done = subprocess.run(_run_cmd(example, out, cache), capture_output=True, text=True, timeout=900, env=GPU_ENV)
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     stopped = tmp_path / "stopped"
-    proc = subprocess.Popen(_run_cmd(example, stopped, cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=GPU_ENV)
-    lines = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("step   3"):
-                proc.send_signal(signal.SIGTERM)
-                break
-        out_text = "".join(lines) + proc.communicate(timeout=600)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 128 + signal.SIGTERM, out_text[-4000:]
+    code, out_text = stop_at_line(_run_cmd(example, stopped, cache), "step   3", env=GPU_ENV)
+    assert code == 128 + signal.SIGTERM, out_text[-4000:]
     saved = sorted(p.name for p in (stopped / "checkpoints").iterdir())
     last = int(saved[-1].removeprefix("step-"))
     assert 3 <= last < RESUME_STEPS, saved

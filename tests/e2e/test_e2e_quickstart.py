@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("rlcore_fsdp")
 pytest.importorskip("rlcore_vllm")
 
-from quickstart_run import CHECKPOINTS, QUICKSTART, REPO, RLCORE, STEPS, Quickstart  # noqa: E402  (the shared run)
+from quickstart_run import CHECKPOINTS, QUICKSTART, REPO, RLCORE, STEPS, Quickstart, stop_at_line  # noqa: E402  (the shared run)
 
 from rlcore.app.records import read_metrics  # noqa: E402
 from rlcore.app.run import run_job  # noqa: E402
@@ -112,25 +112,11 @@ def test_a_run_stopped_by_sigterm_saves_and_resumes_to_the_same_losses(quickstar
     --resume DIR`` continues from it and, on this deterministic CPU, every step's loss,
     gradient norm and reward equal the run that never stopped (the shared run)."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
+    code, out = stop_at_line(
         [str(RLCORE), "run", QUICKSTART, f"grpo.steps={STEPS}", *CHECKPOINTS,
-         f"setup.cache_dir={tmp_path / 'cache'}", "--out", str(run_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+         f"setup.cache_dir={tmp_path / 'cache'}", "--out", str(run_dir)], "step   5", cwd=REPO,
     )
-    lines = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("step   5"):
-                proc.send_signal(signal.SIGTERM)
-                break
-        out = "".join(lines) + proc.communicate(timeout=120)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert code == 128 + signal.SIGTERM, out[-3000:]
     saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     last = int(saved[-1].removeprefix("step-"))
     assert last > 4 and f"checkpoint of step {last}: " in out and "held for it" in out, out[-3000:]
