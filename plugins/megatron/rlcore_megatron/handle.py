@@ -133,19 +133,22 @@ class _Handle(GroupHandle):
         """Concatenate per-rank shard results, one per data-parallel replica, in order."""
         return [row for rank in self._leads for row in parts[rank]]
 
-    def _submit(self, method: str, *args: Any, per_rank: Any = None) -> list[Any]:
+    def _submit(self, method: str, *args: Any, per_rank: Any = None, refit_side: bool = False) -> list[Any]:
         """Submit ``method`` to every rank in one step; Ray refs.
 
         Tensor-parallel ranks must run the same calls in the same order, and Ray
         runs one submitting process's calls to an actor in submission order: the
         lock keeps calls made from several threads of this process (the training
         loop, an endpoint) in one order on every rank. ``per_rank(i)`` gives extra
-        leading arguments for rank ``i``.
+        leading arguments for rank ``i``. ``refit_side``: on the ranks' refit thread
+        where they take refits in flight (``WorkerGroup.refit_group``: tensor-parallel
+        size 1, so no order across ranks is needed), so it does not wait for a call.
         """
         self._check_open()
+        group = self.group.refit_group if refit_side else None
         with self._submit_lock:
             return [
-                getattr(a, method).remote(*(per_rank(i) if per_rank else ()), *args)
+                _on(getattr(a, method), group).remote(*(per_rank(i) if per_rank else ()), *args)
                 for i, a in enumerate(self.group.actors)
             ]
 
@@ -304,16 +307,19 @@ class MegatronGeneration(_Handle):
 
     def open_refit_channel(self, spec: Any) -> list[Any]:
         """Rank ``i`` joins ``spec`` as channel rank ``1 + i``; Ray refs."""
-        return self._submit("open_refit_channel", per_rank=lambda i: (spec, 1 + i))
+        return self._submit("open_refit_channel", per_rank=lambda i: (spec, 1 + i), refit_side=True)
 
     def refit_ceiling(self, spec: Any, step: int, nbytes: int) -> list[Any]:
         """Every rank receives ``nbytes`` raw over the channel (bench); Ray refs."""
-        return self._submit("refit_ceiling", spec, step, nbytes)
+        return self._submit("refit_ceiling", spec, step, nbytes, refit_side=True)
 
     def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
+        """Every rank receives and loads the buckets; Ray refs. Ranks that take refits in
+        flight (:class:`~rlcore_megatron.worker.MegatronInflightGenerationWorker`) load
+        between two engine steps of a generate in flight; others after it."""
         import ray
 
-        return self._submit("receive_weights", spec, step, ray.put(buckets))
+        return self._submit("receive_weights", spec, step, ray.put(buckets), refit_side=True)
 
     # ------------------------------------------------------------ training loop
 
@@ -334,7 +340,7 @@ class MegatronGeneration(_Handle):
         """The weight version each engine (data-parallel replica) serves
         (:class:`rlcore.handles.WeightVersioned`): 0 before any refit, ``t`` after refit ``t``.
         Submitted in order with the refits, so it answers for the last one submitted."""
-        parts = self.group.get(self._submit("weight_version"), what="weight versions")
+        parts = self.group.get(self._submit("weight_version", refit_side=True), what="weight versions")
         return [int(parts[rank]) for rank in self._leads]
 
     def _release(self) -> None:
@@ -617,6 +623,7 @@ def start_generation(ctx: InitContext) -> MegatronGeneration:
     start = _prepare(ctx, "generation")
     # A bad engine choice fails before any worker starts.
     engine = resolve_engine(start.options.engine, start.device)
+    _check_inflight_refit(start.options, engine)
     _check_go(ctx)
     from rlcore_megatron import convert
 
@@ -627,7 +634,7 @@ def start_generation(ctx: InitContext) -> MegatronGeneration:
 
         endpoint_tokenizer = prepare(str(start.model_dir))
     load = _checkpoint_load(ctx, start)
-    group, layout = _start_generation_workers(ctx, start, load)
+    group, layout = _start_generation_workers(ctx, start, load, engine)
     info = {
         **start.report(group),
         "start_s": max(x["start_s"] for x in layout),
@@ -658,15 +665,31 @@ def start_generation(ctx: InitContext) -> MegatronGeneration:
     return handle
 
 
+def _check_inflight_refit(options: MegatronOptions, engine: str) -> None:
+    """``inflight_refit`` needs steps to land between (the dynamic engine) and one rank per
+    replica (tensor-parallel ranks would land at different steps and stall each other)."""
+    key = "generation.options.inflight_refit"
+    if options.inflight_refit and (engine != "dynamic" or options.tensor_model_parallel_size != 1):
+        raise ConfigError(
+            f"{key} of backend 'megatron' needs the dynamic engine (CUDA) at tensor_model_parallel_size 1, "
+            f"but the engine is {engine} at tensor_model_parallel_size {options.tensor_model_parallel_size}; "
+            f"set {key}=false (refits then wait for the call in flight)",
+            key=key,
+        )
+
+
 def _start_generation_workers(
-    ctx: InitContext, start: _Start, load: _CheckpointLoad
+    ctx: InitContext, start: _Start, load: _CheckpointLoad, engine: str
 ) -> tuple[WorkerGroup, list[dict[str, Any]]]:
     """Start the workers and build model and engine; then wait for the policy's checkpoint
-    and load it (when ``load.key`` is set), filling in ``load``. A failure ends the workers."""
-    from rlcore_megatron.worker import MegatronGenerationWorker
+    and load it (when ``load.key`` is set), filling in ``load``. A failure ends the workers.
+    ``engine``: the resolved engine; the dynamic one at tensor-parallel size 1 takes refits
+    in flight (:class:`~rlcore_megatron.worker.MegatronInflightGenerationWorker`)."""
+    from rlcore_megatron.worker import MegatronGenerationWorker, MegatronInflightGenerationWorker
 
+    inflight = start.options.inflight_refit
     group = WorkerGroup(
-        MegatronGenerationWorker,
+        MegatronInflightGenerationWorker if inflight else MegatronGenerationWorker,
         start.section.workers,
         name=GENERATION_GROUP,
         **_group_kwargs(start.section, start.options, start.device, ctx),
@@ -758,3 +781,8 @@ def _start_endpoint(
             key="generation.options.port",
         ) from err
     return server
+
+
+def _on(method: Any, concurrency_group: str | None) -> Any:
+    """``method`` on the actor's ``concurrency_group`` (None: its default thread)."""
+    return method if concurrency_group is None else method.options(concurrency_group=concurrency_group)

@@ -28,12 +28,17 @@ Two engines (:func:`resolve_engine` picks one from ``generation.options.engine``
   over a block-paged KV cache, requests leave the batch at their end-of-sequence
   token. No CUDA graphs. Its attention needs flash-attn; without it
   :mod:`rlcore_megatron.paged_attention` supplies a torch implementation.
-  :func:`generate_dynamic` runs one call's requests to completion and
-  :func:`reset_dynamic_engine` drops every request and KV block (after a refit).
+  :func:`generate_dynamic` runs one call's requests to completion, with a hook between
+  two engine steps where a refit from another thread lands inside
+  :func:`requests_held` (megatron-core's suspend / resume: the requests go on with the
+  new weights, their KV recomputed); :func:`reset_dynamic_engine` drops every request
+  and KV block (a refit between calls).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -347,20 +352,34 @@ def _dynamic_context(
     )
 
 
+@dataclass(frozen=True)
+class DynamicSample:
+    """One sample of the dynamic engine: its tokens, their logprobs, and the engine's id of
+    the request (versions of a refit that landed mid-way are kept by request id)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    request_id: int
+
+
 def generate_dynamic(
     engine: DynamicInferenceEngine,
     prompts: list[list[int]],
     n: int,
     max_tokens: int,
     temperature: float,
-) -> list[list[tuple[list[int], list[float]]]]:
-    """``n`` samples per prompt from the dynamic engine: ``(token_ids, logprobs)`` each.
+    between_steps: Callable[[], object] | None = None,
+) -> list[list[DynamicSample]]:
+    """``n`` samples per prompt from the dynamic engine.
 
     A sample ends at the tokenizer's end-of-document id (kept) or after
     ``max_tokens``. ``logprobs`` are the sampled tokens' logprobs before
     temperature; ``temperature <= 0`` is greedy. The caller seeds
-    ``engine.controller.sampling_rng``. Runs until every request finished; on an
-    error the engine is reset (no request or KV block outlives the call).
+    ``engine.controller.sampling_rng``. The engine's step loop is run here, not by
+    ``engine.generate``: ``between_steps()`` is called before every step (a refit
+    queued by another thread lands there: :class:`rlcore.runtime.step_gate.StepGate`).
+    Runs until every request finished; on an error the engine is reset (no request or
+    KV block outlives the call).
     """
     from megatron.core.inference.inference_request import Status
 
@@ -378,28 +397,77 @@ def generate_dynamic(
     )
     flat = [list(p) for p in prompts for _ in range(n)]
     try:
-        records = engine.generate(flat, params)
+        ids = []
+        for p in flat:
+            rid = int(next(engine.request_counter))
+            engine.add_request(rid, p, params)
+            ids.append(rid)
+        records: dict[int, Any] = {}
+        while engine.has_unfinished_requests():
+            if between_steps is not None:
+                between_steps()
+                if not engine.has_unfinished_requests():  # a refit that failed dropped them
+                    break
+            for record in engine.step_modern()["finished_request_records"]:
+                records[record.request_id] = record
         if len(records) != len(flat):
             raise RuntimeError(
                 f"megatron dynamic engine finished {len(records)} of {len(flat)} requests"
             )
         samples = []
-        for record in records:
-            req = record.merge()
+        for rid in ids:
+            req = records[rid].merge()
             if req.status != Status.COMPLETED:
                 raise RuntimeError(
                     f"megatron dynamic engine: request {req.request_id} {req.status}"
                 )
             samples.append(
-                (
+                DynamicSample(
                     [int(t) for t in req.generated_tokens],
                     [float(x) for x in req.generated_log_probs or []],
+                    rid,
                 )
             )
     except BaseException:
         reset_dynamic_engine(engine)
         raise
     return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+def generated_so_far(engine: DynamicInferenceEngine) -> dict[int, int]:
+    """Tokens each unfinished request of the engine has generated so far (over every
+    checkpoint of it: a request the engine suspended and resumed is one record)."""
+    from megatron.core.inference.inference_request import Status
+
+    done = (Status.COMPLETED, Status.FAILED)
+    counts = {}
+    for rid, entry in engine.requests.items():
+        parts = entry.record.requests
+        if parts[-1].status in done:
+            continue
+        counts[int(rid)] = sum(len(r.generated_tokens or []) for r in parts)
+    return counts
+
+
+@contextlib.contextmanager
+def requests_held(engine: DynamicInferenceEngine) -> Iterator[dict[int, int]]:
+    """Hold the engine's requests while the body changes its weights (megatron-core's own
+    pause, ``suspend`` / ``resume``): each request in flight is checkpointed (its prompt
+    becomes prompt + tokens so far) and the KV cache released; on resume every request is
+    added again, so its KV is computed with the new weights, and it goes on sampling.
+    Yields the tokens each request had generated (where the new weights start).
+
+    If the body fails the weights may be half-loaded: the requests are dropped (the engine
+    reset), so no sample goes on with them, and the error propagates."""
+    counts = generated_so_far(engine)
+    engine.suspend()
+    try:
+        yield counts
+    except BaseException:
+        engine.resume()
+        reset_dynamic_engine(engine)
+        raise
+    engine.resume()
 
 
 def reset_dynamic_engine(engine: DynamicInferenceEngine) -> None:

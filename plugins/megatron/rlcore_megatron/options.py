@@ -78,6 +78,13 @@ class MegatronOptions:
     #: (generation, dynamic engine) KV cache per rank in GiB; 0: room for
     #: ``max_batch_size`` sequences of ``max_sequence_length`` tokens.
     kv_cache_gib: float = 0.0
+    #: (generation, dynamic engine, tensor-parallel size 1) Take a refit while a call
+    #: samples (``grpo.max_staleness`` > 0): between two engine steps, the requests held
+    #: (megatron-core's suspend / resume) and their KV computed again with the new weights;
+    #: each token carries its version. Off: a refit waits for the call in flight. It pays
+    #: where calls are long against that recompute; on one shared GPU with 6-token samples
+    #: it did not (bench/results/async_h200.txt).
+    inflight_refit: bool = False
     #: (generation) Serve an OpenAI-compatible endpoint (``/v1/chat/completions``,
     #: ``/v1/completions``, ``/v1/models``, ``/tokenize``) in the driver, in front of the
     #: engine: environments such as NeMo Gym reach the policy through it. Requests are

@@ -21,8 +21,10 @@ from rlcore.declarations import (
     BackendDeclaration,
     CheckpointSupport,
     Condition,
+    InflightRefit,
     Need,
     OverlapSafety,
+    RefitLanding,
     Role,
     Transport,
 )
@@ -41,6 +43,22 @@ def _transports() -> set[Transport]:
 
     cuda = {Transport.CUDA_IPC} if detect_accelerator() == "cuda" else set()
     return {Transport.COLLECTIVE, Transport.DISK, Transport.SHARED_MEMORY, *cuda}
+
+
+def _inflight_refit() -> tuple[InflightRefit, ...]:
+    """Refits in flight (``generation.options.inflight_refit``): megatron-core's dynamic
+    engine at tensor-parallel size 1 holds its requests (suspend), takes the weights and lets
+    them go on (resume, their KV computed again), between two of its steps; each token
+    carries its version. The dynamic engine is ``engine: dynamic``, or ``auto`` where this
+    host has NVIDIA devices."""
+    from rlcore.setup.planner import detect_accelerator
+
+    asked = (Condition("options.inflight_refit", True), Condition("options.tensor_model_parallel_size", 1))
+    engines = ["dynamic", "auto"] if detect_accelerator() == "cuda" else ["dynamic"]
+    return tuple(
+        InflightRefit(RefitLanding.PAUSE, token_versions=True, when=(*asked, Condition("options.engine", e)))
+        for e in engines
+    )
 
 
 @hookimpl
@@ -77,6 +95,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
         memory_handoff=True,
         send_transports=_transports(),
         receive_transports=_transports(),
+        inflight_refit=_inflight_refit(),
         # With generation.options.serve_openai (rlcore.serve.openai_endpoint in front of the
         # engine; megatron-core's own server needs its dynamic engine and CUDA).
         openai_endpoint=True,

@@ -39,6 +39,7 @@ torch and megatron-core are imported inside the methods, in the workers' process
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -53,6 +54,7 @@ from rlcore.refit import transports
 from rlcore.refit.worker import RefitChannels, RefitSenderWorker
 from rlcore.runtime.batches import Row, shard_range
 from rlcore.runtime.losses import LogprobWorker, PolicyGradientWorker, right_padded
+from rlcore.runtime.step_gate import StepGate
 from rlcore.runtime.worker_group import DistributedWorker
 
 if TYPE_CHECKING:
@@ -647,6 +649,14 @@ class MegatronGenerationWorker(MegatronWorker):
         #: it starts from): the version of the weights, which every sample carries.
         self.loaded_version = 0
         self._channel_ranks: dict[str, int] = {}
+        #: Arbitrates the engine between the call that steps it and refit jobs from the refit
+        #: thread (:class:`MegatronInflightGenerationWorker`); uncontended otherwise.
+        self.gate = StepGate()
+        #: Where refits landed in the requests of the call in flight: request id ->
+        #: ``[(tokens generated before, version)]`` (:meth:`_new_weights`).
+        self._landed: dict[int, list[tuple[int, int]]] = {}
+        #: Refits that failed while they held a call's requests (the call then fails).
+        self.refit_aborts = 0
 
     def start(
         self,
@@ -713,6 +723,10 @@ class MegatronGenerationWorker(MegatronWorker):
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Load a published Megatron checkpoint (any tensor-parallel size) and serve it."""
+        with self.gate.driving():
+            return self._load_checkpoint(path)
+
+    def _load_checkpoint(self, path: str) -> dict[str, Any]:
         from rlcore_megatron.checkpoint import load_checkpoint, read_info
         from rlcore_megatron.convert import ConversionError, ModelSpec
 
@@ -752,9 +766,16 @@ class MegatronGenerationWorker(MegatronWorker):
         runs ``max_tokens`` steps for every sample; the dynamic engine ends a sample
         at the first end-of-sequence id). ``temperature <= 0`` is greedy. The
         replica's sampling generator is seeded from ``(seed, replica)`` at every call.
-        Every token's weight version (``versions``) is :attr:`loaded_version`: a refit
-        reaches the engine only between calls.
+
+        ``versions``: each token's weight version. A refit that lands during the call
+        (:class:`MegatronInflightGenerationWorker`: between two steps of the dynamic
+        engine) changes the version of the tokens sampled after it; otherwise every
+        token has :attr:`loaded_version`.
         """
+        with self.gate.driving():
+            return self._generate(prompt_ids, params)
+
+    def _generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Sample]]:
         self._check_serving()
         n, max_tokens, temperature = params.n, params.max_tokens, params.temperature
         if self.asleep:  # colocated: the loop normally wakes the engine before sampling
@@ -766,21 +787,38 @@ class MegatronGenerationWorker(MegatronWorker):
         if any(not p for p in local):
             raise ValueError("empty prompt")
         self.engine.controller.sampling_rng.manual_seed(sample_seed(params.seed, self.dp_rank))
-        if self.engine_kind == "dynamic":
-            from rlcore_megatron.inference import generate_dynamic
-
-            raw = generate_dynamic(self.engine, local, n, max_tokens, temperature)
-        else:
+        version = self.loaded_version
+        if self.engine_kind != "dynamic":
             raw = self._generate_static(local, n, max_tokens, temperature)
-        return [[self._cut_at_eos(tokens, lps) for tokens, lps in group] for group in raw]
+            return [[self._cut_at_eos(t, lps, [version] * len(t)) for t, lps in group] for group in raw]
+        from rlcore_megatron.inference import generate_dynamic
 
-    def _cut_at_eos(self, tokens: list[int], logprobs: list[float]) -> Sample:
+        self._landed, aborts = {}, self.refit_aborts
+        try:
+            groups = generate_dynamic(self.engine, local, n, max_tokens, temperature, self.gate.between_steps)
+        except RuntimeError as err:
+            if self.refit_aborts != aborts:
+                raise RuntimeError(
+                    f"megatron generation rank {self.rank}: a refit failed half-way during this call and "
+                    f"dropped its requests ({self.stale})"
+                ) from err
+            raise
+        return [
+            [self._cut_at_eos(s.token_ids, s.logprobs, self._versions(s.request_id, len(s.token_ids), version))
+             for s in group]
+            for group in groups
+        ]
+
+    def _versions(self, request_id: int, length: int, first: int) -> list[int]:
+        """Each token's weight version: ``first``, then that of each refit that landed."""
+        versions = [first] * length
+        for at, version in self._landed.get(request_id, []):
+            versions[at:] = [version] * (length - at)
+        return versions
+
+    def _cut_at_eos(self, tokens: list[int], logprobs: list[float], versions: list[int]) -> Sample:
         cut = next((i + 1 for i, t in enumerate(tokens) if t in self.eos_ids), len(tokens))
-        return {
-            "token_ids": tokens[:cut],
-            "logprobs": logprobs[:cut],
-            "versions": [self.loaded_version] * len(tokens[:cut]),
-        }
+        return {"token_ids": tokens[:cut], "logprobs": logprobs[:cut], "versions": versions[:cut]}
 
     def weight_version(self) -> int:
         """The version of the weights this rank serves (:attr:`loaded_version`)."""
@@ -822,8 +860,9 @@ class MegatronGenerationWorker(MegatronWorker):
 
     def logprobs(self, batch: Sequence[Row]) -> list[list[float]]:
         """Per-token logprobs of each completion (a forward pass over prompt + completion)."""
-        self._check_serving()
-        return super().logprobs(batch)
+        with self.gate.driving():
+            self._check_serving()
+            return super().logprobs(batch)
 
     # ------------------------------------------------------------- colocated
 
@@ -833,6 +872,10 @@ class MegatronGenerationWorker(MegatronWorker):
         the policy that trains on the same GPU. The weights stay (refit writes into them,
         logprobs read them). Every request is dropped first. Idempotent; the static engine
         (CPU) has nothing to release. Returns ``bytes`` released and ``seconds``."""
+        with self.gate.driving():
+            return self._sleep()
+
+    def _sleep(self) -> dict[str, float]:
         import torch
 
         t0 = time.monotonic()
@@ -850,6 +893,10 @@ class MegatronGenerationWorker(MegatronWorker):
     def wake(self) -> dict[str, float]:
         """Allocate the inference memory again (megatron-core's ``resume``; fresh KV cache,
         no request). Idempotent. Returns ``bytes`` allocated and ``seconds``."""
+        with self.gate.driving():
+            return self._wake()
+
+    def _wake(self) -> dict[str, float]:
         import torch
 
         t0 = time.monotonic()
@@ -867,16 +914,20 @@ class MegatronGenerationWorker(MegatronWorker):
     def open_refit_channel(self, spec: ChannelSpec, rank: int) -> None:
         """Join refit channel ``spec`` as ``rank`` (1 + this worker's rank), offering this
         rank's native layout on cuda_ipc."""
-        self._offer_native_layout(spec)
-        self.join_refit_channel(spec, rank)
-        self._channel_ranks[spec.key] = rank
+
+        def join() -> None:
+            self._offer_native_layout(spec)
+            self.join_refit_channel(spec, rank)
+            self._channel_ranks[spec.key] = rank
+
+        self.gate.run(join)
 
     def refit_ceiling(self, spec: ChannelSpec, step: int, nbytes: int) -> float:
         """Receive ``nbytes`` raw over the channel (the transport's ceiling)."""
         from rlcore.refit import channels
 
-        return channels.ceiling(
-            spec, self._channel_ranks.get(spec.key, 1 + self.rank), step, nbytes
+        return self.gate.run(
+            lambda: channels.ceiling(spec, self._channel_ranks.get(spec.key, 1 + self.rank), step, nbytes)
         )
 
     def receive_weights(
@@ -893,24 +944,60 @@ class MegatronGenerationWorker(MegatronWorker):
         tensor (``cuda_ipc`` checks every tensor of a refit before it yields one, and a
         sender that fails mid-way sends nothing), nothing was written and the engine
         keeps serving its previous weights.
+
+        A refit that reaches a dynamic engine while a call samples
+        (:class:`MegatronInflightGenerationWorker`) loads between two engine steps with the
+        call's requests held (:meth:`_new_weights`); a failure then also drops them, and
+        that call fails.
         """
+        return self.gate.run(lambda: self._receive_weights(spec, step, buckets))
+
+    def _receive_weights(self, spec: ChannelSpec, step: int, buckets: list[list[TensorSpec]]) -> float:
+        self._require_model()
+        t0 = time.monotonic()
+        path, layout = self.refit_path(spec)
+        with self._new_weights(step):
+            if path == "native":
+                self._receive_native(spec, step, layout)
+            else:
+                self._receive_hf(spec, step, buckets)
+            self.stale, self.serving, self.loaded_version = None, True, step
+        return time.monotonic() - t0
+
+    @contextlib.contextmanager
+    def _new_weights(self, step: int) -> Iterator[None]:
+        """Around a load of new weights: with requests of a call in flight on the dynamic
+        engine, they are held (:func:`rlcore_megatron.inference.requests_held`) and go on
+        with the new weights, whose version the tokens after this point carry; else the
+        engine's requests and KV blocks are dropped."""
+        engine = self.engine
+        if not (self.engine_kind == "dynamic" and engine is not None and not self.asleep
+                and engine.has_unfinished_requests()):
+            self._forget_requests()
+            yield
+            return
+        from rlcore_megatron.inference import requests_held
+
+        try:
+            with requests_held(engine) as counts:
+                yield
+        except BaseException:
+            self.refit_aborts += 1
+            raise
+        for request_id, at in counts.items():
+            self._landed.setdefault(request_id, []).append((at, step))
+
+    def _receive_hf(self, spec: ChannelSpec, step: int, buckets: list[list[TensorSpec]]) -> None:
+        """The Hugging Face path: tensors streamed in, this rank's slices copied as they come."""
         import torch
 
         from rlcore.refit import channels
         from rlcore_megatron import convert
 
-        self._require_model()
-        t0 = time.monotonic()
-        path, layout = self.refit_path(spec)
-        if path == "native":
-            self._receive_native(spec, step, layout)
-            self.loaded_version = step
-            return time.monotonic() - t0
         rank = self._channel_ranks.get(spec.key, 1 + self.rank)
         stream = channels.receive_weights(spec, rank, step, buckets, device=self.device)
         before = self.stale
         self.stale = f"refit step {step} over {spec.transport} did not complete"
-        self._forget_requests()
         pulled = 0
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -934,8 +1021,6 @@ class MegatronGenerationWorker(MegatronWorker):
                 self.stale = before
             _drain(stream, self.rank, step)
             raise
-        self.stale, self.serving, self.loaded_version = None, True, step
-        return time.monotonic() - t0
 
     def _receive_native(self, spec: ChannelSpec, step: int, layout: str) -> None:
         """The native path: the sender's parameters, checked against this rank's own native
@@ -951,7 +1036,6 @@ class MegatronGenerationWorker(MegatronWorker):
         dsts = [p for _, p in self._native]
         before = self.stale
         self.stale = f"refit step {step} over {spec.transport} (native layout) did not complete"
-        self._forget_requests()
         views: list[torch.Tensor] = []
         copied = False
         try:
@@ -967,11 +1051,22 @@ class MegatronGenerationWorker(MegatronWorker):
             if not copied:  # nothing was written
                 self.stale = before
             raise
-        self.stale, self.serving = None, True
 
     def teardown(self) -> None:
         self.engine = None
         super().teardown()
+
+
+class MegatronInflightGenerationWorker(MegatronGenerationWorker):
+    """A generation rank that takes refits while a call samples: megatron-core's dynamic
+    engine (CUDA) at tensor-parallel size 1. Its refit calls run on the actor's refit
+    thread (``inflight_refit``: :attr:`rlcore.runtime.worker_group.WorkerGroup.refit_group`)
+    and land between two engine steps of the call in flight (:attr:`gate`). Tensor-parallel
+    ranks would each land at their own step boundary and deadlock their collectives, and the
+    static engine has no steps to land between; those keep :class:`MegatronGenerationWorker`
+    (refits between calls)."""
+
+    inflight_refit = True
 
 
 def _drain(stream: Iterator[Any], rank: int, step: int) -> None:

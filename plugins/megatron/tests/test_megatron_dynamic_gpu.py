@@ -5,7 +5,10 @@ a refit-fed generation in one process, fed over the disk transport. The dynamic
 engine must return what the static engine returns for the same weights (greedy
 tokens), logprobs equal to the policy's, the same samples for the same seed,
 never a padded-vocabulary token, samples cut after their end-of-sequence token,
-and nothing of the previous weights after a refit.
+and nothing of the previous weights after a refit. A refit sent while a generate
+samples lands between two engine steps (issue 30): the requests go on with the new
+weights, each token carrying its version and the logprob its weights give; one that
+fails half-way fails that call, and the engine serves again after the next refit.
 
     PYTHONPATH=.:plugins/megatron python -m pytest plugins/megatron/tests/test_megatron_dynamic_gpu.py -m gpu
 """
@@ -83,12 +86,7 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
 
 
 def refit(policy, gen, root: Path, step: int) -> None:  # type: ignore[no-untyped-def]
-    from rlcore.refit.channels import ChannelSpec
-    from rlcore.refit.specs import plan_buckets
-
-    spec = ChannelSpec("disk", "dynamic-gpu", 2, root=str(root), timeout_s=60)
-    buckets = plan_buckets(policy.weight_specs(), 1 << 20)
-    policy.send_weights(spec, step, buckets)
+    spec, buckets = _send(policy, root, step)
     gen.receive_weights(spec, step, buckets)
 
 
@@ -198,3 +196,111 @@ def test_too_long_a_request_is_refused_and_the_engine_still_serves(workers: tupl
     with pytest.raises(ValueError, match="max_sequence_length"):
         gen.generate([[1] * 90], SamplingParams(1, 10, 0.0, 0))
     assert len(gen.generate(PROMPTS, SamplingParams(1, 4, 0.0, 0))) == len(PROMPTS)
+
+
+# -- Refits in flight (issue 30): landing between two engine steps ------------------------------
+
+
+def _sample_in_background(gen, prompts, params):  # type: ignore[no-untyped-def]
+    import threading
+
+    out: list = []
+    call = threading.Thread(target=lambda: out.append(_capture(lambda: gen.generate(prompts, params))), daemon=True)
+    call.start()
+    return call, out
+
+
+def _capture(fn):  # type: ignore[no-untyped-def]
+    try:
+        return fn()
+    except BaseException as err:  # handed to the test's thread
+        return err
+
+
+def _send(policy, root: Path, step: int):  # type: ignore[no-untyped-def]
+    from rlcore.refit.channels import ChannelSpec
+    from rlcore.refit.specs import plan_buckets
+
+    spec = ChannelSpec("disk", "dynamic-gpu", 2, root=str(root), timeout_s=60)
+    buckets = plan_buckets(policy.weight_specs(), 1 << 20)
+    policy.send_weights(spec, step, buckets)
+    return spec, buckets
+
+
+def _once_sampling(gen, steps: int = 4) -> None:  # type: ignore[no-untyped-def]
+    from rlcore.testing.waits import wait_for
+
+    assert wait_for(lambda: gen.engine.step_count >= steps, timeout_s=60)
+
+
+def test_a_refit_lands_between_engine_steps_and_each_token_carries_its_version(workers: tuple) -> None:
+    """A refit sent while a generate samples (the refit thread of an in-flight worker: here
+    the test's thread) lands between two engine steps: the requests in flight go on with
+    the new weights (their KV computed again), each token says which weights sampled it,
+    and its logprob is the one those weights give."""
+    policy, gen, _, root = workers
+    refit(policy, gen, root, 10)
+    old = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+    policy.train_step([(p, [3, 4, 5]) for p in PROMPTS], [1.0, -1.0, 0.5, -0.5], None, 0.2, 5e-2)
+    spec, buckets = _send(policy, root, 11)
+    params = SamplingParams(3, 40, 1.0, 5)  # 12 requests through 6 slots, 40 tokens each
+    call, out = _sample_in_background(gen, PROMPTS, params)
+    _once_sampling(gen)
+    gen.receive_weights(spec, 11, buckets)  # returns once landed
+    call.join(120)
+    assert not isinstance(out[0], BaseException), out[0]
+    samples = [s for g in out[0] for s in g]
+    versions = [s["versions"] for s in samples]
+    assert all(v == sorted(v) and set(v) <= {10, 11} and len(v) == len(s["token_ids"]) for v, s in zip(versions, samples, strict=True))
+    assert any(10 in v and 11 in v for v in versions), versions  # landed mid-sample
+    assert any(set(v) == {11} for v in versions)  # requests still waiting started on the new ones
+    assert gen.loaded_version == 11 == gen.weight_version()
+    rows = [(p, s["token_ids"]) for p, g in zip(PROMPTS, out[0], strict=True) for s in g]
+    scored_new = policy.logprobs(rows)
+    now = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+    with torch.no_grad():
+        for n, p in policy.model.named_parameters():
+            p.copy_(old[n])
+        scored_old = policy.logprobs(rows)
+        for n, p in policy.model.named_parameters():
+            p.copy_(now[n])
+    gap = [abs(a - (o if v == 10 else w)) for s, o_row, w_row in zip(samples, scored_old, scored_new, strict=True)
+           for a, v, o, w in zip(s["logprobs"], s["versions"], o_row, w_row, strict=True)]
+    assert max(gap) < 1e-4, max(gap)
+    # The versions matter: the two weights score the same tokens differently.
+    assert max(abs(o - w) for o_row, w_row in zip(scored_old, scored_new, strict=True) for o, w in zip(o_row, w_row, strict=True)) > 1e-2
+
+
+def test_a_refit_failing_in_flight_fails_that_call_and_the_next_refit_serves(
+    workers: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Half-loaded weights never sample: the call in flight fails naming the refit, the
+    engine refuses to serve until a refit succeeds, then serves as before."""
+    from rlcore.errors import NotServingError
+    from rlcore_megatron import convert
+
+    policy, gen, _, root = workers
+    refit(policy, gen, root, 20)
+    spec, buckets = _send(policy, root, 21)
+    real = convert.load_hf_stream
+
+    def half_way(model, stream, *args, **kwargs):  # type: ignore[no-untyped-def]
+        next(iter(stream))
+        raise RuntimeError("injected: load failed after one tensor")
+
+    monkeypatch.setattr(convert, "load_hf_stream", half_way)
+    call, out = _sample_in_background(gen, PROMPTS, SamplingParams(3, 40, 1.0, 5))
+    _once_sampling(gen)
+    with pytest.raises(RuntimeError, match="injected"):
+        gen.receive_weights(spec, 21, buckets)
+    call.join(120)
+    assert isinstance(out[0], RuntimeError) and "a refit failed half-way" in str(out[0]), out[0]
+    assert not gen.engine.has_unfinished_requests()
+    with pytest.raises(NotServingError, match="did not complete"):
+        gen.generate(PROMPTS, SamplingParams(1, 4, 0.0, 0))
+    monkeypatch.setattr(convert, "load_hf_stream", real)
+    refit(policy, gen, root, 22)
+    out = gen.generate(PROMPTS, SamplingParams(1, 12, 0.0, 0))
+    assert [g[0]["versions"] for g in out] == [[22] * len(g[0]["token_ids"]) for g in out]
+    rows = [(p, g[0]["token_ids"]) for p, g in zip(PROMPTS, out, strict=True)]
+    assert max_diff([g[0]["logprobs"] for g in out], policy.logprobs(rows)) < 1e-4

@@ -182,3 +182,54 @@ def test_paged_attention_is_installed_only_without_flash_attn(
     assert attention.Attention.flash_decode_and_prefill is paged_attention._flash_decode_and_prefill
     assert attention.is_fa_min_version("2.7.3") is True
     assert paged_attention.install() is True  # idempotent
+
+
+# -- Refits in flight (generation.options.inflight_refit; the landing itself: the GPU tests) ----
+
+
+@pytest.mark.parametrize(
+    ("engine", "tp", "ok"), [("dynamic", 1, True), ("static", 1, False), ("dynamic", 2, False)]
+)
+def test_inflight_refit_needs_the_dynamic_engine_at_tensor_parallel_size_one(engine: str, tp: int, ok: bool) -> None:
+    from rlcore_megatron.handle import _check_inflight_refit
+
+    _check_inflight_refit(MegatronOptions(inflight_refit=False, tensor_model_parallel_size=tp), engine)  # off: any
+    options = MegatronOptions(inflight_refit=True, tensor_model_parallel_size=tp)
+    if ok:
+        _check_inflight_refit(options, engine)
+        return
+    with pytest.raises(ConfigError, match=r"generation.options.inflight_refit.*inflight_refit=false") as err:
+        _check_inflight_refit(options, engine)
+    assert err.value.key == "generation.options.inflight_refit"
+
+
+@pytest.mark.parametrize(
+    ("options", "landing"),
+    [
+        ({}, "between_calls"),  # off by default: the refit waits for the call in flight
+        ({"inflight_refit": True, "engine": "dynamic"}, "pause"),
+        ({"inflight_refit": True, "engine": "dynamic", "tensor_model_parallel_size": 2}, "between_calls"),
+        ({"inflight_refit": True, "engine": "static"}, "between_calls"),
+    ],
+)
+def test_the_declared_landing_follows_the_option(options: dict, landing: str) -> None:
+    import dataclasses
+
+    from rlcore_megatron.plugin import rlcore_declare_backend
+
+    decl = rlcore_declare_backend()
+    view = {"options": dataclasses.asdict(MegatronOptions(**options))}
+    got = decl.refit_landing(view)
+    assert got.landing.value == landing
+    assert got.token_versions == (landing == "pause")
+
+
+def test_each_token_takes_the_version_of_the_last_refit_before_it() -> None:
+    worker = MegatronGenerationWorker(0, 1)
+    worker._landed = {7: [(2, 11), (5, 12)], 8: [(0, 11)]}
+    assert worker._versions(7, 6, 10) == [10, 10, 11, 11, 11, 12]
+    assert worker._versions(8, 3, 10) == [11, 11, 11]  # a request still waiting when it landed
+    assert worker._versions(9, 2, 10) == [10, 10]  # done before the refit
+    worker.eos_ids = {2}  # the cut keeps the versions aligned with the tokens
+    cut = worker._cut_at_eos([5, 2, 9], [-0.1, -0.2, -0.3], [10, 11, 11])
+    assert cut == {"token_ids": [5, 2], "logprobs": [-0.1, -0.2], "versions": [10, 11]}

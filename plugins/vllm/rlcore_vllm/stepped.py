@@ -16,12 +16,9 @@ replaces (R1 of docs/design: a private API).
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
-T = TypeVar("T")
+from rlcore.runtime.step_gate import StepGate as CoreStepGate
 
 
 def check_vllm(llm: Any) -> None:
@@ -37,74 +34,29 @@ def check_vllm(llm: Any) -> None:
         )
 
 
-class StepGate:
+class StepGate(CoreStepGate):
     """Drives ``llm``'s engine for every call, and runs other threads' jobs between two of
-    its steps (see the module doc). Installs itself on ``llm`` (its ``generate`` and
-    ``_run_engine``)."""
+    its steps (see the module doc and :class:`rlcore.runtime.step_gate.StepGate`). Installs
+    itself on ``llm`` (its ``generate`` and ``_run_engine``)."""
 
     def __init__(self, llm: Any) -> None:
+        super().__init__()
         check_vllm(llm)
         self.llm = llm
-        self._cv = threading.Condition()
-        self._driver: str | None = None  # "call" (a generate steps) or "job" (a job runs alone)
-        self._jobs: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._generate = llm.generate
         llm.generate = self._generate_alone
         llm._run_engine = self._run_engine
 
-    def run(self, job: Callable[[], T]) -> T:
-        """``job()``'s result: run between two steps of the call that drives the engine, on
-        its thread, or at once on this one when no call does (calls then wait for it)."""
-        done: Future[Any] | None = None
-        with self._cv:
-            self._cv.wait_for(lambda: self._driver != "job")
-            if self._driver == "call":
-                done = Future()
-                self._jobs.append((job, done))
-            else:
-                self._driver = "job"
-        if done is not None:
-            return done.result()
-        try:
-            return job()
-        finally:
-            with self._cv:
-                self._driver = None
-                self._cv.notify_all()
-
     def _generate_alone(self, *args: Any, **kwargs: Any) -> Any:
-        with self._cv:
-            self._cv.wait_for(lambda: self._driver is None)
-            self._driver = "call"
-        try:
+        with self.driving():
             return self._generate(*args, **kwargs)
-        finally:
-            # Jobs queued after the last step run before the engine is let go; the last
-            # look and the release are one, so no job is left queued behind.
-            while self._run_jobs(release_when_none=True):
-                pass
-
-    def _run_jobs(self, *, release_when_none: bool = False) -> bool:
-        """Run the queued jobs; whether there were any (with ``release_when_none``, none
-        left: the engine is let go, atomically with finding none)."""
-        with self._cv:
-            jobs, self._jobs = self._jobs, []
-            if not jobs and release_when_none:
-                self._driver = None
-                self._cv.notify_all()
-        for job, done in jobs:
-            try:
-                done.set_result(job())
-            except BaseException as err:  # handed to the job's thread
-                done.set_exception(err)
-        return bool(jobs)
 
     def _run_engine(self, output_type: Any, *, use_tqdm: Any = True) -> list[Any]:
         """vLLM's loop (no progress bar), with the queued jobs run before each step."""
         engine = self.llm.llm_engine
         outputs = []
         while engine.has_unfinished_requests():
-            self._run_jobs()
+            self.between_steps()
             if not engine.has_unfinished_requests():  # a job aborted them
                 break
             outputs += [o for o in engine.step() if o.finished]
