@@ -28,6 +28,7 @@ from rlcore.publish import (
     is_complete,
     publish_dir,
     read_marker,
+    scratch,  # noqa: F401  (publish.scratch below)
     wait_for_artifact,
 )
 
@@ -323,7 +324,7 @@ def test_other_occupants_are_replaced(tmp_path: Path, kind: str) -> None:
 def test_displacing_a_complete_artifact_puts_it_back(tmp_path: Path) -> None:
     # The race it covers: a winner lands between our "incomplete" check and our rename.
     dest = publish_dir(tmp_path / "a", writer_for(content_for(4)))
-    publish._displace(dest)
+    publish.scratch.displace(dest)
     assert is_complete(dest)
     assert owner_of(dest) == 4
     assert scratch_entries(tmp_path) == []
@@ -765,7 +766,7 @@ def _fake_entry(parent: Path, prefix: str, host: str, dest: str = "artifact") ->
 
 
 def _hold_lock(parent: Path, dest: str, ready: Any, release: Any) -> None:
-    lock = publish._lock(parent, dest)
+    lock = publish.scratch.writer_lock(parent, dest)
     with lock:
         ready.set()
         release.wait(30)
@@ -774,7 +775,7 @@ def _hold_lock(parent: Path, dest: str, ready: Any, release: Any) -> None:
 def test_clean_removes_this_hosts_entries_no_writer_holds(tmp_path: Path, leaks: LeakCheck) -> None:
     """An entry of this host is a dead writer's exactly when no process holds its
     destination's lock (the kernel dropped a killed writer's): no pid bookkeeping."""
-    host = publish._host_tag()
+    host = publish.scratch.host_tag()
     dead = _fake_entry(tmp_path, STAGING_PREFIX, host, "artifact")
     dead_trash = _fake_entry(tmp_path, TRASH_PREFIX, host, "artifact")
     live = _fake_entry(tmp_path, STAGING_PREFIX, host, "busy.checkpoint")
