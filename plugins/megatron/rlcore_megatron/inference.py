@@ -381,8 +381,6 @@ def generate_dynamic(
     Runs until every request finished; on an error the engine is reset (no request or
     KV block outlives the call).
     """
-    from megatron.core.inference.inference_request import Status
-
     longest = max(len(p) for p in prompts) + int(max_tokens)
     if longest > engine.context.max_sequence_length:
         raise ValueError(
@@ -397,41 +395,50 @@ def generate_dynamic(
     )
     flat = [list(p) for p in prompts for _ in range(n)]
     try:
-        ids = []
-        for p in flat:
-            rid = int(next(engine.request_counter))
-            engine.add_request(rid, p, params)
-            ids.append(rid)
-        records: dict[int, Any] = {}
-        while engine.has_unfinished_requests():
-            if between_steps is not None:
-                between_steps()
-                if not engine.has_unfinished_requests():  # a refit that failed dropped them
-                    break
-            for record in engine.step_modern()["finished_request_records"]:
-                records[record.request_id] = record
-        if len(records) != len(flat):
-            raise RuntimeError(
-                f"megatron dynamic engine finished {len(records)} of {len(flat)} requests"
-            )
-        samples = []
-        for rid in ids:
-            req = records[rid].merge()
-            if req.status != Status.COMPLETED:
-                raise RuntimeError(
-                    f"megatron dynamic engine: request {req.request_id} {req.status}"
-                )
-            samples.append(
-                DynamicSample(
-                    [int(t) for t in req.generated_tokens],
-                    [float(x) for x in req.generated_log_probs or []],
-                    rid,
-                )
-            )
+        ids, records = _run_to_completion(engine, flat, params, between_steps)
+        samples = [_sample_of(records[rid], rid) for rid in ids]
     except BaseException:
         reset_dynamic_engine(engine)
         raise
     return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+def _run_to_completion(
+    engine: DynamicInferenceEngine,
+    flat: list[list[int]],
+    params: SamplingParams,
+    between_steps: Callable[[], object] | None,
+) -> tuple[list[int], dict[int, Any]]:
+    """Add one request per prompt and step the engine until none is left: the request ids
+    in order, and each one's finished record."""
+    ids = []
+    for p in flat:
+        rid = int(next(engine.request_counter))
+        engine.add_request(rid, p, params)
+        ids.append(rid)
+    records: dict[int, Any] = {}
+    while engine.has_unfinished_requests():
+        if between_steps is not None:
+            between_steps()
+            if not engine.has_unfinished_requests():  # a refit that failed dropped them
+                break
+        for record in engine.step_modern()["finished_request_records"]:
+            records[record.request_id] = record
+    if len(records) != len(flat):
+        raise RuntimeError(f"megatron dynamic engine finished {len(records)} of {len(flat)} requests")
+    return ids, records
+
+
+def _sample_of(record: Any, rid: int) -> DynamicSample:
+    """A finished record (every checkpoint of the request merged) as a sample."""
+    from megatron.core.inference.inference_request import Status
+
+    req = record.merge()
+    if req.status != Status.COMPLETED:
+        raise RuntimeError(f"megatron dynamic engine: request {req.request_id} {req.status}")
+    return DynamicSample(
+        [int(t) for t in req.generated_tokens], [float(x) for x in req.generated_log_probs or []], rid
+    )
 
 
 def generated_so_far(engine: DynamicInferenceEngine) -> dict[int, int]:
