@@ -106,6 +106,11 @@ def _series(run_dir: Path) -> dict[int, dict[str, float]]:
     return {r["step"]: {k: float(r[k]) for k in RESUME_FLOOR} for r in lines if "reward/mean" in r}
 
 
+def _record(run_dir: Path, step: int) -> dict:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return next(r for r in lines if r.get("step") == step and "reward/mean" in r)
+
+
 def _gap(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]], key: str, steps: list[int]) -> float:
     if key == "train/grad_norm":
         return max(abs(a[s][key] - b[s][key]) / max(abs(a[s][key]), 1e-12) for s in steps)
@@ -145,5 +150,8 @@ def test_a_gpu_run_stopped_by_sigterm_resumes_within_the_stated_tolerance(exampl
     every = list(range(1, RESUME_STEPS + 1))
     gaps = {k: (_gap(a, got, k, after), _gap(a, b, k, every)) for k in RESUME_FLOOR}
     print(f"\n{example}: resumed after step {last}; (resumed vs never-stopped, never-stopped vs never-stopped): {gaps}")
+    first = last + 1  # what the first step after the resume sampled, and its refit check, beside the never-stopped run
+    print({k: (_record(never[0], first).get(k), _record(stopped, first).get(k))
+           for k in ("generate/tokens", "refit/token_mult_prob_error", "generate/weight_versions")})
     for key, (resumed_gap, noise) in gaps.items():
         assert resumed_gap <= RESUME_FLOOR[key] + 2 * noise, (key, resumed_gap, noise)
