@@ -134,3 +134,50 @@ def test_between_calls_a_refit_drops_the_engines_state() -> None:
     with worker._new_weights(3):
         pass
     assert engine.events[-1] == "reset" and "suspend" not in engine.events
+
+
+class _Call:
+    def __init__(self, sent: list, method: str, group: str | None = None) -> None:
+        self.sent, self.method, self.group = sent, method, group
+
+    def options(self, concurrency_group: str) -> _Call:
+        return _Call(self.sent, self.method, concurrency_group)
+
+    def remote(self, *args: Any) -> str:
+        self.sent.append((self.method, self.group))
+        return "ref"
+
+
+class _Actor:
+    def __init__(self, sent: list) -> None:
+        self.sent = sent
+
+    def __getattr__(self, method: str) -> _Call:
+        return _Call(self.sent, method)
+
+
+@pytest.mark.parametrize("inflight", [True, False])
+def test_refit_calls_go_to_the_refit_thread_only_where_the_workers_take_refits_in_flight(
+    inflight: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The handle's side of it: receive_weights, open_refit_channel and weight_version reach
+    an in-flight worker's refit thread (a generate in flight does not hold them up); every
+    other call, and every call to an ordinary worker, goes to the default thread in order."""
+    from rlcore.runtime.worker_group import REFIT_GROUP
+    from rlcore_megatron.handle import MegatronGeneration
+
+    sent: list = []
+    group = SimpleNamespace(actors=[_Actor(sent)], world_size=1, name="generation",
+                            refit_group=REFIT_GROUP if inflight else None,
+                            get=lambda refs, what="": [0] * len(refs))
+    layout = [{"rank": 0, "dp_rank": 0, "tp_rank": 0}]
+    handle = MegatronGeneration(group, device_type="cuda", specs=[], layout=layout)  # type: ignore[arg-type]
+    handle._check_open = lambda: None  # type: ignore[method-assign]
+    handle._submit("generate", [[1]], None)
+    handle.open_refit_channel("spec")
+    monkeypatch.setattr("ray.put", lambda value: value)  # no cluster here
+    handle.receive_weights("spec", 1, [])
+    handle.weight_versions()
+    refit = REFIT_GROUP if inflight else None
+    assert sent == [("generate", None), ("open_refit_channel", refit), ("receive_weights", refit),
+                    ("weight_version", refit)]
