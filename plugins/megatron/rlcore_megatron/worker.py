@@ -40,13 +40,14 @@ torch and megatron-core are imported inside the methods, in the workers' process
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rlcore.errors import NotServingError
 from rlcore.handles import Sample, SamplingParams
@@ -629,6 +630,32 @@ class MegatronPolicyWorker(PolicyGradientWorker, RefitSenderWorker, MegatronWork
         super().teardown()
 
 
+T = TypeVar("T")
+
+
+def _drives(method: Callable[..., T]) -> Callable[..., T]:
+    """The generation method holds the engine (:meth:`StepGate.driving`): a refit waits
+    for it, or lands between two of its engine steps."""
+
+    @functools.wraps(method)
+    def held(self: MegatronGenerationWorker, *args: Any, **kwargs: Any) -> T:
+        with self.gate.driving():
+            return method(self, *args, **kwargs)
+
+    return held
+
+
+def _lands(method: Callable[..., T]) -> Callable[..., T]:
+    """The refit-side method runs as a gate job (:meth:`StepGate.run`): between two engine
+    steps of the call in flight, on its thread, or at once when none is."""
+
+    @functools.wraps(method)
+    def job(self: MegatronGenerationWorker, *args: Any, **kwargs: Any) -> T:
+        return self.gate.run(lambda: method(self, *args, **kwargs))
+
+    return job
+
+
 class MegatronGenerationWorker(MegatronWorker):
     """One rank of the Megatron generation engine (megatron-core's dynamic engine on CUDA,
     its static engine on CPU: ``generation.options.engine``)."""
@@ -721,12 +748,9 @@ class MegatronGenerationWorker(MegatronWorker):
 
             reset_dynamic_engine(self.engine)
 
+    @_drives
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Load a published Megatron checkpoint (any tensor-parallel size) and serve it."""
-        with self.gate.driving():
-            return self._load_checkpoint(path)
-
-    def _load_checkpoint(self, path: str) -> dict[str, Any]:
         from rlcore_megatron.checkpoint import load_checkpoint, read_info
         from rlcore_megatron.convert import ConversionError, ModelSpec
 
@@ -753,6 +777,7 @@ class MegatronGenerationWorker(MegatronWorker):
                 "serves after the first refit)"
             )
 
+    @_drives
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Sample]]:
         """``params.n`` samples per prompt of this rank's data-parallel shard. Collective.
 
@@ -772,10 +797,6 @@ class MegatronGenerationWorker(MegatronWorker):
         engine) changes the version of the tokens sampled after it; otherwise every
         token has :attr:`loaded_version`.
         """
-        with self.gate.driving():
-            return self._generate(prompt_ids, params)
-
-    def _generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Sample]]:
         self._check_serving()
         n, max_tokens, temperature = params.n, params.max_tokens, params.temperature
         if self.asleep:  # colocated: the loop normally wakes the engine before sampling
@@ -858,24 +879,21 @@ class MegatronGenerationWorker(MegatronWorker):
                 for rid in group:
                     scheduler.completed_request_pool.pop(rid, None)
 
+    @_drives
     def logprobs(self, batch: Sequence[Row]) -> list[list[float]]:
         """Per-token logprobs of each completion (a forward pass over prompt + completion)."""
-        with self.gate.driving():
-            self._check_serving()
-            return super().logprobs(batch)
+        self._check_serving()
+        return super().logprobs(batch)
 
     # ------------------------------------------------------------- colocated
 
+    @_drives
     def sleep(self) -> dict[str, float]:
         """Colocated: release the inference memory (the dynamic engine's KV cache and
         request buffers, megatron-core's ``suspend``) and hand it back to the device, for
         the policy that trains on the same GPU. The weights stay (refit writes into them,
         logprobs read them). Every request is dropped first. Idempotent; the static engine
         (CPU) has nothing to release. Returns ``bytes`` released and ``seconds``."""
-        with self.gate.driving():
-            return self._sleep()
-
-    def _sleep(self) -> dict[str, float]:
         import torch
 
         t0 = time.monotonic()
@@ -890,13 +908,10 @@ class MegatronGenerationWorker(MegatronWorker):
             self.asleep = True
         return {"bytes": float(released), "seconds": time.monotonic() - t0}
 
+    @_drives
     def wake(self) -> dict[str, float]:
         """Allocate the inference memory again (megatron-core's ``resume``; fresh KV cache,
         no request). Idempotent. Returns ``bytes`` allocated and ``seconds``."""
-        with self.gate.driving():
-            return self._wake()
-
-    def _wake(self) -> dict[str, float]:
         import torch
 
         t0 = time.monotonic()
@@ -911,25 +926,22 @@ class MegatronGenerationWorker(MegatronWorker):
 
     # ----------------------------------------------------------------- refit
 
+    @_lands
     def open_refit_channel(self, spec: ChannelSpec, rank: int) -> None:
         """Join refit channel ``spec`` as ``rank`` (1 + this worker's rank), offering this
         rank's native layout on cuda_ipc."""
+        self._offer_native_layout(spec)
+        self.join_refit_channel(spec, rank)
+        self._channel_ranks[spec.key] = rank
 
-        def join() -> None:
-            self._offer_native_layout(spec)
-            self.join_refit_channel(spec, rank)
-            self._channel_ranks[spec.key] = rank
-
-        self.gate.run(join)
-
+    @_lands
     def refit_ceiling(self, spec: ChannelSpec, step: int, nbytes: int) -> float:
         """Receive ``nbytes`` raw over the channel (the transport's ceiling)."""
         from rlcore.refit import channels
 
-        return self.gate.run(
-            lambda: channels.ceiling(spec, self._channel_ranks.get(spec.key, 1 + self.rank), step, nbytes)
-        )
+        return channels.ceiling(spec, self._channel_ranks.get(spec.key, 1 + self.rank), step, nbytes)
 
+    @_lands
     def receive_weights(
         self, spec: ChannelSpec, step: int, buckets: list[list[TensorSpec]]
     ) -> float:
@@ -950,9 +962,6 @@ class MegatronGenerationWorker(MegatronWorker):
         call's requests held (:meth:`_new_weights`); a failure then also drops them, and
         that call fails.
         """
-        return self.gate.run(lambda: self._receive_weights(spec, step, buckets))
-
-    def _receive_weights(self, spec: ChannelSpec, step: int, buckets: list[list[TensorSpec]]) -> float:
         self._require_model()
         t0 = time.monotonic()
         path, layout = self.refit_path(spec)
