@@ -39,17 +39,14 @@ class StepGate:
         self._depth = 0
         self._jobs: list[tuple[Callable[[], Any], Future[Any]]] = []
 
-    def run(self, job: Callable[[], T], *, timeout_s: float | None = None) -> T:
+    def run(self, job: Callable[[], T]) -> T:
         """``job()``'s result: run between two steps of the call that drives the engine, on
-        its thread, or at once on this one when no call does (calls then wait for it).
-        ``timeout_s`` bounds the wait for a queued job to be run and finish."""
-        done: Future[Any] | None = None
-        with self._cv:
-            inside = self._owner == threading.get_ident()  # a gated call on this thread runs it
-            if not inside:
-                self._cv.wait_for(lambda: self._driver != "job")
-        if inside:
+        its thread, or at once on this one when no call does (calls then wait for it). A
+        call on this thread that drives the engine runs it at once. The wait is bounded by
+        the caller's own deadline (a worker's refit call), not here."""
+        if self._owner == threading.get_ident():  # only this thread sets or clears it to itself
             return job()
+        done: Future[Any] | None = None
         with self._cv:
             self._cv.wait_for(lambda: self._driver != "job")
             if self._driver == "call":
@@ -58,7 +55,7 @@ class StepGate:
             else:
                 self._driver = "job"
         if done is not None:
-            return done.result(timeout=timeout_s)
+            return done.result()
         try:
             return job()
         finally:
