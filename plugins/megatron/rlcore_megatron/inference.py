@@ -471,10 +471,28 @@ def requests_held(engine: DynamicInferenceEngine) -> Iterator[dict[int, int]]:
     try:
         yield counts
     except BaseException:
-        engine.resume()
+        resume_dynamic_engine(engine)
         reset_dynamic_engine(engine)
         raise
+    resume_dynamic_engine(engine)
+
+
+def resume_dynamic_engine(engine: DynamicInferenceEngine) -> None:
+    """megatron-core's ``resume``, and the controller pointed at the request metadata it
+    allocated.
+
+    ``suspend`` frees the context's tensors and ``resume`` allocates new ones, but the text
+    generation controller keeps the on-device metadata tensors it took at construction
+    (megatron-core 0.16: ``termination_id``). Left alone, every step after a resume reads
+    each request's end-of-sequence id from freed memory: on an H100 6 of 64 samples of 32
+    tokens then ended early at a stale id (``bench/engine_history_gpu.py``), and a
+    colocated run, which sleeps and wakes its engine every step, sampled otherwise than a
+    resumed one from the same weights."""
     engine.resume()
+    context, held = engine.context, engine.controller._request_metadata
+    for label, _dtype, on_device in context.request_metadata_types:
+        if on_device:
+            held[label] = context.request_metadata[label]
 
 
 def reset_dynamic_engine(engine: DynamicInferenceEngine) -> None:

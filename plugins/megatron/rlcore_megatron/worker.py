@@ -917,8 +917,10 @@ class MegatronGenerationWorker(MegatronWorker):
         t0 = time.monotonic()
         allocated = 0
         if self.asleep:
+            from rlcore_megatron.inference import resume_dynamic_engine
+
             before = torch.cuda.memory_allocated()
-            self.engine.resume()
+            resume_dynamic_engine(self.engine)
             torch.cuda.synchronize()
             allocated = torch.cuda.memory_allocated() - before
             self.asleep = False

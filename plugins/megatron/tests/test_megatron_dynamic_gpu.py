@@ -304,3 +304,20 @@ def test_a_refit_failing_in_flight_fails_that_call_and_the_next_refit_serves(
     assert [g[0]["versions"] for g in out] == [[22] * len(g[0]["token_ids"]) for g in out]
     rows = [(p, g[0]["token_ids"]) for p, g in zip(PROMPTS, out, strict=True)]
     assert max_diff([g[0]["logprobs"] for g in out], policy.logprobs(rows)) < 1e-4
+
+
+def test_sleep_and_wake_leave_what_the_engine_samples_unchanged(workers: tuple) -> None:
+    """A colocated engine sleeps and wakes every step (megatron-core's ``suspend`` /
+    ``resume``): after it, the same call samples what it sampled before. Without pointing the
+    controller at the metadata ``resume`` allocated, it read end-of-sequence ids from freed
+    memory and samples ended early (a resumed run then sampled otherwise than one never
+    stopped)."""
+    policy, gen, _, root = workers
+    refit(policy, gen, root, 20)
+    params = SamplingParams(8, 32, 1.0, 5)
+    before = gen.generate(PROMPTS, params)
+    gen.sleep()
+    gen.wake()
+    controller, context = gen.engine.controller, gen.engine.context
+    assert controller._request_metadata["termination_id"] is context.request_metadata["termination_id"]
+    assert gen.generate(PROMPTS, params) == before

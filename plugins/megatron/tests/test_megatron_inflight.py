@@ -10,6 +10,7 @@ call; the order of the samples.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from types import SimpleNamespace
 from typing import Any
@@ -47,9 +48,20 @@ class Engine:
 
     def __init__(self, length: int = 4) -> None:
         self.length, self.steps, self.events = length, 0, []
-        self.context = SimpleNamespace(max_sequence_length=64)
-        self.controller = SimpleNamespace(tokenizer=SimpleNamespace(eod=2))
+        self.context = SimpleNamespace(
+            max_sequence_length=64,
+            request_metadata_types=[("temperature", None, False), ("termination_id", None, True)],
+        )
+        self._allocate()
+        # As megatron-core's controller: the on-device metadata taken from the context at
+        # construction, its own host copy of the rest.
+        held = {"termination_id": self.context.request_metadata["termination_id"], "temperature": object()}
+        self.controller = SimpleNamespace(tokenizer=SimpleNamespace(eod=2), _request_metadata=held)
         self.reset()
+
+    def _allocate(self) -> None:
+        """New metadata tensors, as the context's ``allocate_all_tensors`` makes on resume."""
+        self.context.request_metadata = {"temperature": object(), "termination_id": object()}
 
     def reset(self) -> None:
         self.request_counter, self.requests = itertools.count(), {}
@@ -81,6 +93,7 @@ class Engine:
 
     def resume(self) -> None:
         self.events.append("resume")
+        self._allocate()
 
 
 def test_the_step_loop_runs_the_hook_before_every_step_and_keeps_the_prompt_order() -> None:
@@ -89,6 +102,23 @@ def test_the_step_loop_runs_the_hook_before_every_step_and_keeps_the_prompt_orde
     assert seen == [0, 1, 2]
     assert [[s.token_ids for s in g] for g in out] == [[[0, 1, 2], [100, 101, 102]], [[200, 201, 202], [300, 301, 302]]]
     assert [s.request_id for g in out for s in g] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_after_a_hold_the_controller_reads_the_request_metadata_resume_allocated(fails: bool) -> None:
+    """megatron-core's ``resume`` allocates the context's metadata anew while its controller
+    keeps the on-device tensors it took at construction; read from freed memory, a stale
+    end-of-sequence id ended samples early (bench/engine_history_gpu.py). After a hold,
+    whether its body succeeded or not, the controller reads the context's current ones."""
+    engine = Engine()
+    host_copy = engine.controller._request_metadata["temperature"]
+    with contextlib.suppress(RuntimeError), inference.requests_held(engine):
+        if fails:
+            raise RuntimeError("half-loaded")
+    assert engine.events[-2:] == (["resume", "reset"] if fails else ["suspend", "resume"])
+    held = engine.controller._request_metadata
+    assert held["termination_id"] is engine.context.request_metadata["termination_id"]
+    assert held["temperature"] is host_copy  # the controller's own host copy stays its own
 
 
 def test_a_refit_in_flight_holds_the_requests_and_marks_where_each_goes_on() -> None:
