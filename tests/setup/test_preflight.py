@@ -353,3 +353,26 @@ def test_backend_options_declare_ranges_the_same_way() -> None:
     with pytest.raises(ConfigError, match=r"'policy.options.timeout_s' is 0.0.*backend 'b'") as info:
         resolve_options({"timeout_s": 0}, Options, section="policy", backend="b")
     assert info.value.key == "policy.options.timeout_s"
+
+
+def test_a_rule_across_backend_options_is_checked_where_they_are_resolved() -> None:
+    """A backend's options dataclass states a rule over several options in ``__post_init__``
+    (docs/writing-a-backend.md): its ConfigError comes out of resolving the options, key
+    and all, as `rlcore plan` resolves them."""
+    from dataclasses import dataclass
+
+    from rlcore.config import resolve_options
+
+    @dataclass
+    class Options:
+        batch: int = 8
+        micro_batch: int = 4
+
+        def __post_init__(self) -> None:
+            if self.batch % self.micro_batch:
+                raise ConfigError(f"policy.options.batch ({self.batch}) must divide by micro_batch", key="policy.options.batch")
+
+    assert resolve_options({"batch": 12}, Options, section="policy", backend="b").batch == 12
+    with pytest.raises(ConfigError, match=r"batch \(10\) must divide by micro_batch") as info:
+        resolve_options({"batch": 10}, Options, section="policy", backend="b")
+    assert info.value.key == "policy.options.batch"

@@ -42,7 +42,12 @@ from rlcore.runtime.group_handle import GroupHandle
 from rlcore.runtime.policy_group import GroupPolicy
 from rlcore.runtime.resources import device_resources, require_ray, resolve_worker_device
 from rlcore.runtime.worker_group import WorkerGroup
-from rlcore_megatron.options import CHECKPOINT_ARTIFACT, MegatronOptions, resolve_engine
+from rlcore_megatron.options import (
+    CHECKPOINT_ARTIFACT,
+    MegatronOptions,
+    check_inflight_refit,
+    resolve_engine,
+)
 
 log = logging.getLogger(__name__)
 
@@ -623,7 +628,7 @@ def start_generation(ctx: InitContext) -> MegatronGeneration:
     start = _prepare(ctx, "generation")
     # A bad engine choice fails before any worker starts.
     engine = resolve_engine(start.options.engine, start.device)
-    _check_inflight_refit(start.options, engine)
+    check_inflight_refit(start.options, engine)
     _check_go(ctx)
     from rlcore_megatron import convert
 
@@ -663,19 +668,6 @@ def start_generation(ctx: InitContext) -> MegatronGeneration:
             raise
     _log_generation_ready(ctx, start, handle, load)
     return handle
-
-
-def _check_inflight_refit(options: MegatronOptions, engine: str) -> None:
-    """``inflight_refit`` needs steps to land between (the dynamic engine) and one rank per
-    replica (tensor-parallel ranks would land at different steps and stall each other)."""
-    key = "generation.options.inflight_refit"
-    if options.inflight_refit and (engine != "dynamic" or options.tensor_model_parallel_size != 1):
-        raise ConfigError(
-            f"{key} of backend 'megatron' needs the dynamic engine (CUDA) at tensor_model_parallel_size 1, "
-            f"but the engine is {engine} at tensor_model_parallel_size {options.tensor_model_parallel_size}; "
-            f"set {key}=false (refits then wait for the call in flight)",
-            key=key,
-        )
 
 
 def _start_generation_workers(

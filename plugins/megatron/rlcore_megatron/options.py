@@ -39,6 +39,22 @@ def resolve_engine(engine: str, device_type: str) -> str:
     return engine
 
 
+def check_inflight_refit(options: MegatronOptions, engine: str | None) -> None:
+    """``inflight_refit`` needs steps to land between (the dynamic engine) and one rank per
+    replica (tensor-parallel ranks would land at different steps and stall each other).
+    ``engine``: the resolved engine, or None where it waits for the device found at start.
+    Raises :class:`~rlcore.errors.ConfigError` naming the key."""
+    key = "generation.options.inflight_refit"
+    tp = options.tensor_model_parallel_size
+    if options.inflight_refit and (engine == "static" or tp != 1):
+        raise ConfigError(
+            f"{key} of backend 'megatron' needs the dynamic engine (CUDA) at tensor_model_parallel_size 1, "
+            f"but the engine is {engine or options.engine} at tensor_model_parallel_size {tp}; "
+            f"set {key}=false (refits then wait for the call in flight)",
+            key=key,
+        )
+
+
 @dataclass
 class MegatronOptions:
     """``policy.options`` / ``generation.options`` of the ``megatron`` backend."""
@@ -101,3 +117,15 @@ class MegatronOptions:
     port: int = 0
     #: (generation, serve_openai) How long a batch waits for concurrent requests, in ms.
     batch_wait_ms: float = 5.0
+
+    def __post_init__(self) -> None:
+        # What the options alone decide is refused when they are resolved (`rlcore plan`);
+        # an `auto` engine on an `auto` device is checked again at start, once resolved.
+        check_inflight_refit(self, self.planned_engine())
+
+    def planned_engine(self) -> str | None:
+        """The engine where the options alone decide it; None: ``auto`` on the device found
+        at start."""
+        if self.engine != "auto":
+            return self.engine
+        return {"cpu": "static", "cuda": "dynamic"}.get(self.device)

@@ -187,19 +187,51 @@ def test_paged_attention_is_installed_only_without_flash_attn(
 # -- Refits in flight (generation.options.inflight_refit; the landing itself: the GPU tests) ----
 
 
-@pytest.mark.parametrize(
-    ("engine", "tp", "ok"), [("dynamic", 1, True), ("static", 1, False), ("dynamic", 2, False)]
-)
-def test_inflight_refit_needs_the_dynamic_engine_at_tensor_parallel_size_one(engine: str, tp: int, ok: bool) -> None:
-    from rlcore_megatron.handle import _check_inflight_refit
+INFLIGHT_REFUSED = r"generation.options.inflight_refit.*dynamic engine.*inflight_refit=false"
 
-    _check_inflight_refit(MegatronOptions(inflight_refit=False, tensor_model_parallel_size=tp), engine)  # off: any
-    options = MegatronOptions(inflight_refit=True, tensor_model_parallel_size=tp)
+
+@pytest.mark.parametrize(
+    "options",
+    [{"engine": "static"}, {"tensor_model_parallel_size": 2}, {"device": "cpu"}],
+    ids=["static-engine", "tp2", "cpu-device"],
+)
+def test_inflight_refit_the_options_rule_out_is_refused_when_they_are_resolved(options: dict) -> None:
+    """What the options alone decide (an explicit static engine or CPU device, TP > 1) is a
+    config error when the options are resolved, as `rlcore plan` does; off, any of them is fine."""
+    resolve_options(options, MegatronOptions, section="generation", backend="megatron")
+    with pytest.raises(ConfigError, match=INFLIGHT_REFUSED) as err:
+        resolve_options({**options, "inflight_refit": True}, MegatronOptions, section="generation", backend="megatron")
+    assert err.value.key == "generation.options.inflight_refit"
+
+
+@pytest.mark.parametrize(("resolved", "ok"), [("dynamic", True), ("static", False)])
+def test_inflight_refit_on_an_auto_engine_is_checked_again_once_the_device_is_known(resolved: str, ok: bool) -> None:
+    """``engine: auto`` on ``device: auto`` waits for the device found at start: the
+    generation's start checks the engine it resolved."""
+    from rlcore_megatron.options import check_inflight_refit
+
+    options = resolve_options({"inflight_refit": True}, MegatronOptions, section="generation", backend="megatron")
+    assert options.planned_engine() is None
     if ok:
-        _check_inflight_refit(options, engine)
+        check_inflight_refit(options, resolved)
         return
-    with pytest.raises(ConfigError, match=r"generation.options.inflight_refit.*inflight_refit=false") as err:
-        _check_inflight_refit(options, engine)
+    with pytest.raises(ConfigError, match=INFLIGHT_REFUSED):
+        check_inflight_refit(options, resolved)
+
+
+def test_rlcore_plan_refuses_inflight_refit_on_the_static_engine(tmp_path: Path) -> None:
+    """Through the core's preparation of a run (what `rlcore plan` and `rlcore run` do first)."""
+    from rlcore.config import load_config
+    from rlcore.setup.preflight import prepare_checked
+    from rlcore.setup.registry import load_registry
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "megatron.yaml"
+    cfg = load_config(
+        str(example),
+        [f"setup.cache_dir={tmp_path}", "generation.options.engine=static", "generation.options.inflight_refit=true"],
+    )
+    with pytest.raises(ConfigError, match=INFLIGHT_REFUSED) as err:
+        prepare_checked(cfg, load_registry(cfg.plugins.allow))
     assert err.value.key == "generation.options.inflight_refit"
 
 
@@ -208,8 +240,8 @@ def test_inflight_refit_needs_the_dynamic_engine_at_tensor_parallel_size_one(eng
     [
         ({}, "between_calls"),  # off by default: the refit waits for the call in flight
         ({"inflight_refit": True, "engine": "dynamic"}, "pause"),
-        ({"inflight_refit": True, "engine": "dynamic", "tensor_model_parallel_size": 2}, "between_calls"),
-        ({"inflight_refit": True, "engine": "static"}, "between_calls"),
+        ({"engine": "dynamic", "tensor_model_parallel_size": 2}, "between_calls"),
+        # (inflight_refit with the static engine or TP > 1: refused when resolved, above)
     ],
 )
 def test_the_declared_landing_follows_the_option(options: dict, landing: str) -> None:
