@@ -91,7 +91,8 @@ RESUME_STEPS = 6
 #: first step differently (loss 0.0024 apart, gradient norm 0.8-1.1 %, reward equal), then
 #: matched again; the floors are about 4x that. The cause was found later
 #: (bench/results/engine_history_gpu.txt): after megatron-core's resume, which the colocated
-#: engine runs every step when it wakes, the engine read end-of-sequence ids from freed memory.
+#: engine runs every step when it wakes, the engine ended a sample at any sampled token 0 (a
+#: stale termination-id tensor, zeroed by the reset before the sleep).
 #: With rlcore_megatron.inference.resume_dynamic_engine the gap should close; until a device
 #: run shows it does, the floors stay.
 RESUME_FLOOR = {"train/loss": 0.01, "train/grad_norm": 0.05, "reward/mean": 0.05}

@@ -481,12 +481,13 @@ def resume_dynamic_engine(engine: DynamicInferenceEngine) -> None:
     """megatron-core's ``resume``, and the controller pointed at the request metadata it
     allocated.
 
-    ``suspend`` frees the context's tensors and ``resume`` allocates new ones, but the text
-    generation controller keeps the on-device metadata tensors it took at construction
-    (megatron-core 0.16: ``termination_id``). Left alone, every step after a resume reads
-    each request's end-of-sequence id from freed memory: on an H100 6 of 64 samples of 32
-    tokens then ended early at a stale id (``bench/engine_history_gpu.py``), and a
-    colocated run, which sleeps and wakes its engine every step, sampled otherwise than a
+    ``resume`` allocates the context's request metadata anew, but the text generation
+    controller keeps the on-device metadata tensors it took at construction (megatron-core
+    0.16: ``termination_id``), which the context no longer writes. Left alone, every step
+    after a resume compares the sampled tokens with that stale tensor: after a sleep (which
+    resets the engine first) it holds zeros, so a sampled token 0 ends its sample. On an
+    H100 6 of 64 samples of 32 tokens ended early so (``bench/engine_history_gpu.py``), and
+    a colocated run, which sleeps and wakes its engine every step, sampled otherwise than a
     resumed one from the same weights."""
     engine.resume()
     context, held = engine.context, engine.controller._request_metadata

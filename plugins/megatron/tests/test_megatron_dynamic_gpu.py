@@ -309,9 +309,9 @@ def test_a_refit_failing_in_flight_fails_that_call_and_the_next_refit_serves(
 def test_sleep_and_wake_leave_what_the_engine_samples_unchanged(workers: tuple) -> None:
     """A colocated engine sleeps and wakes every step (megatron-core's ``suspend`` /
     ``resume``): after it, the same call samples what it sampled before. Without pointing the
-    controller at the metadata ``resume`` allocated, it read end-of-sequence ids from freed
-    memory and samples ended early (a resumed run then sampled otherwise than one never
-    stopped)."""
+    controller at the metadata ``resume`` allocated, it took its termination ids from a stale
+    tensor (zeros, from the reset before the sleep), so a sampled token 0 ended its sample (a
+    resumed run then sampled otherwise than one never stopped)."""
     policy, gen, _, root = workers
     refit(policy, gen, root, 20)
     params = SamplingParams(8, 32, 1.0, 5)

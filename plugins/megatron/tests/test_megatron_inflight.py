@@ -107,8 +107,8 @@ def test_the_step_loop_runs_the_hook_before_every_step_and_keeps_the_prompt_orde
 @pytest.mark.parametrize("fails", [False, True])
 def test_after_a_hold_the_controller_reads_the_request_metadata_resume_allocated(fails: bool) -> None:
     """megatron-core's ``resume`` allocates the context's metadata anew while its controller
-    keeps the on-device tensors it took at construction; read from freed memory, a stale
-    end-of-sequence id ended samples early (bench/engine_history_gpu.py). After a hold,
+    keeps the on-device tensors it took at construction; compared with that stale
+    termination-id tensor, sampled tokens ended samples early (bench/engine_history_gpu.py). After a hold,
     whether its body succeeded or not, the controller reads the context's current ones."""
     engine = Engine()
     host_copy = engine.controller._request_metadata["temperature"]
