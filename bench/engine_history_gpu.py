@@ -15,6 +15,7 @@ The same call (prompts, n, max_tokens, temperature, seed) is made on the same we
   ``resume``), and the call after that;
 * ``after_sleep_wake_refit``: after sleep, wake and a refit of the same weights (what a
   colocated step does);
+* ``after_a_hold``: after an in-flight refit's hold (``requests_held``: suspend / resume);
 * ``fresh_engine``: a new dynamic engine around the same model (what a resumed run has).
 
 Each is compared with ``first``: tokens equal, and the largest logprob difference.
@@ -113,6 +114,9 @@ def main() -> None:
     gen.wake()
     refit(3)
     compare("after_sleep_wake_refit", call(), first)
+    with inference.requests_held(gen.engine):  # an in-flight refit's hold, with nothing in flight
+        pass
+    compare("after_a_hold", call(), first)
     fresh = inference.build_dynamic_engine(
         gen.model, gen.engine.controller.tokenizer, gen.spec, kv_cache_gib_requested=options.kv_cache_gib,
         tp=gen.tp_size, make_vocab_size_divisible_by=gen.divisible, max_batch_size=options.max_batch_size,
