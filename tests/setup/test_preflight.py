@@ -312,12 +312,11 @@ def test_one_line() -> None:
     assert one_line("a.\nb\n\n  c  ") == "a. b; c"
 
 
-def test_every_numeric_config_field_declares_its_range() -> None:
-    """Ranges are declared once, beside the field (rlcore.config.bounded)."""
+def _fields_without_a_range(cls: type, prefix: str = "") -> list[str]:
+    """Numeric fields of dataclass ``cls`` (nested ones too) declared without
+    :func:`rlcore.config.bounded`."""
     import dataclasses
     import typing
-
-    from rlcore.config import RunConfig
 
     def numeric(t: object) -> bool:
         args = typing.get_args(t) or (t,)
@@ -326,18 +325,36 @@ def test_every_numeric_config_field_declares_its_range() -> None:
         )
 
     missing = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t):
+            missing += _fields_without_a_range(t, f"{prefix}{f.name}.")
+        elif numeric(t) and "bounds" not in f.metadata:
+            missing.append(f"{prefix}{f.name}")
+    return missing
 
-    def walk(cls: type, prefix: str) -> None:
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            t = hints[f.name]
-            if dataclasses.is_dataclass(t):
-                walk(t, f"{prefix}{f.name}.")
-            elif numeric(t) and "bounds" not in f.metadata:
-                missing.append(f"{prefix}{f.name}")
 
-    walk(RunConfig, "")
+def test_every_numeric_config_field_declares_its_range() -> None:
+    """Ranges are declared once, beside the field (rlcore.config.bounded)."""
+    from rlcore.config import RunConfig
+
+    missing = _fields_without_a_range(RunConfig)
     assert not missing, f"numeric config keys without a declared range: {missing}"
+
+
+def test_every_numeric_option_of_the_installed_backends_declares_its_range() -> None:
+    """rlcore's own backends declare a range for every numeric option, so `rlcore plan`
+    refuses a zero batch size or an out-of-range port before anything starts, naming the
+    key, instead of the backend failing at start."""
+    from rlcore.setup.registry import load_registry
+
+    registry = load_registry()
+    options = {name: info.declaration.options for name, info in registry.backends.items()
+               if info.declaration is not None and info.declaration.options is not None}
+    assert {"megatron", "fsdp", "vllm", "sglang", "nemo_gym", "arithmetic", "dataset"} <= set(options)
+    missing = {name: gaps for name, schema in options.items() if (gaps := _fields_without_a_range(schema))}
+    assert not missing, f"backend options without a declared range: {missing}"
 
 
 def test_backend_options_declare_ranges_the_same_way() -> None:

@@ -46,7 +46,7 @@ class DatasetOptions:
     #: group's advantage.
     on_reward_error: str = "fail"
     #: Seed of each epoch's order of the rows.
-    seed: int = 0
+    seed: int = bounded(0, ge=0)
     #: Shuffle each epoch (false: the file's order, every epoch).
     shuffle: bool = True
 

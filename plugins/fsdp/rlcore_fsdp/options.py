@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlcore.config import bounded
+
 
 @dataclass
 class FSDPOptions:
@@ -15,19 +17,19 @@ class FSDPOptions:
     use_orig_params: bool = True
     #: Clip the global gradient norm to this value; ``<= 0`` disables clipping
     #: (the norm is still measured and reported).
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = bounded(1.0)  # any: <= 0 measures only
     #: AdamW weight decay (the learning rate comes with every ``train_step``).
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, ge=0)
     #: Torch CPU threads per rank (``OMP_NUM_THREADS``); 0: ``policy.devices_per_worker``
     #: on CPU, 1 on CUDA.
-    threads_per_worker: int = 0
+    threads_per_worker: int = bounded(0, ge=0)
     #: Rows per forward/backward pass on each rank; larger batches are split into
     #: micro-batches (gradients accumulate across them).
-    micro_batch_size: int = 32
+    micro_batch_size: int = bounded(32, ge=1)
     #: Seed of torch's generators on every rank.
-    seed: int = 0
+    seed: int = bounded(0, ge=0)
     #: ``auto`` (CUDA when the Ray cluster has GPUs), ``cpu`` or ``cuda``.
     device: str = "auto"
     #: Timeout in seconds of every collective in the policy group and of each driver
     #: call to the workers after init.
-    timeout_s: float = 300.0
+    timeout_s: float = bounded(300.0, gt=0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlcore.config import bounded
 from rlcore.errors import ConfigError
 
 #: Name of the converted checkpoint artifact (``<cache>/megatron.checkpoint/<key>``).
@@ -23,10 +24,7 @@ def resolve_engine(engine: str, device_type: str) -> str:
     dynamic engine on CPU is a :class:`~rlcore.errors.ConfigError`.
     """
     key = "generation.options.engine"
-    if engine not in ENGINES:
-        raise ConfigError(
-            f"{key} of backend 'megatron' is {engine!r}; use auto, static or dynamic", key=key
-        )
+    check_engine_name(engine)
     if engine == "auto":
         return "dynamic" if device_type == "cuda" else "static"
     if engine == "dynamic" and device_type != "cuda":
@@ -37,6 +35,13 @@ def resolve_engine(engine: str, device_type: str) -> str:
             key=key,
         )
     return engine
+
+
+def check_engine_name(engine: str) -> None:
+    """``generation.options.engine`` is one of :data:`ENGINES`, or a ConfigError naming it."""
+    if engine not in ENGINES:
+        key = "generation.options.engine"
+        raise ConfigError(f"{key} of backend 'megatron' is {engine!r}; use auto, static or dynamic", key=key)
 
 
 def check_inflight_refit(options: MegatronOptions, engine: str | None) -> None:
@@ -63,37 +68,37 @@ class MegatronOptions:
     #: divide by it. The converted checkpoint is written at the policy's value (it is part
     #: of the checkpoint key); megatron-core's torch_dist format reshards on load, so a
     #: generation with another value loads it too.
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = bounded(1, ge=1)
     #: The vocabulary is padded to a multiple of this times the tensor-parallel size, as
     #: Megatron-LM does (zero rows; their logits are ignored). Part of the checkpoint key.
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = bounded(128, ge=1)
     #: Seed of megatron-core's RNG states (tensor-parallel and data-parallel).
-    seed: int = 0
+    seed: int = bounded(0, ge=0)
     #: Timeout in seconds of every collective of the backend's process groups
     #: (conversion ranks included) and of each driver call to the workers after init.
-    timeout_s: float = 300.0
+    timeout_s: float = bounded(300.0, gt=0)
     #: ``auto`` (CUDA when the Ray cluster has GPUs), ``cpu`` or ``cuda``.
     device: str = "auto"
     #: Torch CPU threads per rank; 0: ``<role>.devices_per_worker`` on CPU, 1 on CUDA.
-    threads_per_worker: int = 0
+    threads_per_worker: int = bounded(0, ge=0)
     #: Rows per forward (and backward) pass on each rank; larger shards are split.
-    micro_batch_size: int = 32
+    micro_batch_size: int = bounded(32, ge=1)
     #: (policy) Clip the global gradient norm to this value; ``<= 0``: measure only.
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = bounded(1.0)  # any: <= 0 measures only
     #: (policy) AdamW weight decay; the learning rate comes with every train step.
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, ge=0)
     #: (generation) Requests the engine runs at once (the static engine's batch and KV
     #: cache size; the dynamic engine's most concurrent requests).
-    max_batch_size: int = 64
+    max_batch_size: int = bounded(64, ge=1)
     #: (generation) Longest prompt + completion, in tokens (KV cache length).
-    max_sequence_length: int = 512
+    max_sequence_length: int = bounded(512, ge=2)
     #: (generation) megatron-core inference engine: ``auto`` (the dynamic engine on CUDA,
     #: the static engine on CPU), ``static`` (one batch at a time; runs anywhere) or
     #: ``dynamic`` (in-flight batching over a paged KV cache; CUDA only).
     engine: str = "auto"
     #: (generation, dynamic engine) KV cache per rank in GiB; 0: room for
     #: ``max_batch_size`` sequences of ``max_sequence_length`` tokens.
-    kv_cache_gib: float = 0.0
+    kv_cache_gib: float = bounded(0.0, ge=0)
     #: (generation, dynamic engine, tensor-parallel size 1) Take a refit while a call
     #: samples (``grpo.max_staleness`` > 0): between two engine steps, the requests held
     #: (megatron-core's suspend / resume) and their KV computed again with the new weights;
@@ -114,13 +119,14 @@ class MegatronOptions:
     #: off loopback it always wants a bearer token (the run's), announced as the API key.
     host: str = "127.0.0.1"
     #: (generation, serve_openai) Port to listen on; 0 picks a free one.
-    port: int = 0
+    port: int = bounded(0, ge=0, le=65535)
     #: (generation, serve_openai) How long a batch waits for concurrent requests, in ms.
-    batch_wait_ms: float = 5.0
+    batch_wait_ms: float = bounded(5.0, ge=0)
 
     def __post_init__(self) -> None:
         # What the options alone decide is refused when they are resolved (`rlcore plan`);
         # an `auto` engine on an `auto` device is checked again at start, once resolved.
+        check_engine_name(self.engine)
         check_inflight_refit(self, self.planned_engine())
 
     def planned_engine(self) -> str | None:

@@ -59,6 +59,13 @@ def test_dynamic_engine_on_cpu_is_a_config_error_naming_the_key_and_the_fix() ->
     assert err.value.key == "generation.options.engine"
 
 
+def test_an_unknown_engine_is_refused_when_the_options_are_resolved() -> None:
+    """As `rlcore plan` resolves them: before any worker starts."""
+    with pytest.raises(ConfigError, match="'paged'; use auto, static or dynamic") as err:
+        resolve_options({"engine": "paged"}, MegatronOptions, section="generation", backend="megatron")
+    assert err.value.key == "generation.options.engine"
+
+
 def test_generation_worker_refuses_the_dynamic_engine_on_cpu_before_building() -> None:
     # No process group: the check comes before anything is built.
     w = MegatronGenerationWorker(0, 1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlcore.config import bounded
+
 
 @dataclass
 class NemoGymOptions:
@@ -31,17 +33,17 @@ class NemoGymOptions:
     #: API key Gym sends to the endpoint (same rule as ``model_name``).
     api_key: str = "EMPTY"
     #: Largest completion per model call. ``null``: ``grpo.max_new_tokens``.
-    max_output_tokens: int | None = None
+    max_output_tokens: int | None = bounded(None, ge=1)
     #: Sampling temperature. ``null``: ``grpo.temperature``.
-    temperature: float | None = None
+    temperature: float | None = bounded(None, ge=0)
     #: How long the Gym servers may take to start (import, spawn, every server ready).
-    server_start_timeout_s: float = 180.0
+    server_start_timeout_s: float = bounded(180.0, gt=0)
     #: How long the endpoint may take to answer ``GET /models`` once it was announced.
-    endpoint_timeout_s: float = 60.0
+    endpoint_timeout_s: float = bounded(60.0, gt=0)
     #: Upper bound on one ``collect_rollouts`` call (all of its rollouts).
-    rollout_timeout_s: float = 600.0
+    rollout_timeout_s: float = bounded(600.0, gt=0)
     #: Rollouts in flight at once.
-    max_concurrent_rollouts: int = 64
+    max_concurrent_rollouts: int = bounded(64, ge=1)
     #: Run one short rollout at the end of init, so a broken chain (an endpoint without
     #: token ids, a failing verifier) fails setup rather than step 1. Off by default: it
     #: puts a generation on the setup's critical path (vLLM's first request after the
@@ -50,8 +52,8 @@ class NemoGymOptions:
     #: Niceness of Gym's processes (0-19). Their start has slack (it only has to be done
     #: when the endpoint serves), so by default they yield the CPU to the inits on the
     #: setup's critical path; on a CPU-only host rollouts then yield to generation too.
-    nice: int = 10
+    nice: int = bounded(10, ge=0, le=19)
     #: Port of Gym's head server; 0 picks a free one (one per instance).
-    head_port: int = 0
+    head_port: int = bounded(0, ge=0, le=65535)
     #: How long Gym's servers get to stop gracefully before their process group is killed.
-    shutdown_grace_s: float = 15.0
+    shutdown_grace_s: float = bounded(15.0, ge=0)

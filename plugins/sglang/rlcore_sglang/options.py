@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlcore.config import bounded
+
 
 @dataclass
 class SGLangOptions:
@@ -19,18 +21,18 @@ class SGLangOptions:
     #: model server requires).
     endpoint: str = "sglang"
     #: Port of replica 0's server (replica i uses port + i); 0 picks free ports.
-    port: int = 0
+    port: int = bounded(0, ge=0, le=65535)
     #: Model name the server answers to (``model`` field of OpenAI requests).
     served_model_name: str = "policy"
     #: ``--max-total-tokens``: KV-cache size in tokens (bounds concurrent prompt + completion tokens).
-    max_total_tokens: int = 4096
+    max_total_tokens: int = bounded(4096, ge=2)
     #: ``--context-length``: longest prompt + completion, in tokens (0: the model's).
-    context_length: int = 0
+    context_length: int = bounded(0, ge=0)
     #: CUDA only: ``--mem-fraction-static`` (GPU memory share SGLang takes at start).
-    mem_fraction_static: float = 0.8
+    mem_fraction_static: float = bounded(0.8, gt=0, le=1)
     #: Extra ``sglang.launch_server`` arguments, appended last (e.g. ``["--log-level", "info"]``).
     extra_args: list[str] = field(default_factory=list)
     #: How long a replica waits for its server's ``/health_generate`` before giving up.
-    server_start_timeout_s: float = 180.0
+    server_start_timeout_s: float = bounded(180.0, gt=0)
     #: Upper bound on one HTTP call of a generate, logprobs or refit request.
-    call_timeout_s: float = 900.0
+    call_timeout_s: float = bounded(900.0, gt=0)
