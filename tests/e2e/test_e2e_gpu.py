@@ -106,14 +106,14 @@ def _run_cmd(example: str, out: Path, cache: Path) -> list[str]:
     ]
 
 
+def _steps(run_dir: Path) -> dict[int, dict]:
+    """Each step's record of ``metrics.jsonl`` (the lines with the step's reward)."""
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {r["step"]: r for r in lines if "reward/mean" in r}
+
+
 def _series(run_dir: Path) -> dict[int, dict[str, float]]:
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return {r["step"]: {k: float(r[k]) for k in RESUME_FLOOR} for r in lines if "reward/mean" in r}
-
-
-def _record(run_dir: Path, step: int) -> dict:
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return next(r for r in lines if r.get("step") == step and "reward/mean" in r)
+    return {step: {k: float(r[k]) for k in RESUME_FLOOR} for step, r in _steps(run_dir).items()}
 
 
 def _gap(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]], key: str, steps: list[int]) -> float:
@@ -156,7 +156,7 @@ def test_a_gpu_run_stopped_by_sigterm_resumes_within_the_stated_tolerance(exampl
     gaps = {k: (_gap(a, got, k, after), _gap(a, b, k, every)) for k in RESUME_FLOOR}
     print(f"\n{example}: resumed after step {last}; (resumed vs never-stopped, never-stopped vs never-stopped): {gaps}")
     first = last + 1  # what the first step after the resume sampled, and its refit check, beside the never-stopped run
-    print({k: (_record(never[0], first).get(k), _record(stopped, first).get(k))
+    print({k: (_steps(never[0])[first].get(k), _steps(stopped)[first].get(k))
            for k in ("generate/tokens", "refit/token_mult_prob_error", "generate/weight_versions")})
     for key, (resumed_gap, noise) in gaps.items():
         assert resumed_gap <= RESUME_FLOOR[key] + 2 * noise, (key, resumed_gap, noise)

@@ -15,6 +15,8 @@ CHECKPOINT_ARTIFACT = "megatron.checkpoint"
 
 #: Values of ``generation.options.engine``.
 ENGINES = ("auto", "static", "dynamic")
+#: What ``auto`` means on each device type.
+AUTO_ENGINE = {"cuda": "dynamic", "cpu": "static"}
 
 
 def resolve_engine(engine: str, device_type: str) -> str:
@@ -26,7 +28,7 @@ def resolve_engine(engine: str, device_type: str) -> str:
     key = "generation.options.engine"
     check_engine_name(engine)
     if engine == "auto":
-        return "dynamic" if device_type == "cuda" else "static"
+        return AUTO_ENGINE.get(device_type, "static")
     if engine == "dynamic" and device_type != "cuda":
         raise ConfigError(
             f"{key}=dynamic needs CUDA (megatron-core's dynamic engine allocates its KV cache "
@@ -134,4 +136,4 @@ class MegatronOptions:
         at start."""
         if self.engine != "auto":
             return self.engine
-        return {"cpu": "static", "cuda": "dynamic"}.get(self.device)
+        return AUTO_ENGINE.get(self.device)
