@@ -10,9 +10,17 @@ the example's steps; device memory sampled with ``nvidia-smi`` every 0.1 s), onc
   rlcore and without Ray (``bench/first_step.py``'s recipes: the plugin's worker classes
   called in plain processes); ``setup_over_floor`` is the run's setup critical path over it;
 * **the engine alone**: the generation backend's engine in a plain process, loaded with
-  the same checkpoint, generating the requests of one step (the same prompts, samples,
-  tokens and temperature) five times; ``generate_tokens_per_s_over_engine_alone`` is the
-  run's generated tokens per second of its generate phase over that (Megatron generation).
+  the same checkpoint, generating the requests of one step (prompts of the run's env, the
+  same samples, tokens and temperature) five times; ``generate_tokens_per_s_over_engine_alone``
+  is the run's generated tokens per second of its generate phase over that (Megatron
+  generation);
+* **the roofline**: this GPU's HBM bandwidth (a 4 GiB device copy, read + write) over the
+  bytes one decode step must read (every weight once and the mean KV cache in use: prompt
+  plus half the completion per sample), times the batch (the step's samples, at most the
+  engine's ``max_batch_size``): ``generate_tokens_per_s_over_roofline``;
+* **training MFU**: the train phase's tokens (prompt + completion of every sample) per second
+  x 6 x parameters over the GPU's dense bf16 peak (989 TFLOP/s on an H100 or H200 SXM;
+  attention's own FLOPs left out).
 
 Prints one ``name: value`` line per figure (medians over the runs' steps, or over runs for
 per-run figures) and, with ``--write``, appends them with the command to that file.
@@ -82,6 +90,25 @@ def run_once(config: str, overrides: list[str], out: Path) -> tuple[list[dict[st
     return records, mem.peak - idle
 
 
+#: Dense bf16 peak FLOP/s by device name (the SXM parts the device tool lends).
+BF16_PEAK = {"H100": 989e12, "H200": 989e12}
+
+
+def hbm_bandwidth() -> float:
+    """Bytes per second of a 4 GiB device-to-device copy (read + write; median of 10)."""
+    half = 2 * 1024**3
+    return 2 * half / one_copy_s(half, repeats=10)
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    """Keys and values of one token over every layer, from the checkpoint's config."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    size = {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * size
+
+
 def one_copy_s(nbytes: int, repeats: int = 20) -> float:
     """One device-to-device copy of ``nbytes`` in this process (median, CUDA events)."""
     import torch
@@ -121,7 +148,6 @@ def _engine_main() -> None:
     from rlcore.config import cache_dir, load_config
     from rlcore.models.tiny import ensure_model
     from rlcore.models.tokenizer import load as load_tokenizer
-    from rlcore_arithmetic.task import make_prompts
     from rlcore_megatron import convert
     from rlcore_megatron.handle import _options
     from rlcore_megatron.worker import MegatronGenerationWorker
@@ -139,7 +165,7 @@ def _engine_main() -> None:
         convert.load_hf_weights(worker.model, ckpt.get, worker.spec, make_vocab_size_divisible_by=worker.divisible)
     worker.serving = True
     g = config.grpo
-    prompts = [list(tokenizer(p.text).input_ids) for p in make_prompts(g.prompts_per_step, seed=g.seed)]
+    prompts = [list(tokenizer(text).input_ids) for text in _step_prompts(config)]
     rates = []
     for i in range(int(repeats) + 1):
         t0 = time.monotonic()
@@ -149,6 +175,19 @@ def _engine_main() -> None:
             rates.append(sum(len(s["token_ids"]) for group in samples for s in group) / elapsed)
     print(statistics.median(rates))
     os._exit(0)
+
+
+def _step_prompts(config: Any) -> list[str]:
+    """One step's prompts of the run's env: the dataset's first rows, or arithmetic problems."""
+    n = config.grpo.prompts_per_step
+    if config.env.backend == "dataset":
+        from rlcore_dataset.data import load_rows
+
+        column = config.env.options.get("prompt_column", "prompt")
+        return [str(row[column]) for row in load_rows(str(REPO / config.env.options["data"]))[:n]]
+    from rlcore_arithmetic.task import make_prompts
+
+    return [p.text for p in make_prompts(n, seed=config.grpo.seed)]
 
 
 def floor_s(config_path: str, overrides: list[str], workdir: Path) -> float:
@@ -162,6 +201,49 @@ def floor_s(config_path: str, overrides: list[str], workdir: Path) -> float:
     config = load_config(config_path, overrides)
     model_dir = str(ensure_model(config.model, cache_dir(config)))
     return max(first_step.measure_floor(config, model_dir, workdir).values())
+
+
+def decode_and_train_figures(config_path: str, overrides: list[str], steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The generate phase against this GPU's roofline, the handoff's share of a step, and the
+    train phase's MFU (medians over the steps)."""
+    import torch
+
+    from rlcore.config import cache_dir, load_config
+    from rlcore.models.tiny import ensure_model
+
+    config = load_config(config_path, overrides)
+    model_dir = ensure_model(config.model, cache_dir(config))
+    per_token = kv_bytes_per_token(model_dir, config.model.dtype)
+    bandwidth = hbm_bandwidth()
+    samples = config.grpo.prompts_per_step * config.grpo.samples_per_prompt
+    batch = min(samples, int(config.generation.options.get("max_batch_size", samples)))
+    weights = steps[0]["refit/bytes"]
+    out: dict[str, Any] = {"hbm_copy_gb_per_s": bandwidth / 1e9}
+    ratios, rooflines, mfus = [], [], []
+    name = torch.cuda.get_device_name(0)
+    peak = next((v for k, v in BF16_PEAK.items() if k in name), None)
+    params = weights / {"bfloat16": 2, "float16": 2, "float32": 4}[config.model.dtype]
+    for r in steps:
+        prompt_mean = r["generate/prompt_tokens"] / r["train/samples"]
+        completion_mean = r["generate/tokens"] / r["train/samples"]
+        step_bytes = weights + batch * (prompt_mean + completion_mean / 2) * per_token
+        roofline = batch / (step_bytes / bandwidth)
+        rooflines.append(roofline)
+        ratios.append(r["generate/tokens"] / r["timing/generate_time_s"] / roofline)
+        if peak:
+            trained = r["generate/prompt_tokens"] + r["generate/tokens"]
+            mfus.append(trained / r["timing/train_time_s"] * 6 * params / peak)
+    out["roofline_tokens_per_s"] = statistics.median(rooflines)
+    out["generate_tokens_per_s_over_roofline"] = statistics.median(ratios)
+    out["completion_tokens_mean"] = statistics.median(r["generate/tokens"] / r["train/samples"] for r in steps)
+    out["handoff_share_of_step"] = statistics.median(r["timing/handoff_time_s"] / r["timing/step_time_s"] for r in steps)
+    out["generate_share_of_step"] = statistics.median(r["timing/generate_time_s"] / r["timing/step_time_s"] for r in steps)
+    if mfus:
+        out["train_mfu"] = statistics.median(mfus)
+        out["train_tokens_per_s"] = statistics.median(
+            (r["generate/prompt_tokens"] + r["generate/tokens"]) / r["timing/train_time_s"] for r in steps
+        )
+    return out
 
 
 def main(argv: list[str]) -> None:
@@ -206,6 +288,7 @@ def main(argv: list[str]) -> None:
             figures["engine_alone_tokens_per_s"] = alone
             figures["generate_tokens_per_s_over_engine_alone"] = gen_rate / alone
         figures["refit_check_share_of_step"] = statistics.median(r["timing/refit_check_share"] for r in steps)
+        figures.update(decode_and_train_figures(args.config, [*cache, *args.overrides], steps))
         figures["peak_gib_with_handoff"] = statistics.median(peak for _, peak in runs)
         if "nohandoff" not in skip:
             records, peak = run_once(args.config, [*cache, *args.overrides, "placement.memory_handoff=false"], Path(tmp) / "nohandoff")

@@ -143,6 +143,7 @@ def _step_metrics(
     ``reward/failed`` and left out of the reward figures (NaN when every one failed)."""
     rewards, failed, versions = got.rewards, got.failed, got.versions
     tokens = sum(len(completion) for _, completion in got.batch)
+    prompt_tokens = sum(len(prompt) for prompt, _ in got.batch)
     flags = [f for g in failed for f in g] if failed else [False] * sum(len(g) for g in rewards)
     flat_rewards = [r for r, f in zip((r for g in rewards for r in g), flags, strict=True) if not f]
     lags = [step - 1 - min(v) for v in versions if v]
@@ -154,6 +155,7 @@ def _step_metrics(
     return {
         "step": step,
         "generate/tokens": tokens,
+        "generate/prompt_tokens": prompt_tokens,
         "reward/mean": statistics.fmean(flat_rewards) if flat_rewards else math.nan,
         "reward/max": max(flat_rewards) if flat_rewards else math.nan,
         "reward/exact": statistics.fmean(1.0 if r >= 1.0 else 0.0 for r in flat_rewards) if flat_rewards else math.nan,

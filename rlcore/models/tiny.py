@@ -37,7 +37,10 @@ ALPHABET = list("0123456789+-*=?() ,.:\n") + [chr(c) for c in range(ord("a"), or
 
 
 def tiny_model_key(cfg: TinyModelConfig, dtype: str) -> str:
-    blob = json.dumps({"recipe": RECIPE_VERSION, "dtype": dtype, **asdict(cfg)}, sort_keys=True)
+    fields = asdict(cfg)
+    if not fields["eos_logit_bias"]:  # models made before the field existed keep their key
+        del fields["eos_logit_bias"]
+    blob = json.dumps({"recipe": RECIPE_VERSION, "dtype": dtype, **fields}, sort_keys=True)
     return f"llama-h{cfg.hidden_size}-l{cfg.num_layers}-s{cfg.seed}-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -105,6 +108,8 @@ def write_tiny_model(directory: Path, cfg: TinyModelConfig, dtype: str = "float3
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    if cfg.eos_logit_bias:
+        shift_eos_logit(model, tokenizer.eos_token_id, cfg.eos_logit_bias, gen)
     from transformers.utils import logging as hf_logging
 
     # A progress bar for one tiny shard is noise, and tqdm leaves its monitor thread
@@ -116,6 +121,38 @@ def write_tiny_model(directory: Path, cfg: TinyModelConfig, dtype: str = "float3
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
+
+
+def shift_eos_logit(model, eos: int, shift: float, gen) -> None:  # model: LlamaForCausalLM
+    """Shift ``eos``'s logit by about ``shift`` nats for any input, through weights alone
+    (Llama has no output bias): dimension 0 of the residual stream becomes a constant
+    feature. Every token's embedding holds ``c`` there, no attention or MLP output writes
+    it and no layer norm passes it on (their weight 0), so the final norm's input holds
+    ``c`` there whatever the text; the final norm's weight scales it to about 1 (calibrated
+    on random text) and only ``eos``'s row of the output layer reads it, with weight
+    ``shift``. Everything else the model computes is as drawn."""
+    import torch
+
+    body = model.model
+    with torch.no_grad():
+        c = float(body.embed_tokens.weight[:, 1:].std())  # a typical entry: the norms barely move
+        body.embed_tokens.weight[:, 0] = c
+        for layer in body.layers:
+            layer.self_attn.o_proj.weight[0, :] = 0.0
+            layer.mlp.down_proj.weight[0, :] = 0.0
+            layer.input_layernorm.weight[0] = 0.0
+            layer.post_attention_layernorm.weight[0] = 0.0
+        seen: list[torch.Tensor] = []
+        hook = body.norm.register_forward_hook(lambda _m, args, _out: seen.append(args[0]))
+        try:
+            vocab = body.embed_tokens.weight.shape[0]
+            body(input_ids=torch.randint(0, vocab, (2, 32), generator=gen))
+        finally:
+            hook.remove()
+        rms = float(seen[0].float().pow(2).mean(-1).sqrt().mean())
+        body.norm.weight[0] = rms / c
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[eos, 0] = float(shift)
 
 
 def ensure_model(

@@ -80,6 +80,32 @@ def test_colocated_example_runs_through_ray(example: str, transport: str, tmp_pa
     assert not left, left
 
 
+def test_the_realistic_example_samples_long_completions_through_ray(tmp_path: Path) -> None:
+    """examples/gpu/megatron_colocated_long.yaml as shipped (the 1B shape, 64 prompts x 8 samples
+    of up to 512 tokens) for two steps: completions of hundreds of tokens, every refit checked,
+    and generation the largest phase of a step, as in real RL post-training (issue 43)."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "rlcore", "run", str(REPO / "examples" / "gpu" / "megatron_colocated_long.yaml"),
+            "--out", str(out), "grpo.steps=2", f"setup.cache_dir={tmp_path / 'cache'}",
+        ],
+        capture_output=True, text=True, timeout=900, cwd=REPO,
+        env={**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["train/samples"] == 512
+        assert r["generate/tokens"] / r["train/samples"] > 200, r["generate/tokens"]
+        assert r["generate/prompt_tokens"] / r["train/samples"] > 20
+        assert r["refit/token_mult_prob_error"] <= 1.05
+        phases = {p: r[f"timing/{p}_time_s"] for p in PHASES}
+        assert max(phases, key=phases.get) == "generate", phases
+
+
 # -- Stop and resume on the GPU (issue 33, item 3) ------------------------------------------
 
 RESUME_STEPS = 6

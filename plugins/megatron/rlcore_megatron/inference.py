@@ -26,8 +26,11 @@ Two engines (:func:`resolve_engine` picks one from ``generation.options.engine``
 * the **dynamic** engine (:func:`build_dynamic_engine`, CUDA only: its context
   and controller allocate on the GPU and in pinned memory): in-flight batching
   over a block-paged KV cache, requests leave the batch at their end-of-sequence
-  token. No CUDA graphs. Its attention needs flash-attn; without it
-  :mod:`rlcore_megatron.paged_attention` supplies a torch implementation.
+  token. Its attention needs flash-attn; without it
+  :mod:`rlcore_megatron.paged_attention` supplies FlexAttention for decode steps and a
+  torch implementation for the others (``generation.options.attention``); decode steps
+  replay CUDA graphs of the decoder (:mod:`rlcore_megatron.decode_graphs`,
+  ``generation.options.cuda_graphs``).
   :func:`generate_dynamic` runs one call's requests to completion, with a hook between
   two engine steps where a refit from another thread lands inside
   :func:`requests_held` (megatron-core's suspend / resume: the requests go on with the
@@ -280,12 +283,18 @@ def kv_cache_gib(
     return (blocks + 0.5) * kv_block_bytes(spec, tp, dtype) / 2**30
 
 
+#: Batch sizes a decode step is padded to and captured at (``generation.options.cuda_graphs``).
+DEFAULT_CUDA_GRAPHS = 16
+
+
 def build_dynamic_engine(
     model: Any,
     tokenizer: Any,
     spec: ModelSpec,
     *,
     kv_cache_gib_requested: float = 0.0,
+    attention: str = "auto",
+    cuda_graphs: int = DEFAULT_CUDA_GRAPHS,
     **sizes: int,
 ) -> DynamicInferenceEngine:
     """megatron-core's dynamic engine (paged KV cache, in-flight batching) for a local-spec
@@ -298,32 +307,52 @@ def build_dynamic_engine(
     may hold ``max_sequence_length`` tokens; the KV buffer is :func:`kv_cache_gib`.
     Only the last token's logits are computed (``materialize_only_last_token_logits``;
     no prompt logprobs), prompts are prefilled whole (no chunking: one step takes
-    up to ``max(16384, max_sequence_length)`` tokens), no CUDA graphs. Logits of the
-    padded vocabulary are masked as in the static engine
-    (:class:`MaskedGPTInferenceWrapper`). Installs the torch paged attention when
-    flash-attn is absent (:func:`rlcore_megatron.paged_attention.install`).
+    up to ``max(16384, max_sequence_length)`` tokens). ``cuda_graphs`` > 0: decode steps
+    are padded to one of that many batch sizes and replayed from CUDA graphs of the decoder
+    (:mod:`rlcore_megatron.decode_graphs`); 0: every step eager. ``attention``:
+    :func:`rlcore_megatron.paged_attention.install`. Logits of the padded vocabulary are
+    masked as in the static engine (:class:`MaskedGPTInferenceWrapper`).
     """
     from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
 
-    from rlcore_megatron import paged_attention
+    from rlcore_megatron import decode_graphs, paged_attention
 
     engine_sizes = EngineSizes(**sizes)
     if not torch.cuda.is_available():
         raise RuntimeError("megatron-core's dynamic inference engine needs CUDA")
-    paged_attention.install()
+    paged_attention.install(attention)
     dtype = model.config.params_dtype
-    context = _dynamic_context(spec, dtype, engine_sizes, kv_cache_gib_requested)
+    context = _dynamic_context(spec, dtype, engine_sizes, kv_cache_gib_requested, cuda_graphs)
     config = _wrapper_config(spec, dtype, engine_sizes)
     controller = _controller(model, tokenizer, spec, context, config)
-    return DynamicInferenceEngine(
+    engine = DynamicInferenceEngine(
         controller, context, random_seed=int(engine_sizes.seed), enable_chunked_prefill=False
     )
+    zero_kv_cache(engine)
+    graphs = decode_graphs.install(model)
+    graphs.clear()
+    graphs.enabled = cuda_graphs > 0
+    return engine
+
+
+def zero_kv_cache(engine: DynamicInferenceEngine) -> None:
+    """Zero the KV cache megatron-core just allocated (``torch.empty``): attention masks the
+    keys past a request's length in its last block rather than skipping them, and a masked
+    NaN would still poison the sum (:mod:`rlcore_megatron.flex_decode`)."""
+    buffer = getattr(engine.context, "memory_buffer", None)
+    if isinstance(buffer, torch.Tensor):
+        buffer.zero_()
 
 
 def _dynamic_context(
-    spec: ModelSpec, dtype: torch.dtype, sizes: EngineSizes, kv_cache_gib_requested: float
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    sizes: EngineSizes,
+    kv_cache_gib_requested: float,
+    cuda_graphs: int,
 ) -> Any:
-    """The dynamic engine's context: its paged KV buffer (:func:`kv_cache_gib`) and limits."""
+    """The dynamic engine's context: its paged KV buffer (:func:`kv_cache_gib`), limits, and
+    the batch sizes decode steps are padded to (``cuda_graphs`` of them; none for 0)."""
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
     tp, max_sequence_length = sizes.tp, sizes.max_sequence_length
@@ -344,7 +373,7 @@ def _dynamic_context(
         block_size_tokens=KV_BLOCK_TOKENS,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1,
-        num_cuda_graphs=None,
+        num_cuda_graphs=int(cuda_graphs) or None,
         materialize_only_last_token_logits=True,
         use_cuda_graphs_for_non_decode_steps=False,
         use_flashinfer_fused_rope=False,
@@ -467,7 +496,7 @@ def requests_held(engine: DynamicInferenceEngine) -> Iterator[dict[int, int]]:
     If the body fails the weights may be half-loaded: the requests are dropped (the engine
     reset), so no sample goes on with them, and the error propagates."""
     counts = generated_so_far(engine)
-    engine.suspend()
+    suspend_dynamic_engine(engine)
     try:
         yield counts
     except BaseException:
@@ -475,6 +504,18 @@ def requests_held(engine: DynamicInferenceEngine) -> Iterator[dict[int, int]]:
         reset_dynamic_engine(engine)
         raise
     resume_dynamic_engine(engine)
+
+
+def suspend_dynamic_engine(engine: DynamicInferenceEngine) -> None:
+    """megatron-core's ``suspend`` (the context's buffers released), and the decoder's CUDA
+    graphs dropped with their memory: they replay addresses ``resume`` will not give back."""
+    from rlcore_megatron import decode_graphs
+
+    wrapped = getattr(getattr(engine, "controller", None), "inference_wrapped_model", None)
+    graphs = decode_graphs.of(getattr(wrapped, "model", None))
+    if graphs is not None:
+        graphs.clear()
+    engine.suspend()
 
 
 def resume_dynamic_engine(engine: DynamicInferenceEngine) -> None:
@@ -490,6 +531,7 @@ def resume_dynamic_engine(engine: DynamicInferenceEngine) -> None:
     a colocated run, which sleeps and wakes its engine every step, sampled otherwise than a
     resumed one from the same weights."""
     engine.resume()
+    zero_kv_cache(engine)
     context, held = engine.context, engine.controller._request_metadata
     for label, _dtype, on_device in context.request_metadata_types:
         if on_device:

@@ -13,6 +13,8 @@ from rlcore.errors import ConfigError
 CHECKPOINT_ARTIFACT = "megatron.checkpoint"
 
 
+#: Values of ``generation.options.attention`` (:mod:`rlcore_megatron.paged_attention`).
+ATTENTIONS = ("auto", "flash", "flex", "torch")
 #: Values of ``generation.options.engine``.
 ENGINES = ("auto", "static", "dynamic")
 #: What ``auto`` means on each device type.
@@ -44,6 +46,15 @@ def check_engine_name(engine: str) -> None:
     if engine not in ENGINES:
         key = "generation.options.engine"
         raise ConfigError(f"{key} of backend 'megatron' is {engine!r}; use auto, static or dynamic", key=key)
+
+
+def check_attention_name(attention: str) -> None:
+    """``generation.options.attention`` is one of :data:`ATTENTIONS`, or a ConfigError naming it."""
+    if attention not in ATTENTIONS:
+        key = "generation.options.attention"
+        raise ConfigError(
+            f"{key} of backend 'megatron' is {attention!r}; use one of {', '.join(ATTENTIONS)}", key=key
+        )
 
 
 def check_inflight_refit(options: MegatronOptions, engine: str | None) -> None:
@@ -101,6 +112,14 @@ class MegatronOptions:
     #: (generation, dynamic engine) KV cache per rank in GiB; 0: room for
     #: ``max_batch_size`` sequences of ``max_sequence_length`` tokens.
     kv_cache_gib: float = bounded(0.0, ge=0)
+    #: (generation, dynamic engine) Attention over the paged KV cache: ``auto`` (flash-attn
+    #: where it is importable, else ``flex``), ``flash`` (flash-attn, required), ``flex``
+    #: (FlexAttention for decode steps: each request's keys read where they lie, compiled;
+    #: torch for prefill) or ``torch`` (every step gathers its requests' blocks, then SDPA).
+    attention: str = "auto"
+    #: (generation, dynamic engine) Batch sizes decode steps are padded to and replayed from
+    #: CUDA graphs of the decoder at (captured as each size first comes); 0: every step eager.
+    cuda_graphs: int = bounded(16, ge=0)
     #: (generation, dynamic engine, tensor-parallel size 1) Take a refit while a call
     #: samples (``grpo.max_staleness`` > 0): between two engine steps, the requests held
     #: (megatron-core's suspend / resume) and their KV computed again with the new weights;
@@ -129,6 +148,7 @@ class MegatronOptions:
         # What the options alone decide is refused when they are resolved (`rlcore plan`);
         # an `auto` engine on an `auto` device is checked again at start, once resolved.
         check_engine_name(self.engine)
+        check_attention_name(self.attention)
         check_inflight_refit(self, self.planned_engine())
 
     def planned_engine(self) -> str | None:

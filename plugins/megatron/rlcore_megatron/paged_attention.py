@@ -8,14 +8,21 @@ blocks and runs attention through flash-attn's paged kernels
 flash-attn >= 2.7.3 is installed. flash-attn has no wheels on PyPI (it compiles
 for hours against one torch/CUDA pair), so rlcore's GPU machines do not have it.
 
-:func:`install` replaces that one method, only when neither flash-attn 2 nor 3
-is importable, with :func:`paged_attention`: the same computation in torch
-(gather the request's blocks, a causal mask aligned to the end of each
-request's keys as flash-attn's, ``scaled_dot_product_attention``). It reads each
-request's blocks up to the step's longest key length, so it moves more memory
-than flash-attn's kernels; with flash-attn installed nothing is patched.
+:func:`install` replaces that one method (``generation.options.attention``:
+:data:`rlcore_megatron.options.ATTENTIONS`; ``auto`` only when neither flash-attn 2 nor 3 is importable):
+
+* decode-only steps (one query token per request: nearly every step of a long
+  completion) go through FlexAttention over the paged cache
+  (:mod:`rlcore_megatron.flex_decode`: each request's keys read once, where they lie);
+* prefill and mixed steps, and every step with ``attention: torch``, go through
+  :func:`paged_attention`: the same computation in torch (gather the request's
+  blocks, a causal mask aligned to the end of each request's keys as flash-attn's,
+  ``scaled_dot_product_attention``). It reads each request's blocks up to the step's
+  longest key length, so it moves more memory than a paged kernel.
+
 Megatron's own code keeps doing everything else (appending to the cache, RoPE,
-block allocation).
+block allocation). Both paths are free of host synchronisation, so a decode step
+can be captured in a CUDA graph (:mod:`rlcore_megatron.decode_graphs`).
 """
 
 from __future__ import annotations
@@ -31,6 +38,11 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
+
+#: The patched method's path for decode-only steps (:func:`install` sets it).
+_decode_path = "flex"
+#: The decode step's mask, made at its first layer and read by the others (per thread).
+_step = threading.local()
 
 
 @dataclass(frozen=True)
@@ -168,6 +180,11 @@ def _flash_decode_and_prefill(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     flat = q.reshape(q.shape[0], q.shape[-2], q.shape[-1])
+    if is_decode_only and _decode_path == "flex":
+        from rlcore_megatron import flex_decode
+
+        mask = _decode_mask(self.layer_number, seqlens_k, block_table, k.shape[0], k.shape[1])
+        return flex_decode.paged_decode(flat, k, v, mask, scale, compiled=q.is_cuda).unsqueeze(1)
     if is_decode_only:
         cu_seqlens_q = torch.arange(block_table.shape[0] + 1, dtype=torch.int32, device=q.device)
         max_seqlen_q = 1
@@ -178,6 +195,20 @@ def _flash_decode_and_prefill(
 _flash_decode_and_prefill._rlcore_paged_attention = True  # type: ignore[attr-defined]
 
 
+def _decode_mask(layer_number: int, seqlens_k: torch.Tensor, block_table: torch.Tensor, blocks: int, block_size: int) -> Any:
+    """The step's :class:`rlcore_megatron.flex_decode.StepMask`, made at its first layer: a
+    layer number not above the last one seen starts a new step (the model's layers run in
+    order), so every layer of a step, and of a CUDA graph's capture, reads the same one."""
+    from rlcore_megatron import flex_decode
+
+    last = getattr(_step, "layer", None)
+    if last is None or layer_number <= last or _step.table is not block_table:
+        _step.mask = flex_decode.step_mask(seqlens_k, block_table, blocks, block_size)
+        _step.table = block_table
+    _step.layer = layer_number
+    return _step.mask
+
+
 def flash_attn_available() -> bool:
     """Whether megatron-core found flash-attn (2 or 3) for its dynamic-batching attention."""
     from megatron.core.transformer import attention
@@ -185,28 +216,47 @@ def flash_attn_available() -> bool:
     return bool(attention.HAVE_FA3 or attention.flash_attn_varlen_func is not None)
 
 
-def install() -> bool:
-    """Route megatron-core's dynamic-batching attention through :func:`paged_attention`.
+def resolve(attention: str) -> str:
+    """``flash``, ``flex`` or ``torch`` for ``generation.options.attention`` here: ``auto`` is
+    flash-attn where it is importable, else ``flex``; ``flash`` without flash-attn is a
+    :class:`~rlcore.errors.ConfigError` naming the key."""
+    from rlcore.errors import ConfigError
+    from rlcore_megatron.options import check_attention_name
 
-    Only when flash-attn is absent (:func:`flash_attn_available`); idempotent and
-    thread-safe. Patches ``Attention.flash_decode_and_prefill`` and the flash-attn
-    version check of ``Attention.forward`` (``attention.is_fa_min_version``, which
-    that module uses for nothing else). Returns whether the torch path is in use.
-    """
-    from megatron.core.transformer import attention
+    key = "generation.options.attention"
+    check_attention_name(attention)
+    if attention == "auto":
+        return "flash" if flash_attn_available() else "flex"
+    if attention == "flash" and not flash_attn_available():
+        raise ConfigError(
+            f"{key}=flash needs flash-attn (2 or 3), which is not importable here; "
+            f"set {key}=auto (FlexAttention) or install flash-attn",
+            key=key,
+        )
+    return attention
 
-    if flash_attn_available():
-        return False
+
+def install(attention: str = "auto") -> str:
+    """Route megatron-core's dynamic-batching attention as ``attention`` says
+    (:func:`resolve`) and return the path in use: ``flash`` leaves megatron-core as it is;
+    ``flex`` and ``torch`` patch ``Attention.flash_decode_and_prefill`` (and, without
+    flash-attn, the version check of ``Attention.forward``, ``attention.is_fa_min_version``,
+    which that module uses for nothing else). The patch is process-wide (the last call's
+    decode path holds); thread-safe."""
+    global _decode_path
+    from megatron.core.transformer import attention as mcore_attention
+
+    path = resolve(attention)
+    if path == "flash":
+        return path
     with _LOCK:
-        if not getattr(
-            attention.Attention.flash_decode_and_prefill, "_rlcore_paged_attention", False
-        ):
-            attention.Attention.flash_decode_and_prefill = _flash_decode_and_prefill
-            attention.is_fa_min_version = _no_flash_attn_needed
-            log.info(
-                "flash-attn not found: megatron-core's dynamic engine uses torch paged attention"
-            )
-    return True
+        _decode_path = path
+        if not getattr(mcore_attention.Attention.flash_decode_and_prefill, "_rlcore_paged_attention", False):
+            mcore_attention.Attention.flash_decode_and_prefill = _flash_decode_and_prefill
+            if not flash_attn_available():
+                mcore_attention.is_fa_min_version = _no_flash_attn_needed
+            log.info("megatron-core's dynamic engine attends through rlcore's %s path", path)
+    return path
 
 
 def _no_flash_attn_needed(version: str, check_equality: bool = True) -> bool:

@@ -729,6 +729,8 @@ class MegatronGenerationWorker(MegatronWorker):
                 adapter,
                 self.spec,
                 kv_cache_gib_requested=options.kv_cache_gib,
+                attention=options.attention,
+                cuda_graphs=options.cuda_graphs,
                 **common,
             )
         else:
@@ -900,8 +902,10 @@ class MegatronGenerationWorker(MegatronWorker):
         released = 0
         if self.engine_kind == "dynamic" and self.engine is not None and not self.asleep:
             self._forget_requests()
+            from rlcore_megatron.inference import suspend_dynamic_engine
+
             before = torch.cuda.memory_allocated()
-            self.engine.suspend()
+            suspend_dynamic_engine(self.engine)
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             released = before - torch.cuda.memory_allocated()

@@ -44,6 +44,18 @@ QWEN2_SHAPE = dict(
 )
 
 
+def llama_config(vocab: int = 1000, **shape: Any) -> dict[str, Any]:
+    """A small Llama ``config.json`` (hidden 128, 2 layers, 4 heads, 2 KV heads; ``shape``
+    overrides any key): the GPU tests' model, random weights drawn by each test."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+        "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": vocab, "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **shape,
+    }
+
+
 def write_tiny_qwen2(directory: Path, seed: int = 0) -> None:
     """A Qwen2 checkpoint with random weights of O(1) logits, random norms and q/k/v biases."""
 

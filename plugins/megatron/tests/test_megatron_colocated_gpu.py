@@ -35,6 +35,7 @@ from rlcore.handles import SamplingParams
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _colocated import ProcActor, RemoteError, both  # noqa: E402
+from _megatron_helpers import llama_config  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,16 +46,6 @@ pytestmark = [
 PROMPTS = [[1, 5, 6, 7], [1, 11], [1, 30, 31, 32, 33, 34, 35], [1, 900]]
 VOCAB = 1000  # padded to 1024 in both models
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def llama_config() -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-        "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 1024,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-    }
 
 
 class Pair:

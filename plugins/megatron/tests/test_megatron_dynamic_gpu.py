@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _megatron_helpers import llama_config
 
 from rlcore.handles import SamplingParams
 from rlcore.testing.reference import max_diff
@@ -34,26 +35,6 @@ pytestmark = [
 VOCAB = 1000  # padded to 1024
 EOS = 2
 PROMPTS = [[1, 5, 6, 7], [1, 11], [1, 30, 31, 32, 33, 34, 35], [1, 900]]
-
-
-def llama_config() -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": 1024,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "bos_token_id": 1,
-        "eos_token_id": EOS,
-        "pad_token_id": 0,
-    }
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 
 The dynamic engine itself needs CUDA (``test_megatron_dynamic_gpu.py``); here:
 the option, its resolution, the error on CPU, the KV-cache sizing and the torch
-paged attention that stands in for flash-attn, against a direct computation.
+paged attention that stands in for flash-attn (and FlexAttention's decode path through
+megatron-core's method, eager here), against a direct computation.
 """
 
 from __future__ import annotations
@@ -152,7 +153,11 @@ def test_paged_attention_matches_direct_attention() -> None:
     assert (got[int(cu[-1]) :] == 0).all()
 
 
-def test_paged_attention_decode_step_through_megatrons_method_signature() -> None:
+@pytest.mark.parametrize("path", ["flex", "torch"])
+def test_paged_attention_decode_step_through_megatrons_method_signature(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(paged_attention, "_decode_path", path)
     torch.manual_seed(1)
     heads, kv_heads, dim, block = 4, 4, 8, 4
     k_cache, v_cache = torch.randn(6, block, kv_heads, dim), torch.randn(6, block, kv_heads, dim)
@@ -163,6 +168,7 @@ def test_paged_attention_decode_step_through_megatrons_method_signature() -> Non
     class Layer:
         config = object()
         softmax_scale = None
+        layer_number = 1
 
     got = paged_attention._flash_decode_and_prefill(
         Layer(), q, k_cache, v_cache, 1, 7, None, None, n_k, table, True
@@ -173,22 +179,37 @@ def test_paged_attention_decode_step_through_megatrons_method_signature() -> Non
     assert (got[:, 0] - want).abs().max() < 1e-5
 
 
-def test_paged_attention_is_installed_only_without_flash_attn(
+def test_auto_attention_is_flash_attn_where_importable_and_flex_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from megatron.core.transformer import attention
 
     monkeypatch.setattr(attention.Attention, "flash_decode_and_prefill", object())
     monkeypatch.setattr(attention, "is_fa_min_version", None)
+    monkeypatch.setattr(paged_attention, "_decode_path", "flex")
     monkeypatch.setattr(attention, "flash_attn_varlen_func", lambda *a, **k: None)
-    assert paged_attention.install() is False  # flash-attn present: nothing patched
+    assert paged_attention.install("auto") == "flash"  # flash-attn present: nothing patched
     assert attention.is_fa_min_version is None
     monkeypatch.setattr(attention, "flash_attn_varlen_func", None)
     monkeypatch.setattr(attention, "HAVE_FA3", False)
-    assert paged_attention.install() is True
+    assert paged_attention.install("auto") == "flex"
     assert attention.Attention.flash_decode_and_prefill is paged_attention._flash_decode_and_prefill
     assert attention.is_fa_min_version("2.7.3") is True
-    assert paged_attention.install() is True  # idempotent
+    assert paged_attention.install("torch") == "torch"  # idempotent patch, the decode path switched
+    assert paged_attention._decode_path == "torch"
+
+
+def test_flash_attention_asked_for_without_flash_attn_is_refused_naming_the_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from megatron.core.transformer import attention
+
+    monkeypatch.setattr(attention, "flash_attn_varlen_func", None)
+    monkeypatch.setattr(attention, "HAVE_FA3", False)
+    with pytest.raises(ConfigError, match=r"generation.options.attention=flash needs flash-attn"):
+        paged_attention.resolve("flash")
+    with pytest.raises(ConfigError, match=r"generation.options.attention.*'flesh'"):
+        MegatronOptions(attention="flesh")
 
 
 # -- Refits in flight (generation.options.inflight_refit; the landing itself: the GPU tests) ----
