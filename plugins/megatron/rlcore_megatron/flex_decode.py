@@ -3,12 +3,17 @@
 A decode step has one query token per request and reads each request's keys where they lie:
 megatron-core's cache is ``[blocks, 256, kv_heads, dim]`` per layer, and a request owns the
 blocks its row of the block table names. :func:`paged_decode` hands that cache to
-``torch.nn.attention.flex_attention`` as one long key sequence (``[1, kv_heads, blocks * 256,
-dim]``, a view: nothing is copied) and tells it, through a block mask, which 128-token pieces
-of it each request reads. Compiled, FlexAttention's decoding kernel then reads every request's
-keys and values once, with grouped-query heads, and skips the rest of the cache: the memory a
-decode step must move, and no more. The torch path of :mod:`rlcore_megatron.paged_attention`
-gathers every request's blocks up to the step's longest one into a dense copy first.
+``torch.nn.attention.flex_attention`` as it lies in memory, one sequence of rows
+``[1, 1, blocks * 256 * kv_heads, dim]`` (a view: nothing is copied; a ``[1, kv_heads, ...]``
+view would be strided across heads, and FlexAttention copies such a key whole, the layer's
+cache, every step), with every query head reading that one key "head". A block mask names
+which 128-row pieces of it each request reads (a piece is 128 / kv_heads tokens of every kv
+head), and its ``mask_mod`` keeps, of each piece, the rows of the query head's own kv head up
+to the request's length. Compiled, FlexAttention's decoding kernel then reads every request's
+keys and values once, all query heads of a request together, and skips the rest of the
+cache: the memory a decode step must move, and no more. The torch path of
+:mod:`rlcore_megatron.paged_attention` gathers every request's blocks up to the step's
+longest one into a dense copy first.
 
 Keys past a request's length in its last block are masked, not skipped: their weight is 0,
 and 0 x NaN is NaN, so the cache must hold finite values there. megatron-core allocates it
@@ -16,10 +21,9 @@ with ``torch.empty``; :func:`rlcore_megatron.inference.zero_kv_cache` zeroes it 
 allocated, and after that it only ever holds keys and values the model computed.
 
 The mask is made once per step (:class:`StepMask`) and serves every layer. Its ``mask_mod``
-is the whole truth (a key belongs to the request and lies before its length), so eager
-FlexAttention, which ignores the block structure, computes the same thing: the CPU tests
-run it so against the torch path. The compiled kernel evaluates ``mask_mod`` only on each
-request's last, partial piece; the full pieces before it are listed as such.
+is the whole truth (a row belongs to the request, to the query head's kv head, and lies
+before the request's length), so eager FlexAttention, which ignores the block structure,
+computes the same thing: the CPU tests run it so against the torch path.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from typing import Any
 
 import torch
 
-#: Tokens per FlexAttention block (a "piece"); megatron-core's KV blocks (256 tokens) are two
-#: of them. A cache of smaller blocks (tests) takes its block size instead.
+#: Rows of the flattened cache per FlexAttention block (a "piece"); a megatron-core KV block
+#: (256 tokens x kv_heads rows) is 2 x kv_heads of them. A cache of smaller blocks (tests)
+#: takes its block's rows instead.
 FLEX_BLOCK = 128
 
 _COMPILE_LOCK = threading.Lock()
@@ -43,7 +48,8 @@ def _no_q_blocks() -> dict[str, bool]:
     """The query-side block lists serve only the backward pass: skipped where this torch can."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    return {"compute_q_blocks": False} if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters else {}
+    known = inspect.signature(BlockMask.from_kv_blocks).parameters
+    return {"compute_q_blocks": False} if "compute_q_blocks" in known else {}
 
 
 _NO_Q_BLOCKS = _no_q_blocks()
@@ -51,110 +57,96 @@ _NO_Q_BLOCKS = _no_q_blocks()
 
 @dataclass(frozen=True)
 class StepMask:
-    """Which pieces of the cache each request of one decode step reads.
+    """Which pieces of the flattened cache each request of one decode step reads.
 
     Attributes:
-        partial_count, partial_index: ``[requests, 1, 1]`` and ``[requests, 1, 1, pieces]``:
-            the request's last piece when its length is not a multiple of :data:`FLEX_BLOCK`.
-        full_count, full_index: the same for the pieces it reads whole, in order.
+        count, index: ``[requests, 1, 1]`` and ``[requests, 1, 1, pieces]``: the pieces the
+            request reads, in order (the first ``count``).
         owner, logical: ``[pieces + 1]``: the request that owns each piece of the cache and
             its place in that request (the last entry takes the table's padding).
         lengths: ``[requests]``: keys of each request.
-        piece: tokens per piece.
+        rows: rows per piece; ``rows // kv_heads`` tokens.
+        kv_heads: rows per token.
     """
 
-    partial_count: torch.Tensor
-    partial_index: torch.Tensor
-    full_count: torch.Tensor
-    full_index: torch.Tensor
+    count: torch.Tensor
+    index: torch.Tensor
     owner: torch.Tensor
     logical: torch.Tensor
     lengths: torch.Tensor
-    piece: int
+    rows: int
+    kv_heads: int
 
 
-def step_mask(seqlens_k: torch.Tensor, block_table: torch.Tensor, cache_blocks: int, block_size: int) -> StepMask:
+def step_mask(
+    seqlens_k: torch.Tensor, block_table: torch.Tensor, cache_blocks: int, block_size: int, kv_heads: int
+) -> StepMask:
     """The :class:`StepMask` of a decode step: request ``r`` has ``seqlens_k[r]`` keys in its
     blocks ``block_table[r]`` (``-1``: none) of a cache of ``cache_blocks`` blocks of
-    ``block_size`` tokens (a multiple of :data:`FLEX_BLOCK`, or smaller). Tensor operations
-    only: safe to capture in a CUDA graph."""
-    piece = min(FLEX_BLOCK, block_size)
-    if block_size % piece:
-        raise ValueError(f"KV blocks of {block_size} tokens are not a multiple of {FLEX_BLOCK}")
+    ``block_size`` tokens of ``kv_heads`` rows each. Tensor operations only: safe to capture
+    in a CUDA graph."""
+    block_rows = block_size * kv_heads
+    rows = min(FLEX_BLOCK, block_rows)
+    if block_rows % rows or rows % kv_heads:
+        raise ValueError(
+            f"KV blocks of {block_size} tokens x {kv_heads} kv heads do not split into pieces of {rows} rows"
+        )
+    tokens = rows // kv_heads  # per piece
     device = block_table.device
     requests = block_table.shape[0]
-    split = block_size // piece
+    split = block_rows // rows
     pieces = cache_blocks * split
     table = block_table.long().clamp(min=0)
-    # Megatron block b holds pieces split * b .. split * b + split - 1, in order.
+    # Megatron block b holds pieces split * b .. split * b + split - 1, in token order.
     mine = (table[:, :, None] * split + torch.arange(split, device=device)).reshape(requests, -1)
     width = mine.shape[1]
     lengths = seqlens_k[:requests].long()
-    full = lengths // piece
-    partial = (lengths - full * piece > 0).to(torch.int32)
     place = torch.arange(width, device=device).expand(requests, width)
-    used = place * piece < lengths[:, None]
+    used = place * tokens < lengths[:, None]
     target = torch.where(used, mine, pieces)  # unused entries land on the spare last slot
     owner = torch.full((pieces + 1,), -1, dtype=torch.long, device=device)
     owner.scatter_(0, target.reshape(-1), torch.arange(requests, device=device)[:, None].expand(requests, width).reshape(-1))
     logical = torch.zeros(pieces + 1, dtype=torch.long, device=device)
     logical.scatter_(0, target.reshape(-1), place.reshape(-1))
-    full_index = torch.zeros(requests, pieces, dtype=torch.int32, device=device)
-    full_index[:, :width] = mine.to(torch.int32)
-    partial_index = torch.zeros(requests, pieces, dtype=torch.int32, device=device)
-    partial_index[:, :1] = mine.gather(1, full.clamp(max=width - 1)[:, None]).to(torch.int32)
-    return StepMask(
-        partial.view(requests, 1, 1),
-        partial_index.view(requests, 1, 1, pieces),
-        full.to(torch.int32).view(requests, 1, 1),
-        full_index.view(requests, 1, 1, pieces),
-        owner,
-        logical,
-        lengths,
-        piece,
-    )
+    index = torch.zeros(requests, pieces, dtype=torch.int32, device=device)
+    index[:, :width] = mine.to(torch.int32)
+    count = used.sum(1).to(torch.int32)
+    return StepMask(count.view(requests, 1, 1), index.view(requests, 1, 1, pieces), owner, logical, lengths, rows, kv_heads)
 
 
 def _attend(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    partial_count: torch.Tensor,
-    partial_index: torch.Tensor,
-    full_count: torch.Tensor,
-    full_index: torch.Tensor,
+    count: torch.Tensor,
+    index: torch.Tensor,
     owner: torch.Tensor,
     logical: torch.Tensor,
     lengths: torch.Tensor,
-    piece: int,
+    rows: int,
     scale: float,
 ) -> torch.Tensor:
-    """FlexAttention of ``q`` ``[requests, heads, dim]`` over the cache (a :class:`StepMask`'s
-    fields as tensors: what ``torch.compile`` takes as plain inputs)."""
+    """FlexAttention of ``q`` ``[requests, heads, dim]`` over the flattened cache (a
+    :class:`StepMask`'s fields as plain inputs, what ``torch.compile`` takes)."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     requests, heads, dim = q.shape
     blocks, block_size, kv_heads, _ = k_cache.shape
-    keys = k_cache.view(1, blocks * block_size, kv_heads, dim).transpose(1, 2)
-    values = v_cache.view(1, blocks * block_size, kv_heads, dim).transpose(1, 2)
+    length = blocks * block_size * kv_heads
+    keys = k_cache.view(1, 1, length, dim)
+    values = v_cache.view(1, 1, length, dim)
+    group = heads // kv_heads
+    tokens = rows // kv_heads
 
     def visible(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        at = kv_idx // piece
-        return (owner[at] == b) & (logical[at] * piece + kv_idx % piece < lengths[b])
+        at = kv_idx // rows
+        token = logical[at] * tokens + (kv_idx % rows) // kv_heads
+        return (owner[at] == b) & (token < lengths[b]) & (kv_idx % kv_heads == h // group)
 
     block_mask = BlockMask.from_kv_blocks(
-        partial_count,
-        partial_index,
-        full_count,
-        full_index,
-        BLOCK_SIZE=(FLEX_BLOCK, piece),
-        mask_mod=visible,
-        seq_lengths=(1, blocks * block_size),
-        **_NO_Q_BLOCKS,
+        count, index, BLOCK_SIZE=(FLEX_BLOCK, rows), mask_mod=visible, seq_lengths=(1, length), **_NO_Q_BLOCKS
     )
-    out = flex_attention(
-        q.unsqueeze(2), keys, values, block_mask=block_mask, scale=scale, enable_gqa=heads != kv_heads
-    )
+    out = flex_attention(q.unsqueeze(2), keys, values, block_mask=block_mask, scale=scale, enable_gqa=heads > 1)
     return out.squeeze(2)
 
 
@@ -170,21 +162,19 @@ def paged_decode(
     """One query token per request (``q``: ``[requests, heads, dim]``) over the paged cache
     (``[blocks, block_size, kv_heads, dim]``); returns ``[requests, heads, dim]``. A request
     without keys gets zeros. ``compiled``: FlexAttention's fused kernel (``torch.compile``,
-    recompiled once with the batch size dynamic when a second size comes); eager FlexAttention materialises every score of the whole cache
-    and is for tests on small caches only."""
+    recompiled once with the batch size dynamic when a second size comes); eager
+    FlexAttention scores the whole cache and is for tests on small caches only."""
     attend = _compiled_attend() if compiled else _attend
     return attend(
         q,
         k_cache,
         v_cache,
-        mask.partial_count,
-        mask.partial_index,
-        mask.full_count,
-        mask.full_index,
+        mask.count,
+        mask.index,
         mask.owner,
         mask.logical,
         mask.lengths,
-        mask.piece,
+        mask.rows,
         scale,
     )
 

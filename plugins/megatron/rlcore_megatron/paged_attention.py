@@ -181,10 +181,9 @@ def _flash_decode_and_prefill(
         scale = q.shape[-1] ** -0.5
     flat = q.reshape(q.shape[0], q.shape[-2], q.shape[-1])
     if is_decode_only and _decode_path == "flex":
-        from rlcore_megatron import flex_decode
-
-        mask = _decode_mask(self.layer_number, seqlens_k, block_table, k.shape[0], k.shape[1])
-        return flex_decode.paged_decode(flat, k, v, mask, scale, compiled=q.is_cuda).unsqueeze(1)
+        out = _flex_or_none(self.layer_number, flat, k, v, seqlens_k, block_table, scale)
+        if out is not None:
+            return out.unsqueeze(1)
     if is_decode_only:
         cu_seqlens_q = torch.arange(block_table.shape[0] + 1, dtype=torch.int32, device=q.device)
         max_seqlen_q = 1
@@ -195,7 +194,38 @@ def _flash_decode_and_prefill(
 _flash_decode_and_prefill._rlcore_paged_attention = True  # type: ignore[attr-defined]
 
 
-def _decode_mask(layer_number: int, seqlens_k: torch.Tensor, block_table: torch.Tensor, blocks: int, block_size: int) -> Any:
+def _flex_or_none(
+    layer_number: int,
+    flat: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """The decode step through FlexAttention, or None once it has failed here (its compile,
+    say, on a torch or GPU it does not support): then the torch path serves every step from
+    now on, and the warning says why. A capture in progress is not a failure of FlexAttention
+    and propagates (:mod:`rlcore_megatron.decode_graphs` handles it)."""
+    global _decode_path
+    from rlcore_megatron import flex_decode
+
+    try:
+        mask = _decode_mask(layer_number, seqlens_k, block_table, k.shape)
+        return flex_decode.paged_decode(flat, k, v, mask, scale, compiled=flat.is_cuda)
+    except Exception as err:
+        if flat.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise
+        _decode_path = "torch"
+        log.warning(
+            "megatron generation: FlexAttention failed for a decode step (%s: %s); decode steps use "
+            "the torch paged attention from now on (generation.options.attention=torch says so up front)",
+            type(err).__name__, str(err)[:300],
+        )
+        return None
+
+
+def _decode_mask(layer_number: int, seqlens_k: torch.Tensor, block_table: torch.Tensor, cache_shape: Any) -> Any:
     """The step's :class:`rlcore_megatron.flex_decode.StepMask`, made at its first layer: a
     layer number not above the last one seen starts a new step (the model's layers run in
     order), so every layer of a step, and of a CUDA graph's capture, reads the same one."""
@@ -203,7 +233,8 @@ def _decode_mask(layer_number: int, seqlens_k: torch.Tensor, block_table: torch.
 
     last = getattr(_step, "layer", None)
     if last is None or layer_number <= last or _step.table is not block_table:
-        _step.mask = flex_decode.step_mask(seqlens_k, block_table, blocks, block_size)
+        blocks, block_size, kv_heads, _ = cache_shape
+        _step.mask = flex_decode.step_mask(seqlens_k, block_table, blocks, block_size, kv_heads)
         _step.table = block_table
     _step.layer = layer_number
     return _step.mask

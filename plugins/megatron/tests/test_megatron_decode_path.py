@@ -50,15 +50,16 @@ def _torch_path(q, k_cache, v_cache, lengths, table):  # type: ignore[no-untyped
     block=st.sampled_from([4, 8, 256]),
     lengths=st.lists(st.integers(0, 600), min_size=1, max_size=6),
     group=st.sampled_from([1, 2, 4]),
+    kv_heads=st.sampled_from([1, 2, 8]),
 )
-def test_flex_decode_equals_the_torch_path(seed: int, block: int, lengths: list[int], group: int) -> None:
+def test_flex_decode_equals_the_torch_path(seed: int, block: int, lengths: list[int], group: int, kv_heads: int) -> None:
     """Any lengths (none, within one block, on a block's edge, several blocks), grouped-query
     heads, 128-token pieces of 256-token blocks or smaller blocks: the torch path's output; a
     request without keys gets zeros, and stale keys past a length are never read."""
     lengths = [min(n, 4 * block) for n in lengths]
     need = sum(-(-n // block) for n in lengths)
-    q, k, v, n_k, table = _paged_case(seed, block, need + 2, lengths, 2 * group, 2, 8)
-    mask = flex_decode.step_mask(n_k, table, k.shape[0], block)
+    q, k, v, n_k, table = _paged_case(seed, block, need + 2, lengths, kv_heads * group, kv_heads, 8)
+    mask = flex_decode.step_mask(n_k, table, k.shape[0], block, kv_heads)
     got = flex_decode.paged_decode(q, k, v, mask, 8**-0.5, compiled=False)
     want = _torch_path(q, k, v, n_k, table)
     assert torch.isfinite(got).all()
@@ -69,18 +70,16 @@ def test_flex_decode_equals_the_torch_path(seed: int, block: int, lengths: list[
 
 
 def test_the_step_mask_names_each_piece_once() -> None:
-    """256-token blocks are two 128-token pieces: a request of 300 keys on blocks 5 and 2 reads
-    pieces 10, 11 and 4 whole and 5 in part; its owner and place are recorded, and nothing of
-    the padding row or the unused pieces is anyone's."""
+    """256-token blocks of 2 kv heads are 512 rows, four 128-row pieces of 64 tokens: a request
+    of 150 keys on blocks 5 and 2 reads pieces 20, 21 and 22 (the last in part); its owner and
+    place are recorded, and nothing of the padding row or the unused pieces is anyone's."""
     table = torch.tensor([[5, 2], [-1, -1]], dtype=torch.int32)
-    mask = flex_decode.step_mask(torch.tensor([300, 0], dtype=torch.int32), table, 8, 256)
-    assert mask.piece == 128
-    assert mask.full_count.flatten().tolist() == [2, 0]
-    assert mask.full_index[0, 0, 0, :2].tolist() == [10, 11]
-    assert mask.partial_count.flatten().tolist() == [1, 0]
-    assert int(mask.partial_index[0, 0, 0, 0]) == 4
-    assert mask.owner[[10, 11, 4]].tolist() == [0, 0, 0] and mask.logical[[10, 11, 4]].tolist() == [0, 1, 2]
-    assert (mask.owner[:16][[i for i in range(16) if i not in (4, 10, 11)]] == -1).all()
+    mask = flex_decode.step_mask(torch.tensor([150, 0], dtype=torch.int32), table, 8, 256, 2)
+    assert (mask.rows, mask.kv_heads) == (128, 2)
+    assert mask.count.flatten().tolist() == [3, 0]
+    assert mask.index[0, 0, 0, :3].tolist() == [20, 21, 22]
+    assert mask.owner[[20, 21, 22]].tolist() == [0, 0, 0] and mask.logical[[20, 21, 22]].tolist() == [0, 1, 2]
+    assert (mask.owner[:32][[i for i in range(32) if i not in (20, 21, 22)]] == -1).all()
 
 
 def test_one_step_mask_serves_every_layer_of_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,12 +90,13 @@ def test_one_step_mask_serves_every_layer_of_a_step(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(paged_attention._step, "layer", None, raising=False)
     table = torch.tensor([[0]], dtype=torch.int32)
     lengths = torch.tensor([3], dtype=torch.int32)
-    masks = [paged_attention._decode_mask(layer, lengths, table, 2, 4) for layer in (1, 2, 3)]
+    shape = (2, 4, 2, 8)
+    masks = [paged_attention._decode_mask(layer, lengths, table, shape) for layer in (1, 2, 3)]
     assert len(made) == 1 and masks[0] is masks[1] is masks[2]
-    again = paged_attention._decode_mask(1, lengths, table, 2, 4)  # the next step
+    again = paged_attention._decode_mask(1, lengths, table, shape)  # the next step
     assert len(made) == 2 and again is not masks[0]
     other = torch.tensor([[1]], dtype=torch.int32)
-    paged_attention._decode_mask(2, lengths, other, 2, 4)  # another step's table mid-way
+    paged_attention._decode_mask(2, lengths, other, shape)  # another step's table mid-way
     assert len(made) == 3
 
 
@@ -268,3 +268,26 @@ def test_a_failed_capture_turns_graphs_off_and_the_step_runs_eagerly(
     assert "cuda_graphs=0" in caplog.text
     model.decoder(hidden_states=torch.tensor([1.0]), inference_context=ctx)
     assert graphs.stats.eager_steps == 1 and model.decoder.calls == 2
+
+
+def test_a_flex_attention_failure_falls_back_to_the_torch_path_for_good(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A FlexAttention that cannot run here (its compile failing on this torch or GPU) costs
+    one warning, not the run: that step and every later one take the torch path."""
+    monkeypatch.setattr(paged_attention, "_decode_path", "flex")
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no flex decoding kernel for this device")
+
+    monkeypatch.setattr(flex_decode, "paged_decode", broken)
+    q, k, v, n_k, table = _paged_case(3, 4, 6, [5, 2], 4, 2, 8)
+
+    class Layer:
+        config = object()
+        softmax_scale = None
+        layer_number = 1
+
+    got = paged_attention._flash_decode_and_prefill(Layer(), q[:, None], k, v, 1, 8, None, None, n_k, table, True)
+    assert (got[:, 0] - _torch_path(q, k, v, n_k, table)).abs().max() < 1e-5
+    assert paged_attention._decode_path == "torch" and "no flex decoding kernel" in caplog.text
