@@ -18,6 +18,7 @@ import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from rlcore.config import ModelConfig, TinyModelConfig
 from rlcore.errors import CancelToken, Deadline
@@ -123,14 +124,15 @@ def write_tiny_model(directory: Path, cfg: TinyModelConfig, dtype: str = "float3
             hf_logging.enable_progress_bar()
 
 
-def shift_eos_logit(model, eos: int, shift: float, gen) -> None:  # model: LlamaForCausalLM
+def shift_eos_logit(model: Any, eos: int, shift: float, gen: Any) -> None:
     """Shift ``eos``'s logit by about ``shift`` nats for any input, through weights alone
     (Llama has no output bias): dimension 0 of the residual stream becomes a constant
     feature. Every token's embedding holds ``c`` there, no attention or MLP output writes
     it and no layer norm passes it on (their weight 0), so the final norm's input holds
     ``c`` there whatever the text; the final norm's weight scales it to about 1 (calibrated
     on random text) and only ``eos``'s row of the output layer reads it, with weight
-    ``shift``. Everything else the model computes is as drawn."""
+    ``shift``. Everything else the model computes is as drawn. ``model``: a transformers
+    ``LlamaForCausalLM``; ``gen``: the recipe's ``torch.Generator`` (the calibration text)."""
     import torch
 
     body = model.model

@@ -72,6 +72,8 @@ class DecodeGraphs:
     decoder: torch.nn.Module
     eager_forward: Any
     enabled: bool = True
+    #: The decoder's parameters, listed once (a step reads where their data lies, not the tree).
+    parameters: list[torch.nn.Parameter] = field(default_factory=list)
     stats: GraphStats = field(default_factory=GraphStats)
     _graphs: dict[Any, _Graph] = field(default_factory=dict)
     _addresses: tuple[int, ...] | None = None
@@ -82,7 +84,7 @@ class DecodeGraphs:
         if not (self.enabled and _graphable(context)):
             self.stats.eager_steps += 1
             return self.eager_forward(*args, **kwargs)
-        addresses = _addresses(context, self.decoder)
+        addresses = _addresses(context, self.parameters)
         if addresses != self._addresses:
             self.clear()
             self._addresses = addresses
@@ -156,7 +158,7 @@ def install(model: torch.nn.Module) -> DecodeGraphs:
     current = decoder.__dict__.get("forward")
     if isinstance(current, DecodeGraphs):
         return current
-    graphs = DecodeGraphs(decoder, decoder.forward)
+    graphs = DecodeGraphs(decoder, decoder.forward, parameters=list(decoder.parameters()))
     decoder.forward = graphs  # nn.Module.__call__ reads the instance attribute first
     return graphs
 
@@ -190,7 +192,7 @@ def _unwrapped(value: Any) -> Any:
 _CONTEXT_BUFFERS = ("memory_buffer", "token_to_", "request_")
 
 
-def _addresses(context: Any, decoder: torch.nn.Module) -> tuple[int, ...]:
+def _addresses(context: Any, parameters: list[torch.nn.Parameter]) -> tuple[int, ...]:
     """Where every buffer a captured step reads lives: the context's KV cache, token and
     request buffers, its graph attention metadata's buffers, and the decoder's parameters."""
     ptrs: list[int] = []
@@ -200,5 +202,5 @@ def _addresses(context: Any, decoder: torch.nn.Module) -> tuple[int, ...]:
             ptrs.extend(t.data_ptr() for t in items if isinstance(t, torch.Tensor))
     for metadata in getattr(context, "graph_attn_metadata", {}).values():
         ptrs.extend(t.data_ptr() for n, t in vars(metadata).items() if n.endswith("_buf"))
-    ptrs.extend(p.data_ptr() for p in decoder.parameters())
+    ptrs.extend(p.data_ptr() for p in parameters)
     return tuple(ptrs)
