@@ -26,6 +26,7 @@ from typing import Any
 
 from rlcore.app.checkpoints import POLICY_DIR, prune, scan, step_dir, write_checkpoint
 from rlcore.errors import Cancelled, CheckpointError
+from rlcore.publish import discard
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,7 @@ class Checkpointer:
                 config_yaml=self.contents.config_yaml,
             ))
 
+        self._replace_stale(destination)
         try:
             self.publish(destination, write)
         except Cancelled:
@@ -176,6 +178,16 @@ class Checkpointer:
             "checkpoint/removed": [p.name for p in removed],
         }, step)
         log.info("saved checkpoint %s (%.1fs)", destination, seconds)
+
+    def _replace_stale(self, destination: Path) -> None:
+        """A directory already at ``destination`` is not this run's state after that step: a
+        run saves each step once, so it is left from before a resume from an older step (a
+        checkpoint of a newer format, say). The publisher keeps a complete destination and
+        writes nothing, so it goes first; the checkpoint the run resumed from is older and
+        stays."""
+        if destination.exists():
+            log.warning("replacing %s, left from before this run resumed from an older step", destination)
+            discard(destination)
 
     def _intact(self) -> str:
         complete = [f for f in scan(self.root) if f.problem is None]

@@ -180,10 +180,12 @@ class Chosen:
     Attributes:
         found: the checkpoint (its path, step and manifest).
         skipped: newer checkpoints that could not be used, each with why.
+        cleaned: what unfinished saves (or removals) had left under the root, removed.
     """
 
     found: Found
     skipped: list[str] = field(default_factory=list)
+    cleaned: list[str] = field(default_factory=list)
 
     @property
     def step(self) -> int:
@@ -229,6 +231,23 @@ def prune(root: Path, keep: int) -> list[Path]:
         discard(f.path)
         log.info("removed checkpoint %s (checkpoint.keep=%d)", f.path, keep)
     return [f.path for f in doomed]
+
+
+#: What a checkpoint found corrupt at resume is renamed to (out of :func:`scan`'s sight).
+CORRUPT_SUFFIX = ".corrupt"
+
+
+def set_aside(found: Found) -> Path:
+    """Rename a corrupt checkpoint to ``<name>.corrupt`` (``.corrupt.2``, ... when taken): no
+    longer a checkpoint (not resumed from, not counted by :func:`prune`, not in the way of
+    a new save of its step), still there to be looked at. Returns the new path."""
+    n = 1
+    while True:
+        target = found.path.with_name(found.path.name + CORRUPT_SUFFIX + (f".{n}" if n > 1 else ""))
+        if not target.exists():
+            os.rename(found.path, target)
+            return target
+        n += 1
 
 
 def clean_partial(root: Path) -> list[Path]:

@@ -3,8 +3,11 @@
 :func:`choose` runs before anything starts (a resume with nothing to resume from fails in
 a second, not after minutes of setup). It takes the newest checkpoint that is complete,
 whose files match their digests, and that this run's config and policy backend can
-continue; a newer one that is corrupt is skipped and named. It never falls back to step 0:
-no usable checkpoint is a :class:`~rlcore.errors.CheckpointError` naming what was found.
+continue; a newer one that is corrupt is skipped, named, and set aside (renamed
+``step-N.corrupt``), so that this run's own save of step N writes it anew and pruning never
+keeps it in place of a checkpoint that is whole. What a save killed mid-way left is removed
+and named. It never falls back to step 0: no usable checkpoint is a
+:class:`~rlcore.errors.CheckpointError` naming what was found.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlcore.app.checkpoints import Chosen, Found, clean_partial, newest_whole, scan
+from rlcore.app.checkpoints import Chosen, Found, clean_partial, newest_whole, scan, set_aside
 from rlcore.config import RunConfig
 from rlcore.declarations import Role
 from rlcore.errors import CheckpointError
+from rlcore.publish import STAGING_PREFIX
 from rlcore.setup.prepared import PreparedRun
 
 #: Config keys a resumed run must share with its checkpoint: what the saved state means
@@ -110,15 +114,29 @@ def choose(root: Path, config: RunConfig, policy: PolicyFormat) -> Chosen:
             complete one was saved by another config or policy format (naming the
             difference: an older one would differ the same way).
     """
-    clean_partial(root)
-    found, skipped = newest_whole(scan(root), lambda f: _check_compatible(f, config, policy))
+    cleaned = [f"{p.name} (what a {_unfinished(p.name)} left)" for p in clean_partial(root)]
+    listed = scan(root)
+    found, skipped = newest_whole(listed, lambda f: _check_compatible(f, config, policy))
     if found is not None:
-        return Chosen(found, skipped)
+        newer = [f for f in listed if f.step > found.step]  # what newest_whole passed over, in order
+        return Chosen(found, [_set_aside_if_corrupt(f, why) for f, why in zip(newer, skipped, strict=True)], cleaned)
     what = f"found {', '.join(skipped)}" if skipped else "it holds no checkpoint"
     raise CheckpointError(
         f"nothing to resume from in {root}: {what}. A run saves checkpoints with "
         "checkpoint.every_steps=N; to start over instead, run with a new --out"
     )
+
+
+def _unfinished(name: str) -> str:
+    return "save that was stopped or killed" if name.startswith(STAGING_PREFIX) else "removal that did not finish"
+
+
+def _set_aside_if_corrupt(found: Found, why: str) -> str:
+    """``why`` a newer checkpoint was passed over, and where it went if it was corrupt (a
+    checkpoint of a newer format stays: it is whole, only not for this rlcore)."""
+    if "(corrupt: " not in why and "(unreadable " not in why:
+        return why
+    return f"{why}, set aside as {set_aside(found).name}"
 
 
 def _check_compatible(f: Found, config: RunConfig, policy: PolicyFormat) -> None:

@@ -272,9 +272,17 @@ def _resume_point(prepared: PreparedRun, run_dir: Path) -> Chosen:
     fmt = policy_format(prepared)
     assert fmt is not None  # check_checkpoints refused a policy without checkpoints
     try:
-        return choose(checkpoint_root(prepared.config, run_dir), prepared.config, fmt)
+        point = choose(checkpoint_root(prepared.config, run_dir), prepared.config, fmt)
     except CheckpointError as err:  # bad input, found before anything started (exit 2)
         raise ConfigError(str(err), key="--resume") from None
+    steps = prepared.config.grpo.steps
+    if point.step >= steps:  # said now, not after minutes of setup for no step
+        raise ConfigError(
+            f"nothing left to do: {point.found.path} is the state after step {point.step} and "
+            f"grpo.steps is {steps}; to train on, resume with grpo.steps set above {point.step}",
+            key="grpo.steps",
+        )
+    return point
 
 
 def _joined_cluster(prepared: PreparedRun, choice: ClusterChoice) -> Cluster:
@@ -837,12 +845,16 @@ class Session:
         self.record({
             "checkpoint/resumed_from": point.step, "checkpoint/path": str(point.found.path),
             "checkpoint/load_time_s": load_s, "checkpoint/skipped": point.skipped,
+            "checkpoint/cleaned": point.cleaned,
             "refit/weight_sync_time_s": report.weight_sync_time_s,
         }, point.step, step_done=False)
         console = self._run.console if self._run is not None else None
         if console is not None:
             skipped = f"; skipped {', '.join(point.skipped)}" if point.skipped else ""
-            console.print(f"resumed from {point.found.path} (step {point.step}, loaded in {load_s:.1f}s){skipped}")
+            cleaned = f"; removed {', '.join(point.cleaned)}" if point.cleaned else ""
+            console.print(
+                f"resumed from {point.found.path} (step {point.step}, loaded in {load_s:.1f}s){skipped}{cleaned}"
+            )
 
     # ---------------------------------------------------------------- records
 

@@ -120,9 +120,49 @@ def test_resume_takes_the_newest_whole_checkpoint_and_names_each_one_it_skips(tm
     point = choose(tmp_path, config(), FORMAT)
     assert point.step == 2
     assert point.skipped == [
-        "step-00000006 (corrupt: policy/shard-0.bin has 500 bytes, 1000 were saved (truncated or overwritten))",
-        "step-00000004 (corrupt: policy/shard-0.bin does not match its SHA-256 digest)",
+        "step-00000006 (corrupt: policy/shard-0.bin has 500 bytes, 1000 were saved (truncated or overwritten)), "
+        "set aside as step-00000006.corrupt",
+        "step-00000004 (corrupt: policy/shard-0.bin does not match its SHA-256 digest), set aside as step-00000004.corrupt",
     ]
+
+
+def test_a_corrupt_checkpoint_passed_over_at_resume_is_set_aside_resaved_whole_and_never_kept_over_a_good_one(
+    tmp_path: Path,
+) -> None:
+    """Issue 44: a resume fell back past corrupt step-4 and step-6 to step-2; the run's new
+    save of step 4 wrote nothing (the corrupt directory's marker stood), and keep=2 then
+    deleted the good checkpoints and kept the corrupt ones."""
+    c = checkpointer(tmp_path, FilePolicy(), keep=5)
+    for step in (2, 4, 6):
+        c.save(step)
+    for step in (4, 6):
+        shard = step_dir(tmp_path, step) / POLICY_DIR / "shard-0.bin"
+        shard.write_bytes(shard.read_bytes()[:10])
+    point = choose(tmp_path, config(), FORMAT)
+    assert point.step == 2
+    assert [s.split(" (")[0] for s in point.skipped] == ["step-00000006", "step-00000004"]
+    assert all(s.endswith(f"set aside as step-0000000{n}.corrupt") for s, n in zip(point.skipped, (6, 4), strict=True))
+    assert (tmp_path / "step-00000006.corrupt" / POLICY_DIR / "shard-0.bin").is_file()  # kept to look at
+    records: list = []
+    resumed = checkpointer(tmp_path, FilePolicy(), keep=2, records=records)
+    for step in (3, 4):
+        resumed.save(step)
+    assert [f.step for f in scan(tmp_path)] == [4, 3]  # the good ones, the corrupt ones out of the count
+    assert all(verify(f) is None for f in scan(tmp_path))
+    assert records[-1][1]["checkpoint/bytes"] > 1000  # step 4 written anew, not skipped
+
+
+def test_a_save_replaces_a_directory_left_at_its_step_from_before_the_resume(tmp_path: Path) -> None:
+    """A checkpoint at step 5 that the resume passed over whole (a newer format) is not this
+    run's step 5: the run's save of step 5 replaces it, where the publisher would keep it."""
+    def newer(staging: Path) -> None:
+        (staging / MANIFEST_NAME).write_text(json.dumps({"format": "rlcore-checkpoint", "format_version": 99, "files": {}}))
+
+    publish_dir(step_dir(tmp_path, 5), newer)  # whole, its marker standing
+    assert "newer rlcore" in (scan(tmp_path)[0].problem or "")
+    records: list = []
+    checkpointer(tmp_path, FilePolicy(), keep=5, records=records).save(5)
+    assert verify(scan(tmp_path)[0]) is None and records[0][1]["checkpoint/bytes"] > 1000
 
 
 def test_resume_never_starts_over_silently(tmp_path: Path) -> None:
@@ -189,9 +229,11 @@ def test_a_save_killed_midway_is_ignored_and_cleaned_up(tmp_path: Path) -> None:
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
+    left = [p for p in os.listdir(tmp_path) if p.startswith(STAGING_PREFIX)]
     point = choose(tmp_path, config(), FORMAT)
     assert point.step == 1 and point.skipped == []
     assert not [p for p in os.listdir(tmp_path) if p.startswith(STAGING_PREFIX)]  # cleaned at resume
+    assert point.cleaned == [f"{name} (what a save that was stopped or killed left)" for name in left]  # and named
 
 
 def test_an_overlapped_save_runs_beside_the_loop_and_is_joined_before_the_policy_is_used(tmp_path: Path) -> None:
@@ -294,3 +336,13 @@ def test_rlcore_run_resume_without_a_usable_checkpoint_is_bad_input_before_anyth
     # A checkpoint of another policy backend (the quickstart's is fsdp): named, not loaded.
     checkpointer(run / "checkpoints", FilePolicy()).save(1)
     assert "it was saved by policy backend 'toy', this run's is 'fsdp'" in resume()
+    # A finished run (its checkpoint is of the last step): said before any setup (issue 44).
+    from rlcore_fsdp.checkpoint import FORMAT as FSDP_FORMAT
+    from rlcore_fsdp.plugin import CHECKPOINT_VERSION
+
+    fsdp = PolicyFormat("fsdp", FSDP_FORMAT, CHECKPOINT_VERSION)
+    done = checkpointer(run / "checkpoints", FilePolicy(), keep=5, cfg=config())
+    done.contents = Contents({**done.contents.manifest, "policy": fsdp.__dict__}, "name: x\n", lambda step: None)
+    done.save(30)
+    line = resume()
+    assert "nothing left to do" in line and "after step 30 and grpo.steps is 30" in line and "grpo.steps" in line
