@@ -16,7 +16,9 @@ complete checkpoint is untouched (only a complete newer one ever replaces it).
 
 from __future__ import annotations
 
+import errno
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -89,6 +91,8 @@ class Checkpointer:
         contents: what a checkpoint holds besides the policy's files.
         schedule: when saves happen, how many stay, whether they overlap the loop.
         record: ``record(metrics, step)``: a ``metrics.jsonl`` line about a save.
+        flush: called once a save is published and recorded: ``metrics.jsonl`` to the device,
+            so a resume from this checkpoint finds every line up to its step.
     """
 
     def __init__(
@@ -100,9 +104,10 @@ class Checkpointer:
         contents: Contents,
         schedule: Schedule,
         record: Callable[[dict[str, Any], int], None],
+        flush: Callable[[], None] = lambda: None,
     ) -> None:
         self.root, self.policy, self.publish = Path(root), policy, publish
-        self.contents, self.schedule, self.record = contents, schedule, record
+        self.contents, self.schedule, self.record, self.flush = contents, schedule, record, flush
         self.last_saved: int | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -160,6 +165,7 @@ class Checkpointer:
                 config_yaml=self.contents.config_yaml,
             ))
 
+        self._check_room(step, destination)
         self._replace_stale(destination)
         try:
             self.publish(destination, write)
@@ -167,8 +173,8 @@ class Checkpointer:
             raise
         except BaseException as err:
             raise CheckpointError(
-                f"the checkpoint of step {step} could not be saved to {destination}: {_cause(err)}; "
-                f"{self._intact()}"
+                f"the checkpoint of step {step} could not be saved to {destination}: "
+                f"{_full_disk(err, self.root) or _cause(err)}; {self._intact()}"
             ) from err
         seconds = time.monotonic() - t0
         removed = prune(self.root, self.schedule.keep)
@@ -177,7 +183,24 @@ class Checkpointer:
             "checkpoint/bytes": written.get("bytes", 0), "checkpoint/path": str(destination),
             "checkpoint/removed": [p.name for p in removed],
         }, step)
+        self.flush()
         log.info("saved checkpoint %s (%.1fs)", destination, seconds)
+
+    def _check_room(self, step: int, destination: Path) -> None:
+        """Refuse a save the disk cannot hold, before anything is written: a checkpoint
+        takes about what the last one took (pruning frees only after the new one is whole)."""
+        complete = [f for f in scan(self.root) if f.problem is None and f.manifest is not None]
+        if not complete:
+            return  # the first save: nothing to size it by
+        need = int(complete[0].manifest.get("bytes", 0) * ROOM_FACTOR)
+        free = free_bytes(self.root)
+        if free is not None and free < need:
+            raise CheckpointError(
+                f"the checkpoint of step {step} was not saved to {destination}: the disk is full for it "
+                f"({free / 2**30:.2f} GiB free under {self.root}, the last checkpoint took "
+                f"{complete[0].manifest.get('bytes', 0) / 2**30:.2f} GiB); free space there or set "
+                f"checkpoint.dir elsewhere; {self._intact()}"
+            )
 
     def _replace_stale(self, destination: Path) -> None:
         """A directory already at ``destination`` is not this run's state after that step: a
@@ -194,6 +217,36 @@ class Checkpointer:
         if not complete:
             return "no earlier checkpoint exists"
         return f"the last complete checkpoint, {complete[0].path}, is intact"
+
+
+#: Room a save wants, as a multiple of the last checkpoint's bytes (its size drifts a little).
+ROOM_FACTOR = 1.05
+#: Free bytes under which a failed save is put down to a full disk, whatever it raised
+#: (torch's writer says "unexpected pos 704 vs 598" where the disk ran out).
+FULL_BELOW = 64 << 20
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes free to this user on the filesystem of ``path`` (None: it cannot be asked)."""
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _full_disk(err: BaseException, root: Path) -> str | None:
+    """A failed save put down to a full disk, in one phrase (None: it was something else):
+    ENOSPC or EDQUOT anywhere in its causes, or (almost) nothing left free under ``root``."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            break
+        seen = seen.__cause__ or seen.__context__
+    free = free_bytes(root)
+    if seen is None and (free is None or free >= FULL_BELOW):
+        return None
+    left = f" ({free / 2**20:.0f} MiB free)" if free is not None else ""
+    return f"the disk under {root} is full{left}: {_cause(err)}"
 
 
 def _cause(err: BaseException) -> str:

@@ -129,6 +129,21 @@ class MetricsWriter:
                 raise RunDirError.from_os_error(self.path, err, left=left) from err
             raise RunDirError.from_os_error(self.path, err) from err
 
+    def sync(self) -> None:
+        """Flush every line written so far to the device (``fsync``): what a checkpoint
+        published beside it counts on finding at resume.
+
+        Raises:
+            RunDirError: the device refused (its lines may be lost with a crash).
+        """
+        with self._lock:
+            if self._fd is None:
+                return
+            try:
+                os.fsync(self._fd)
+            except OSError as err:
+                raise RunDirError.from_os_error(self.path, err) from err
+
     def close(self) -> None:
         """Close the file (once; later calls do nothing)."""
         with self._lock:

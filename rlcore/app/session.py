@@ -66,7 +66,7 @@ from rlcore.app.interrupts import RunInterrupted, SignalGuard, active_guard, sig
 from rlcore.app.loggers import LoggedWriter
 from rlcore.app.plots import plot_reward, plot_setup_timeline
 from rlcore.app.progress import RunPhase, SetupProgress, setup_display
-from rlcore.app.records import write_atomic
+from rlcore.app.records import read_metrics, write_atomic
 from rlcore.app.recovery import GenerationRecovery, retry_on_generation_loss
 from rlcore.app.refit_check import check_divergence, probe_batch, token_mult_prob_error
 from rlcore.app.resume import checkpoint_root, choose, policy_format, shared_config
@@ -256,6 +256,7 @@ def _prepared_run(config: RunConfig, opts: OpenOptions, console: Console, guard:
         status = RunStatus(run_dir, resume=opts.resume, steps_before=steps_before)  # first: a run's to replace
         if point is not None:
             truncate_metrics(run_dir, point.step)  # its later steps are done again
+        earlier = _earlier_steps(run_dir) if point is not None else []
         write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
     except BaseException:
         if cluster is not None:
@@ -263,7 +264,37 @@ def _prepared_run(config: RunConfig, opts: OpenOptions, console: Console, guard:
         raise
     run = _Run(prepared, run_dir, status, console, guard, choice, cluster)
     run.resume_point = point
+    run.history = earlier  # the reward's plot and trend cover the whole run, not this process
     return run
+
+
+def _spans(steps: Sequence[int]) -> str:
+    """``1-3, 7`` for ``[1, 2, 3, 7]``."""
+    out: list[str] = []
+    start = prev = steps[0]
+    for s in [*steps[1:], None]:
+        if s is not None and s == prev + 1:
+            prev = s
+            continue
+        out.append(f"{start}-{prev}" if prev > start else str(start))
+        if s is not None:
+            start = prev = s
+    return ", ".join(out)
+
+
+def _earlier_steps(run_dir: Path) -> list[dict[str, Any]]:
+    """The step lines (with a reward) a resumed run's ``metrics.jsonl`` kept."""
+    return [
+        r for r in read_metrics(run_dir / "metrics.jsonl")
+        if isinstance(r.get("step"), int) and r["step"] >= 1 and "reward/mean" in r
+    ]
+
+
+def _missing_steps(history: Sequence[Mapping[str, Any]], step: int) -> list[int]:
+    """Steps up to a checkpoint's ``step`` whose lines ``metrics.jsonl`` lacks (lost with the
+    disk: written after its last flush)."""
+    have = {int(r["step"]) for r in history}
+    return [s for s in range(1, step + 1) if s not in have]
 
 
 def _resume_point(prepared: PreparedRun, run_dir: Path) -> Chosen:
@@ -806,6 +837,7 @@ class Session:
                 overlap=save_overlaps(config, decl),
             ),
             record=self._saved,
+            flush=run.writer.sync,
         )
 
     def _saved(self, m: dict[str, Any], step: int) -> None:
@@ -842,10 +874,11 @@ class Session:
         self.first_step = point.step + 1
         if self._checkpointer is not None:
             self._checkpointer.last_saved = point.step
+        missing = _missing_steps(self._run.history, point.step) if self._run is not None else []
         self.record({
             "checkpoint/resumed_from": point.step, "checkpoint/path": str(point.found.path),
             "checkpoint/load_time_s": load_s, "checkpoint/skipped": point.skipped,
-            "checkpoint/cleaned": point.cleaned,
+            "checkpoint/cleaned": point.cleaned, "checkpoint/metrics_missing_steps": missing,
             "refit/weight_sync_time_s": report.weight_sync_time_s,
         }, point.step, step_done=False)
         console = self._run.console if self._run is not None else None
@@ -855,6 +888,12 @@ class Session:
             console.print(
                 f"resumed from {point.found.path} (step {point.step}, loaded in {load_s:.1f}s){skipped}{cleaned}"
             )
+            if missing:
+                console.print(
+                    f"[yellow]warning: metrics.jsonl lacks the lines of {len(missing)} step(s) up to the "
+                    f"checkpoint ({_spans(missing)}): written after its last flush to the disk, they were "
+                    "lost; the run goes on from the checkpoint[/yellow]"
+                )
 
     # ---------------------------------------------------------------- records
 

@@ -346,3 +346,56 @@ def test_rlcore_run_resume_without_a_usable_checkpoint_is_bad_input_before_anyth
     done.save(30)
     line = resume()
     assert "nothing left to do" in line and "after step 30 and grpo.steps is 30" in line and "grpo.steps" in line
+
+
+def test_a_save_the_disk_cannot_hold_is_refused_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlcore.app import checkpointing
+
+    checkpointer(tmp_path, FilePolicy(blob=4000)).save(1)
+    monkeypatch.setattr(checkpointing, "free_bytes", lambda path: 3000)  # less than the last one took
+    policy = FilePolicy(blob=4000)
+    with pytest.raises(CheckpointError) as info:
+        checkpointer(tmp_path, policy).save(2)
+    text = str(info.value)
+    assert "the checkpoint of step 2 was not saved" in text and "the disk is full for it" in text
+    assert f"under {tmp_path}" in text and "checkpoint.dir" in text
+    assert f"the last complete checkpoint, {step_dir(tmp_path, 1)}, is intact" in text
+    assert policy.calls == [] and [f.step for f in scan(tmp_path)] == [1]  # nothing written
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(STAGING_PREFIX)]
+
+
+def test_a_disk_that_fills_during_a_save_is_named_as_full_not_as_what_the_writer_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's writer says "unexpected pos 704 vs 598" where the disk ran out (issue 44)."""
+    from rlcore.app import checkpointing
+
+    monkeypatch.setattr(checkpointing, "free_bytes", lambda path: 1 << 20)
+    failing = checkpointer(tmp_path, FilePolicy(fail=RuntimeError("unexpected pos 704 vs 598")))
+    with pytest.raises(CheckpointError) as info:
+        failing.save(1)
+    assert f"the disk under {tmp_path} is full (1 MiB free): " in str(info.value)
+    monkeypatch.setattr(checkpointing, "free_bytes", lambda path: 50 << 30)  # room: the writer's own words
+    with pytest.raises(CheckpointError) as info:
+        checkpointer(tmp_path, FilePolicy(fail=RuntimeError("a rank died"))).save(1)
+    assert "is full" not in str(info.value) and "a rank died" in str(info.value)
+
+
+def test_metrics_are_flushed_to_the_device_once_a_checkpoint_is_published_and_recorded(tmp_path: Path) -> None:
+    events: list = []
+    c = checkpointer(tmp_path, FilePolicy())
+    c.record = lambda m, step: events.append(("record", step, verify(scan(tmp_path)[0]) is None))
+    c.flush = lambda: events.append(("flush",))
+    c.save(3)
+    assert events == [("record", 3, True), ("flush",)]
+
+
+def test_a_resume_whose_metrics_lack_steps_up_to_the_checkpoint_names_them() -> None:
+    from rlcore.app.session import _missing_steps, _spans
+
+    history = [{"step": s} for s in (1, 2, 3, 7)]
+    missing = _missing_steps(history, 9)
+    assert missing == [4, 5, 6, 8, 9] and _spans(missing) == "4-6, 8-9"
+    assert _missing_steps(history[:3], 3) == []

@@ -180,3 +180,18 @@ def test_trace_spans_and_instants_on_named_lanes(tmp_path: Path) -> None:
     assert xs[0]["args"]["reward"] is None
     inst = [e for e in data["traceEvents"] if e["ph"] == "i"]
     assert inst[0]["ts"] == 750000.0 and inst[0]["tid"] != xs[0]["tid"]
+
+
+def test_sync_puts_every_line_written_on_the_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a checkpoint published beside ``metrics.jsonl`` counts on finding at resume."""
+    import os
+
+    synced: list[int] = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd))
+    w = MetricsWriter(tmp_path / "metrics.jsonl")
+    w.write({"x": 1}, step=1)
+    w.sync()
+    assert synced == [w._fd]
+    w.close()
+    w.sync()  # closed: nothing to flush
+    assert len(synced) == 1

@@ -107,6 +107,11 @@ def _losses(run_dir: Path) -> dict[int, tuple[float, float, float]]:
     }
 
 
+def _trend(run_dir: Path) -> dict:
+    lines = [r for r in read_metrics(run_dir / "metrics.jsonl") if "health/reward_first" in r]
+    return {k: v for k, v in lines[-1].items() if k.startswith("health/")}
+
+
 def test_a_run_stopped_by_sigterm_saves_and_resumes_to_the_same_losses(quickstart_run: Path, tmp_path: Path) -> None:
     """Preemption: SIGTERM mid-run finishes the step and saves it (exit 143); ``rlcore run
     --resume DIR`` continues from it and, on this deterministic CPU, every step's loss,
@@ -133,6 +138,10 @@ def test_a_run_stopped_by_sigterm_saves_and_resumes_to_the_same_losses(quickstar
     assert steps == list(range(1, STEPS + 1))
     assert _losses(run_dir) == _losses(quickstart_run)
     assert json.loads((run_dir / "run.json").read_text())["steps_done"] == STEPS
+    # The health figures cover the whole run, not the resumed process's steps (issue 44).
+    assert _trend(run_dir) == _trend(quickstart_run)
+    resume_line = next(r for r in read_metrics(run_dir / "metrics.jsonl") if "checkpoint/resumed_from" in r)
+    assert resume_line["checkpoint/metrics_missing_steps"] == []
 
 
 def test_reward_rises(quickstart_run: Path) -> None:
