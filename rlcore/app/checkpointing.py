@@ -44,6 +44,7 @@ class Schedule:
         every: ``checkpoint.every_steps`` (0: never).
         last_step: the run's last step (saved too).
         keep: ``checkpoint.keep``.
+        keep_every: ``checkpoint.keep_every`` (0: no milestones).
         overlap: run saves on their own thread (the policy allows it and the config wants it).
     """
 
@@ -51,6 +52,7 @@ class Schedule:
     last_step: int
     keep: int
     overlap: bool
+    keep_every: int = 0
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is saved: every ``every`` steps and the last."""
@@ -177,7 +179,7 @@ class Checkpointer:
                 f"{_full_disk(err, self.root) or _cause(err)}; {self._intact()}"
             ) from err
         seconds = time.monotonic() - t0
-        removed = prune(self.root, self.schedule.keep)
+        removed = prune(self.root, self.schedule.keep, self.schedule.keep_every)
         self.record({
             "checkpoint/step": step, "checkpoint/save_time_s": seconds,
             "checkpoint/bytes": written.get("bytes", 0), "checkpoint/path": str(destination),

@@ -215,18 +215,22 @@ def newest_whole(found: Sequence[Found], check: Callable[[Found], None] = lambda
     return None, skipped
 
 
-def prune(root: Path, keep: int) -> list[Path]:
-    """Delete the complete checkpoints older than the newest ``keep`` ones, and incomplete
-    ones older than the newest complete one (a killed save's leftovers); returns what went.
+def prune(root: Path, keep: int, keep_every: int = 0) -> list[Path]:
+    """Delete the complete checkpoints older than the newest ``keep`` ones (but those of a
+    step that is a multiple of ``keep_every``, when it is > 0: milestones stay), and
+    incomplete ones older than the newest complete one (a killed save's leftovers); returns
+    what went.
 
     Only checkpoints older than the newest *complete* one ever go, so a save that has not
-    finished never costs the one before it, also across restarts."""
+    finished never costs the one before it, also across restarts (milestones are told by
+    their step, so a restart keeps them too)."""
     found = scan(root)
     complete = [f for f in found if f.problem is None]
     if not complete:
         return []
     newest = complete[0].step
-    doomed = complete[keep:] + [f for f in found if f.problem is not None and f.step < newest]
+    old = [f for f in complete[keep:] if not (keep_every > 0 and f.step % keep_every == 0)]
+    doomed = old + [f for f in found if f.problem is not None and f.step < newest]
     for f in doomed:
         discard(f.path)
         log.info("removed checkpoint %s (checkpoint.keep=%d)", f.path, keep)

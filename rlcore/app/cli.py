@@ -212,10 +212,13 @@ def checkpoint_plan(prepared: Any) -> dict[str, Any] | None:
     where = c.dir or str(checkpoint_root(prepared.config, Path("<run dir>")))
     how = "beside the next step's rollouts" if overlap else "before the next step"
     return {
-        "every_steps": c.every_steps, "keep": c.keep, "dir": where, "format": fmt.format,
+        "every_steps": c.every_steps, "keep": c.keep, "keep_every": c.keep_every, "dir": where,
+        "format": fmt.format,
         "format_version": fmt.version, "overlap": overlap, "on_sigterm": c.on_sigterm,
         "describe": (
-            f"every {c.every_steps} steps and after the last, the last {c.keep} kept, in {where}; "
+            f"every {c.every_steps} steps and after the last, the last {c.keep} kept"
+            + (f" (and those of every multiple of {c.keep_every} for good)" if c.keep_every else "")
+            + f", in {where}; "
             f"{fmt.backend} writes {fmt.format} v{fmt.version}, {how}"
             + (f"; SIGTERM saves the step in progress (within {c.sigterm_grace_s:g}s)" if c.on_sigterm else "")
         ),

@@ -834,6 +834,7 @@ class Session:
             ),
             schedule=Schedule(
                 every=config.checkpoint.every_steps, last_step=config.grpo.steps, keep=config.checkpoint.keep,
+                keep_every=config.checkpoint.keep_every,
                 overlap=save_overlaps(config, decl),
             ),
             record=self._saved,

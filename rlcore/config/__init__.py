@@ -298,6 +298,9 @@ class CheckpointConfig:
     every_steps: int = bounded(0, ge=0)
     #: How many complete checkpoints to keep (older ones go only once a newer is complete).
     keep: int = bounded(2, ge=1)
+    #: Also keep, for good, the checkpoint of every step that is a multiple of N (0: none):
+    #: milestones to evaluate or go back to later. By step number, so restarts keep them too.
+    keep_every: int = bounded(0, ge=0)
     #: On SIGTERM (preemption), finish the step in progress and save before stopping,
     #: within ``sigterm_grace_s``; past it the run stops as without checkpoints.
     on_sigterm: bool = True

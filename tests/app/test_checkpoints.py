@@ -59,7 +59,7 @@ def config(**over: Any) -> Any:
 
 
 def checkpointer(root: Path, policy: FilePolicy, *, every: int = 1, keep: int = 2, overlap: bool = False,
-                 records: list | None = None, cfg: Any = None) -> Checkpointer:
+                 records: list | None = None, cfg: Any = None, keep_every: int = 0) -> Checkpointer:
     cfg = cfg or config()
     kept = records if records is not None else []
     return Checkpointer(
@@ -68,7 +68,7 @@ def checkpointer(root: Path, policy: FilePolicy, *, every: int = 1, keep: int = 
             manifest={"policy": FORMAT.__dict__, "config": shared_config(cfg)}, config_yaml="name: x\n",
             env_state=lambda step: {"position": step * 8},
         ),
-        schedule=Schedule(every=every, last_step=10, keep=keep, overlap=overlap),
+        schedule=Schedule(every=every, last_step=10, keep=keep, overlap=overlap, keep_every=keep_every),
         record=lambda m, s: kept.append((s, m)),
     )
 
@@ -399,3 +399,14 @@ def test_a_resume_whose_metrics_lack_steps_up_to_the_checkpoint_names_them() -> 
     missing = _missing_steps(history, 9)
     assert missing == [4, 5, 6, 8, 9] and _spans(missing) == "4-6, 8-9"
     assert _missing_steps(history[:3], 3) == []
+
+
+def test_keep_every_keeps_milestones_for_good_also_across_a_restart(tmp_path: Path) -> None:
+    c = checkpointer(tmp_path, FilePolicy(), keep=1, keep_every=3)
+    for step in range(1, 8):
+        c.save(step)
+    assert [f.step for f in scan(tmp_path)] == [7, 6, 3]
+    checkpointer(tmp_path, FilePolicy(), keep=1, keep_every=3).save(8)  # a new process: same rule
+    assert [f.step for f in scan(tmp_path)] == [8, 6, 3]
+    checkpointer(tmp_path, FilePolicy(), keep=1).save(9)  # without it, milestones go like the rest
+    assert [f.step for f in scan(tmp_path)] == [9]

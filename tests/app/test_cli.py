@@ -81,6 +81,9 @@ def test_plan_shows_what_the_run_saves(capsys) -> None:
     assert main(["plan", quickstart, "checkpoint.every_steps=10", "checkpoint.overlap=false", "--json"]) == 0
     saves = json.loads(capsys.readouterr().out)["checkpoints"]
     assert saves["overlap"] is False and saves["format"] == "fsdp-sharded-dcp" and saves["every_steps"] == 10
+    assert main(["plan", quickstart, "checkpoint.every_steps=10", "checkpoint.keep_every=50", "--json"]) == 0
+    saves = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert saves["keep_every"] == 50 and "(and those of every multiple of 50 for good)" in saves["describe"]
 
 
 def test_plan_shows_the_schedule(capsys) -> None:
