@@ -38,19 +38,23 @@ class Sink(Protocol):
 
 class TensorBoardSink:
     """Event files under ``<run_dir>/tensorboard`` (PyTorch's writer of the ``tensorboard``
-    package's format)."""
+    package's format). ``resumed_after``: the step a resumed run's checkpoint holds."""
 
     key = "logging.tensorboard"
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, resumed_after: int | None = None) -> None:
         self.log_dir = run_dir / "tensorboard"
+        self.resumed_after = resumed_after
         self._writer: Any = None
 
     def open(self, saved: Mapping[str, Any]) -> dict[str, Any]:
         from torch.utils.tensorboard import SummaryWriter
 
-        # A resumed run adds an event file beside the first: TensorBoard reads them all.
-        self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=10)
+        # A resumed run adds an event file beside the first: TensorBoard reads them all. The
+        # steps after the checkpoint are done again: TensorBoard is told to drop the earlier
+        # files' events from there on (a purge), so it shows each step once, as done last.
+        purge = None if self.resumed_after is None else self.resumed_after + 1
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=10, purge_step=purge)
         return {"log_dir": str(self.log_dir)}
 
     def log(self, values: dict[str, float], step: int, wall_time: float) -> None:
@@ -183,11 +187,12 @@ def _flat_config(config: RunConfig) -> dict[str, str]:
     return out
 
 
-def make_sinks(config: RunConfig, run_dir: Path) -> list[Sink]:
-    """The loggers the config enables."""
+def make_sinks(config: RunConfig, run_dir: Path, resumed_after: int | None = None) -> list[Sink]:
+    """The loggers the config enables (``resumed_after``: the step of the checkpoint a
+    resumed run continues from)."""
     sinks: list[Sink] = []
     if config.logging.tensorboard:
-        sinks.append(TensorBoardSink(run_dir))
+        sinks.append(TensorBoardSink(run_dir, resumed_after))
     if config.logging.wandb.enabled:
         sinks.append(WandbSink(config, run_dir))
     if config.logging.mlflow.enabled:

@@ -205,9 +205,11 @@ class LoggedWriter(MetricsWriter):
     """``metrics.jsonl``'s writer whose every line also goes to the loggers the config
     enables (none: it is a plain :class:`MetricsWriter`)."""
 
-    def __init__(self, path: str | Path, config: RunConfig, sinks: list[Sink] | None = None) -> None:
+    def __init__(
+        self, path: str | Path, config: RunConfig, sinks: list[Sink] | None = None, resumed_after: int | None = None
+    ) -> None:
         super().__init__(path)
-        sinks = make_sinks(config, self.path.parent) if sinks is None else sinks
+        sinks = make_sinks(config, self.path.parent, resumed_after) if sinks is None else sinks
         self.loggers = Loggers(sinks, self.path.parent, self._report) if sinks else None
 
     def write(self, record: Mapping[str, Any], *, step: int | None = None) -> dict[str, Any]:

@@ -262,7 +262,7 @@ def _prepared_run(config: RunConfig, opts: OpenOptions, console: Console, guard:
         if cluster is not None:
             cluster.shutdown()
         raise
-    run = _Run(prepared, run_dir, status, console, guard, choice, cluster)
+    run = _Run(prepared, run_dir, status, console, guard, choice, cluster, steps_before)
     run.resume_point = point
     run.history = earlier  # the reward's plot and trend cover the whole run, not this process
     return run
@@ -1026,12 +1026,13 @@ class _Run:
         guard: SignalGuard | None,
         choice: ClusterChoice | None = None,
         cluster: Cluster | None = None,
+        resumed_after: int | None = None,
     ) -> None:
         config = prepared.config
         self.prepared, self.config, self.plan, self.run_dir = prepared, config, prepared.plan, run_dir
         self.status, self.console, self.guard = status, console, guard
         self.trace = TraceRecorder()
-        self.writer = LoggedWriter(run_dir / "metrics.jsonl", config)  # and to logging.*
+        self.writer = LoggedWriter(run_dir / "metrics.jsonl", config, resumed_after=resumed_after)  # and to logging.*
         self.cluster = cluster if cluster is not None else Cluster(config.cluster, choice)
         self.cancel = CancelToken()
         self.phase = RunPhase()

@@ -229,6 +229,28 @@ def test_resume_logs_into_the_same_logger_runs(tmp_path: Path) -> None:
     assert run_ids == {ids["logging.wandb"]["id"]}
 
 
+def test_tensorboard_shows_each_step_once_after_a_resume_that_does_steps_again(tmp_path: Path) -> None:
+    """The stopped run logged steps 1-4; its checkpoint is of step 2, so the resumed run
+    does 3 and 4 again (issue 44): TensorBoard drops the first run's 3 and 4, shows the
+    resumed run's, and each step once."""
+    from rlcore.app.rundir import truncate_metrics
+
+    config = RunConfig()
+    config.logging.tensorboard = True
+    first = LoggedWriter(tmp_path / "metrics.jsonl", config)
+    for s in range(1, 5):
+        first.write({"train/loss": float(s)}, step=s)
+    end(first, KeyboardInterrupt())
+    truncate_metrics(tmp_path, 2)
+    second = LoggedWriter(tmp_path / "metrics.jsonl", config, resumed_after=2)
+    for s in range(3, 6):
+        second.write({"train/loss": 10.0 * s}, step=s)
+    end(second)
+    got = read_tensorboard(tmp_path / "tensorboard")["train/loss"]
+    assert got == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0), (5, 50.0)]
+    assert got == expected(tmp_path / "metrics.jsonl")["train/loss"]
+
+
 class Recording:
     """A logger that keeps what it gets; ``fail`` makes ``log`` (or ``open``) raise."""
 
@@ -398,7 +420,7 @@ def test_a_runs_records_reach_the_loggers_through_run_record_and_finish(
     from rlcore.setup.registry import load_registry
 
     sink = Recording("logging.tensorboard")
-    monkeypatch.setattr("rlcore.app.loggers.make_sinks", lambda config, run_dir: [sink])
+    monkeypatch.setattr("rlcore.app.loggers.make_sinks", lambda config, run_dir, resumed_after=None: [sink])
     config = load_config(QUICKSTART, ["logging.tensorboard=true", f"setup.cache_dir={tmp_path / 'cache'}"])
     prepared = check_before_start(config, load_registry(), output_dir=False)
     run_dir = make_run_dir(config, str(tmp_path / "run"))
