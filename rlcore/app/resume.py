@@ -136,7 +136,10 @@ def _set_aside_if_corrupt(found: Found, why: str) -> str:
     checkpoint of a newer format stays: it is whole, only not for this rlcore)."""
     if "(corrupt: " not in why and "(unreadable " not in why:
         return why
-    return f"{why}, set aside as {set_aside(found).name}"
+    try:
+        return f"{why}, set aside as {set_aside(found).name}"
+    except OSError as err:  # a read-only root, say: the resume goes on, the corrupt one stays
+        return f"{why}, not set aside ({err.strerror or err}): remove it by hand"
 
 
 def _check_compatible(f: Found, config: RunConfig, policy: PolicyFormat) -> None:

@@ -410,3 +410,23 @@ def test_keep_every_keeps_milestones_for_good_also_across_a_restart(tmp_path: Pa
     assert [f.step for f in scan(tmp_path)] == [8, 6, 3]
     checkpointer(tmp_path, FilePolicy(), keep=1).save(9)  # without it, milestones go like the rest
     assert [f.step for f in scan(tmp_path)] == [9]
+
+
+def test_a_corrupt_checkpoint_that_cannot_be_set_aside_is_named_and_the_resume_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlcore.app import checkpoints
+
+    c = checkpointer(tmp_path, FilePolicy(), keep=5)
+    for step in (2, 4):
+        c.save(step)
+    shard = step_dir(tmp_path, 4) / POLICY_DIR / "shard-0.bin"
+    shard.write_bytes(b"x")
+
+    def refuse(src: Any, dst: Any) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(checkpoints.os, "rename", refuse)
+    point = choose(tmp_path, config(), FORMAT)
+    assert point.step == 2
+    assert point.skipped[0].endswith("not set aside (Permission denied): remove it by hand")
