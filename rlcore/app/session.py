@@ -262,7 +262,7 @@ def _prepared_run(config: RunConfig, opts: OpenOptions, console: Console, guard:
         if cluster is not None:
             cluster.shutdown()
         raise
-    run = _Run(prepared, run_dir, status, console, guard, choice, cluster, steps_before)
+    run = _Run(prepared, run_dir, status, console, guard, choice, cluster, resumed_after=steps_before)
     run.resume_point = point
     run.history = earlier  # the reward's plot and trend cover the whole run, not this process
     return run
