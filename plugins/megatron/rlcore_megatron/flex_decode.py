@@ -3,17 +3,18 @@
 A decode step has one query token per request and reads each request's keys where they lie:
 megatron-core's cache is ``[blocks, 256, kv_heads, dim]`` per layer, and a request owns the
 blocks its row of the block table names. :func:`paged_decode` hands that cache to
-``torch.nn.attention.flex_attention`` as it lies in memory, one sequence of rows
-``[1, 1, blocks * 256 * kv_heads, dim]`` (a view: nothing is copied; a ``[1, kv_heads, ...]``
-view would be strided across heads, and FlexAttention copies such a key whole, the layer's
-cache, every step), with every query head reading that one key "head". A block mask names
-which 128-row pieces of it each request reads (a piece is 128 / kv_heads tokens of every kv
-head), and its ``mask_mod`` keeps, of each piece, the rows of the query head's own kv head up
-to the request's length. Compiled, FlexAttention's decoding kernel then reads every request's
-keys and values once, all query heads of a request together, and skips the rest of the
-cache: the memory a decode step must move, and no more. The torch path of
-:mod:`rlcore_megatron.paged_attention` gathers every request's blocks up to the step's
-longest one into a dense copy first.
+``torch.nn.attention.flex_attention`` as one long key sequence per kv head,
+``[1, kv_heads, blocks * 256, dim]`` (a strided view made before the compiled call, so the
+compiled function takes it as the input it is and copies nothing), and the queries as a batch
+of requests, ``[requests, heads, 1, dim]``; the key batch of one serves every request. A block
+mask names which 128-token pieces of the sequence each request reads, and its ``mask_mod``
+keeps, of each piece, the positions before the request's length. With the batch size static
+(padded to a power of two: a handful of compiles), FlexAttention picks its decoding kernel,
+which reads each request's keys and values once for all query heads of a kv head and splits
+long contexts across the GPU: the memory a decode step must move, and no more
+(``bench/flex_decode_kernels.py`` measures each layout against that floor). The torch path of
+:mod:`rlcore_megatron.paged_attention` gathers every request's blocks up to the step's longest
+one into a dense copy first.
 
 Keys past a request's length in its last block are masked, not skipped: their weight is 0,
 and 0 x NaN is NaN, so the cache must hold finite values there. megatron-core allocates it
@@ -21,9 +22,9 @@ with ``torch.empty``; :func:`rlcore_megatron.inference.zero_kv_cache` zeroes it 
 allocated, and after that it only ever holds keys and values the model computed.
 
 The mask is made once per step (:class:`StepMask`) and serves every layer. Its ``mask_mod``
-is the whole truth (a row belongs to the request, to the query head's kv head, and lies
-before the request's length), so eager FlexAttention, which ignores the block structure,
-computes the same thing: the CPU tests run it so against the torch path.
+is the whole truth (the piece belongs to the request and the position lies before its
+length), so eager FlexAttention, which ignores the block structure, computes the same thing:
+the CPU tests run it so against the torch path.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ from typing import Any
 
 import torch
 
-#: Rows of the flattened cache per FlexAttention block (a "piece"); a megatron-core KV block
-#: (256 tokens x kv_heads rows) is 2 x kv_heads of them. A cache of smaller blocks (tests)
-#: takes its block's rows instead.
+#: Tokens per FlexAttention key block (a "piece"); a megatron-core KV block of 256 tokens is
+#: two. A cache of smaller blocks (tests) takes its block size instead.
 FLEX_BLOCK = 128
+#: The fewest requests a compiled call is padded to (the batch is padded to a power of two).
+MIN_BATCH = 16
 
 _COMPILE_LOCK = threading.Lock()
 _compiled: Any = None
@@ -57,16 +59,17 @@ _NO_Q_BLOCKS = _no_q_blocks()
 
 @dataclass(frozen=True)
 class StepMask:
-    """Which pieces of the flattened cache each request of one decode step reads.
+    """Which pieces of the cache each request of one decode step reads.
 
     Attributes:
-        count, index: ``[requests, 1, 1]`` and ``[requests, 1, 1, pieces]``: the pieces the
-            request reads, in order (the first ``count``).
+        count, index: ``[batch, 1, 1]`` and ``[batch, 1, 1, pieces]``: the pieces the
+            request reads, in order (the first ``count``); ``batch`` is the step's requests
+            padded to a power of two, the padding reading nothing.
         owner, logical: ``[pieces + 1]``: the request that owns each piece of the cache and
             its place in that request (the last entry takes the table's padding).
-        lengths: ``[requests]``: keys of each request.
-        rows: rows per piece; ``rows // kv_heads`` tokens.
-        kv_heads: rows per token.
+        lengths: ``[batch]``: keys of each request.
+        piece: tokens per piece.
+        requests: the step's requests (the rows of the output that count).
     """
 
     count: torch.Tensor
@@ -74,79 +77,74 @@ class StepMask:
     owner: torch.Tensor
     logical: torch.Tensor
     lengths: torch.Tensor
-    rows: int
-    kv_heads: int
+    piece: int
+    requests: int
 
 
-def step_mask(
-    seqlens_k: torch.Tensor, block_table: torch.Tensor, cache_blocks: int, block_size: int, kv_heads: int
-) -> StepMask:
+def padded_batch(requests: int) -> int:
+    """The batch a step of ``requests`` is compiled for: a power of two, at least :data:`MIN_BATCH`."""
+    return max(MIN_BATCH, 1 << max(0, requests - 1).bit_length())
+
+
+def step_mask(seqlens_k: torch.Tensor, block_table: torch.Tensor, cache_blocks: int, block_size: int) -> StepMask:
     """The :class:`StepMask` of a decode step: request ``r`` has ``seqlens_k[r]`` keys in its
     blocks ``block_table[r]`` (``-1``: none) of a cache of ``cache_blocks`` blocks of
-    ``block_size`` tokens of ``kv_heads`` rows each. Tensor operations only: safe to capture
-    in a CUDA graph."""
-    block_rows = block_size * kv_heads
-    rows = min(FLEX_BLOCK, block_rows)
-    if block_rows % rows or rows % kv_heads:
-        raise ValueError(
-            f"KV blocks of {block_size} tokens x {kv_heads} kv heads do not split into pieces of {rows} rows"
-        )
-    tokens = rows // kv_heads  # per piece
+    ``block_size`` tokens. Tensor operations only: safe to capture in a CUDA graph."""
+    piece = min(FLEX_BLOCK, block_size)
+    if block_size % piece:
+        raise ValueError(f"KV blocks of {block_size} tokens do not split into pieces of {piece} tokens")
     device = block_table.device
     requests = block_table.shape[0]
-    split = block_rows // rows
+    batch = padded_batch(requests)
+    split = block_size // piece
     pieces = cache_blocks * split
     table = block_table.long().clamp(min=0)
     # Megatron block b holds pieces split * b .. split * b + split - 1, in token order.
     mine = (table[:, :, None] * split + torch.arange(split, device=device)).reshape(requests, -1)
     width = mine.shape[1]
-    lengths = seqlens_k[:requests].long()
+    lengths = torch.zeros(batch, dtype=torch.long, device=device)
+    lengths[:requests] = seqlens_k[:requests].long()
     place = torch.arange(width, device=device).expand(requests, width)
-    used = place * tokens < lengths[:, None]
+    used = place * piece < lengths[:requests, None]
     target = torch.where(used, mine, pieces)  # unused entries land on the spare last slot
     owner = torch.full((pieces + 1,), -1, dtype=torch.long, device=device)
     owner.scatter_(0, target.reshape(-1), torch.arange(requests, device=device)[:, None].expand(requests, width).reshape(-1))
     logical = torch.zeros(pieces + 1, dtype=torch.long, device=device)
     logical.scatter_(0, target.reshape(-1), place.reshape(-1))
-    index = torch.zeros(requests, pieces, dtype=torch.int32, device=device)
-    index[:, :width] = mine.to(torch.int32)
-    count = used.sum(1).to(torch.int32)
-    return StepMask(count.view(requests, 1, 1), index.view(requests, 1, 1, pieces), owner, logical, lengths, rows, kv_heads)
+    index = torch.zeros(batch, pieces, dtype=torch.int32, device=device)
+    index[:requests, :width] = mine.to(torch.int32)
+    count = torch.zeros(batch, dtype=torch.int32, device=device)
+    count[:requests] = used.sum(1).to(torch.int32)
+    return StepMask(count.view(batch, 1, 1), index.view(batch, 1, 1, pieces), owner, logical, lengths, piece, requests)
 
 
 def _attend(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
     count: torch.Tensor,
     index: torch.Tensor,
     owner: torch.Tensor,
     logical: torch.Tensor,
     lengths: torch.Tensor,
-    rows: int,
+    piece: int,
     scale: float,
 ) -> torch.Tensor:
-    """FlexAttention of ``q`` ``[requests, heads, dim]`` over the flattened cache (a
-    :class:`StepMask`'s fields as plain inputs, what ``torch.compile`` takes)."""
+    """FlexAttention of ``q`` ``[batch, heads, dim]`` over ``keys``/``values``
+    ``[1, kv_heads, positions, dim]`` (a :class:`StepMask`'s fields as plain inputs, what
+    ``torch.compile`` takes)."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    requests, heads, dim = q.shape
-    blocks, block_size, kv_heads, _ = k_cache.shape
-    length = blocks * block_size * kv_heads
-    keys = k_cache.view(1, 1, length, dim)
-    values = v_cache.view(1, 1, length, dim)
-    group = heads // kv_heads
-    tokens = rows // kv_heads
+    heads, kv_heads, positions = q.shape[1], keys.shape[1], keys.shape[2]
 
     def visible(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        at = kv_idx // rows
-        token = logical[at] * tokens + (kv_idx % rows) // kv_heads
-        return (owner[at] == b) & (token < lengths[b]) & (kv_idx % kv_heads == h // group)
+        at = kv_idx // piece
+        return (owner[at] == b) & (logical[at] * piece + kv_idx % piece < lengths[b])
 
     block_mask = BlockMask.from_kv_blocks(
-        count, index, BLOCK_SIZE=(FLEX_BLOCK, rows), mask_mod=visible, seq_lengths=(1, length), **_NO_Q_BLOCKS
+        count, index, BLOCK_SIZE=(FLEX_BLOCK, piece), mask_mod=visible, seq_lengths=(1, positions), **_NO_Q_BLOCKS
     )
-    out = flex_attention(q.unsqueeze(2), keys, values, block_mask=block_mask, scale=scale, enable_gqa=heads > 1)
+    out = flex_attention(q.unsqueeze(2), keys, values, block_mask=block_mask, scale=scale, enable_gqa=heads != kv_heads)
     return out.squeeze(2)
 
 
@@ -162,21 +160,17 @@ def paged_decode(
     """One query token per request (``q``: ``[requests, heads, dim]``) over the paged cache
     (``[blocks, block_size, kv_heads, dim]``); returns ``[requests, heads, dim]``. A request
     without keys gets zeros. ``compiled``: FlexAttention's fused kernel (``torch.compile``,
-    recompiled once with the batch size dynamic when a second size comes); eager
-    FlexAttention scores the whole cache and is for tests on small caches only."""
+    once per padded batch size); eager FlexAttention scores the whole cache and is for tests
+    on small caches only."""
+    blocks, block_size, kv_heads, dim = k_cache.shape
+    keys = k_cache.view(1, blocks * block_size, kv_heads, dim).transpose(1, 2)
+    values = v_cache.view(1, blocks * block_size, kv_heads, dim).transpose(1, 2)
+    batch = mask.count.shape[0]
+    if batch != q.shape[0]:
+        q = torch.cat([q, q.new_zeros(batch - q.shape[0], *q.shape[1:])])
     attend = _compiled_attend() if compiled else _attend
-    return attend(
-        q,
-        k_cache,
-        v_cache,
-        mask.count,
-        mask.index,
-        mask.owner,
-        mask.logical,
-        mask.lengths,
-        mask.rows,
-        scale,
-    )
+    out = attend(q, keys, values, mask.count, mask.index, mask.owner, mask.logical, mask.lengths, mask.piece, scale)
+    return out[: mask.requests]
 
 
 def _compiled_attend() -> Any:
@@ -184,9 +178,10 @@ def _compiled_attend() -> Any:
     with _COMPILE_LOCK:
         if _compiled is None:
             # Past dynamo's recompile limit a frame runs eagerly, and eager FlexAttention scores
-            # the whole cache: leave room for dtypes and engines (one dynamic batch size each).
+            # the whole cache: leave room for every padded batch size of a few dtypes and caches.
             config = torch._dynamo.config
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, name, max(getattr(config, name), 64))
-            _compiled = torch.compile(_attend, fullgraph=True)
+            # A static batch is what lets FlexAttention choose its decoding kernel.
+            _compiled = torch.compile(_attend, fullgraph=True, dynamic=False)
     return _compiled

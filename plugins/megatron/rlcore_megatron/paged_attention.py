@@ -233,8 +233,8 @@ def _decode_mask(layer_number: int, seqlens_k: torch.Tensor, block_table: torch.
 
     last = getattr(_step, "layer", None)
     if last is None or layer_number <= last or _step.table is not block_table:
-        blocks, block_size, kv_heads, _ = cache_shape
-        _step.mask = flex_decode.step_mask(seqlens_k, block_table, blocks, block_size, kv_heads)
+        blocks, block_size = cache_shape[0], cache_shape[1]
+        _step.mask = flex_decode.step_mask(seqlens_k, block_table, blocks, block_size)
         _step.table = block_table
     _step.layer = layer_number
     return _step.mask

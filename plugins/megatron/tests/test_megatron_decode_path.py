@@ -59,7 +59,7 @@ def test_flex_decode_equals_the_torch_path(seed: int, block: int, lengths: list[
     lengths = [min(n, 4 * block) for n in lengths]
     need = sum(-(-n // block) for n in lengths)
     q, k, v, n_k, table = _paged_case(seed, block, need + 2, lengths, kv_heads * group, kv_heads, 8)
-    mask = flex_decode.step_mask(n_k, table, k.shape[0], block, kv_heads)
+    mask = flex_decode.step_mask(n_k, table, k.shape[0], block)
     got = flex_decode.paged_decode(q, k, v, mask, 8**-0.5, compiled=False)
     want = _torch_path(q, k, v, n_k, table)
     assert torch.isfinite(got).all()
@@ -70,16 +70,23 @@ def test_flex_decode_equals_the_torch_path(seed: int, block: int, lengths: list[
 
 
 def test_the_step_mask_names_each_piece_once() -> None:
-    """256-token blocks of 2 kv heads are 512 rows, four 128-row pieces of 64 tokens: a request
-    of 150 keys on blocks 5 and 2 reads pieces 20, 21 and 22 (the last in part); its owner and
-    place are recorded, and nothing of the padding row or the unused pieces is anyone's."""
+    """256-token blocks are two 128-token pieces: a request of 300 keys on blocks 5 and 2 reads
+    pieces 10, 11 and 4 (the last in part); their owner and place are recorded, nothing of the
+    padding row or the unused pieces is anyone's, and the batch is padded to a power of two
+    whose extra rows read nothing."""
     table = torch.tensor([[5, 2], [-1, -1]], dtype=torch.int32)
-    mask = flex_decode.step_mask(torch.tensor([150, 0], dtype=torch.int32), table, 8, 256, 2)
-    assert (mask.rows, mask.kv_heads) == (128, 2)
-    assert mask.count.flatten().tolist() == [3, 0]
-    assert mask.index[0, 0, 0, :3].tolist() == [20, 21, 22]
-    assert mask.owner[[20, 21, 22]].tolist() == [0, 0, 0] and mask.logical[[20, 21, 22]].tolist() == [0, 1, 2]
-    assert (mask.owner[:32][[i for i in range(32) if i not in (20, 21, 22)]] == -1).all()
+    mask = flex_decode.step_mask(torch.tensor([300, 0], dtype=torch.int32), table, 8, 256)
+    assert (mask.piece, mask.requests) == (128, 2)
+    assert mask.count.shape[0] == flex_decode.MIN_BATCH and mask.count.flatten().tolist() == [3] + [0] * 15
+    assert mask.index[0, 0, 0, :3].tolist() == [10, 11, 4]
+    assert mask.owner[[10, 11, 4]].tolist() == [0, 0, 0] and mask.logical[[10, 11, 4]].tolist() == [0, 1, 2]
+    assert (mask.owner[:16][[i for i in range(16) if i not in (10, 11, 4)]] == -1).all()
+
+
+@pytest.mark.parametrize(("requests", "batch"), [(1, 16), (16, 16), (17, 32), (300, 512), (512, 512)])
+def test_a_step_is_padded_to_a_power_of_two(requests: int, batch: int) -> None:
+    """Few compiles: any number of requests runs as one of a handful of batch sizes."""
+    assert flex_decode.padded_batch(requests) == batch
 
 
 def test_one_step_mask_serves_every_layer_of_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
