@@ -28,7 +28,7 @@ from rlcore.errors import DeclarationError
 #: declared); a major version may change or remove. A plugin declares the version it
 #: was written against (:attr:`BackendDeclaration.contract_version`) and loads when
 #: its major equals the core's and its minor is not newer.
-CONTRACT_VERSION = "2.2"
+CONTRACT_VERSION = "2.3"
 _VERSION_RE = re.compile(r"^(\d+)\.(\d+)$")
 
 #: What each major version changed that a plugin of the major before must change, and how.
@@ -258,11 +258,19 @@ class CheckpointSupport:
             go on with the next step's rollouts while it writes; the core makes no other
             call on the policy (``train_step``, ``logprobs``, refit) until the save has
             returned. False: the run waits for the save before going on.
+        staged: the handle also implements :class:`rlcore.handles.StagedCheckpointable`
+            (contract 2.3): ``stage_checkpoint`` returns once the state is copied off the
+            devices and writes the files in the background. The loop then waits only for
+            that copy: it trains, samples and refits while the files are written, and the
+            core publishes the checkpoint once ``checkpoint_written`` says they all are
+            (a crash before that leaves the previous checkpoint the newest). One staged
+            save is in flight at a time; ``checkpoint.staged: false`` saves as without.
     """
 
     format: str
     version: str = "1"
     overlap: bool = False
+    staged: bool = False
 
 
 @dataclass(frozen=True)
@@ -437,7 +445,7 @@ class BackendDeclaration:
             "checkpoint": (
                 None if self.checkpoint is None else {
                     "format": self.checkpoint.format, "version": self.checkpoint.version,
-                    "overlap": self.checkpoint.overlap,
+                    "overlap": self.checkpoint.overlap, "staged": self.checkpoint.staged,
                 }
             ),
             "contract_version": self.contract_version,

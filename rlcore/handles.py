@@ -65,7 +65,7 @@ Weight versions
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypedDict, runtime_checkable
 
@@ -305,6 +305,43 @@ class Checkpointable(Protocol):
         world size it cannot reshard to, another model) raises
         :class:`rlcore.errors.CheckpointError` naming the difference.
         """
+        ...
+
+
+@runtime_checkable
+class StagedCheckpointable(Checkpointable, Protocol):
+    """A policy handle whose saves stop its training only for a copy to host memory
+    (contract 2.3; declared with ``CheckpointSupport(staged=True)``).
+
+    The core calls :meth:`stage_checkpoint` where it would call ``save_checkpoint``, goes
+    on with the loop (``train_step``, ``logprobs``, refits) as soon as it returns, and
+    polls :meth:`checkpoint_written` from another thread until it says True; only then is
+    the directory digested and published. Its calls may therefore come between the
+    loop's calls, on any rank in any order: :meth:`checkpoint_written` must be local to
+    each rank (no collective) and return at once. One staged save is in flight at a
+    time: the next :meth:`stage_checkpoint` comes only after :meth:`checkpoint_written`
+    returned True. A process that dies before then leaves a directory the core never
+    publishes and deletes at the next start.
+    """
+
+    def stage_checkpoint(self, directory: str) -> Mapping[str, float]:
+        """Copy what ``save_checkpoint(directory)`` would write off the devices (into host
+        memory, pinned where there is a GPU, reused by the next save so it stays bounded),
+        start writing it into ``directory`` in the background, and return. What is written
+        is the state at this call, whatever the policy does after it. Collective, as
+        ``save_checkpoint``.
+
+        Returns figures of the staging for the save's metrics line, e.g.
+        ``{"host_bytes": ...}`` (the host memory the staged copy holds); they are recorded
+        as ``checkpoint/<name>``.
+        """
+        ...
+
+    def checkpoint_written(self) -> bool:
+        """Whether every file of the staged save is written, on every rank (True also when
+        no save is staged). Raises the background write's failure (an ``OSError`` naming
+        the path, a full disk included) once, as ``save_checkpoint`` would have. Returns
+        at once."""
         ...
 
 

@@ -9,6 +9,15 @@ loop's next call on the policy, so the policy's ranks never see two calls at onc
 the loop waited for saves shows in each step's ``timing/checkpoint_time_s``; each save's
 own line carries ``checkpoint/save_time_s``, ``checkpoint/bytes`` and its path.
 
+Where the policy declares staged saves (``CheckpointSupport(staged=True)``,
+:class:`rlcore.handles.StagedCheckpointable`) and ``checkpoint.staged`` is on, the loop
+waits only for ``stage_checkpoint`` (the copy of the state off the devices) and goes on
+training, sampling and refitting; a thread polls ``checkpoint_written`` and then digests
+and publishes the directory as any save's (``checkpoint/stage_time_s`` is what the loop
+waited, ``checkpoint/save_time_s`` the whole save). The next save, a preemption's last
+save and the end of the run wait for it (:meth:`Checkpointer.finish`), so one is in
+flight at a time and a run never ends before its last checkpoint is published.
+
 A save that fails (a full disk, a rank that died) ends the run with a
 :class:`~rlcore.errors.CheckpointError` naming the directory and the cause; the last
 complete checkpoint is untouched (only a complete newer one ever replaces it).
@@ -27,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.app.checkpoints import POLICY_DIR, prune, scan, step_dir, write_checkpoint
-from rlcore.errors import Cancelled, CheckpointError
+from rlcore.errors import Cancelled, CancelToken, CheckpointError, Deadline, wait_until
 from rlcore.publish import discard
 
 log = logging.getLogger(__name__)
@@ -46,6 +55,8 @@ class Schedule:
         keep: ``checkpoint.keep``.
         keep_every: ``checkpoint.keep_every`` (0: no milestones).
         overlap: run saves on their own thread (the policy allows it and the config wants it).
+        staged: the policy stages its saves (the loop waits only for the copy off the
+            devices; module doc).
     """
 
     every: int
@@ -53,6 +64,7 @@ class Schedule:
     keep: int
     overlap: bool
     keep_every: int = 0
+    staged: bool = False
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is saved: every ``every`` steps and the last."""
@@ -75,6 +87,12 @@ class Contents:
     env_state: Callable[[int], Any]
 
 
+def save_stages(config: Any, decl: Any) -> bool:
+    """Whether a run's saves are staged: the policy declares ``CheckpointSupport.staged``
+    and ``checkpoint.staged`` is on."""
+    return bool(decl.checkpoint is not None and decl.checkpoint.staged and config.checkpoint.staged)
+
+
 def save_overlaps(config: Any, decl: Any) -> bool:
     """Whether a run's saves run beside its next rollouts: the policy declares its save
     only reads (``CheckpointSupport.overlap``), ``checkpoint.overlap`` is on, and the policy
@@ -95,6 +113,8 @@ class Checkpointer:
         record: ``record(metrics, step)``: a ``metrics.jsonl`` line about a save.
         flush: called once a save is published and recorded: ``metrics.jsonl`` to the device,
             so a resume from this checkpoint finds every line up to its step.
+        cancel: the run's cancellation (a staged save's wait for its files stops there).
+        write_timeout_s: how long a staged save's files may take to be written.
     """
 
     def __init__(
@@ -107,12 +127,16 @@ class Checkpointer:
         schedule: Schedule,
         record: Callable[[dict[str, Any], int], None],
         flush: Callable[[], None] = lambda: None,
+        cancel: CancelToken | None = None,
+        write_timeout_s: float = 1800.0,
     ) -> None:
         self.root, self.policy, self.publish = Path(root), policy, publish
         self.contents, self.schedule, self.record, self.flush = contents, schedule, record, flush
+        self.cancel, self.write_timeout_s = cancel, write_timeout_s
         self.last_saved: int | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._staged: threading.Event | None = None  # set once the save in flight is staged
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is saved (:meth:`Schedule.due`)."""
@@ -120,22 +144,42 @@ class Checkpointer:
 
     def save(self, step: int) -> None:
         """Save the state after ``step``: on a thread where the policy allows (joined by
-        :meth:`wait`), else now. An earlier save still running is joined first."""
-        self.wait()
+        :meth:`wait`), staged where it stages (returns once staged; :meth:`finish` waits
+        for the files), else now. An earlier save still running is finished first."""
+        self.finish()
         if self.last_saved == step:
             return
         self.last_saved = step
         env = self.contents.env_state(step)  # now, on the caller's thread: the env moves on next step
-        if not self.schedule.overlap:
+        if not (self.schedule.overlap or self.schedule.staged):
             self._save(step, env)
             return
+        self._staged = threading.Event() if self.schedule.staged else None
         self._thread = threading.Thread(
             target=self._save_in_background, args=(step, env), name=f"rlcore-checkpoint-{step}", daemon=True
         )
         self._thread.start()
+        if self._staged is not None:
+            self._wait_staged(self._thread, self._staged)
+
+    def _wait_staged(self, thread: threading.Thread, staged: threading.Event) -> None:
+        # The staging call itself is bounded by the publish's deadline on the thread.
+        while not staged.wait(0.05):
+            if not thread.is_alive():
+                self.finish()  # it failed before staging: raise that here
+                return
 
     def wait(self) -> None:
-        """Join the save in flight, if any; raise its failure."""
+        """Before a call on the policy: join a save in flight that reads the policy's state
+        (an overlapped one); a staged save has its copy and goes on writing. Raises the
+        failure of a save that has ended."""
+        thread = self._thread
+        if thread is not None and self._staged is not None and thread.is_alive():
+            return
+        self.finish()
+
+    def finish(self) -> None:
+        """Join the save in flight, staged or not, if any; raise its failure."""
         thread = self._thread
         if thread is not None:
             thread.join()
@@ -152,17 +196,38 @@ class Checkpointer:
     def _save_in_background(self, step: int, env: Any) -> None:
         try:
             self._save(step, env)
-        except BaseException as err:  # raised on the loop's thread by wait()
+        except BaseException as err:  # raised on the loop's thread by wait() or finish()
             self._error = err
+
+    def _save_policy(self, step: int, figures: dict[str, float]) -> Callable[[str], None]:
+        """What writes the policy's files into a checkpoint: ``save_checkpoint``, or a staged
+        save: stage (the loop goes on once it returns), then poll until every file is written."""
+        staged = self._staged
+        if staged is None:
+            return self.policy.save_checkpoint  # type: ignore[no-any-return]
+
+        def stage_then_wait(directory: str) -> None:
+            t0 = time.monotonic()
+            figures.update({f"checkpoint/{k}": float(v) for k, v in (self.policy.stage_checkpoint(directory) or {}).items()})
+            figures["checkpoint/stage_time_s"] = time.monotonic() - t0
+            staged.set()
+            what = f"the background write of the checkpoint of step {step}"
+            wait_until(
+                lambda: self.policy.checkpoint_written() or None, what=what, cancel=self.cancel,
+                deadline=Deadline(self.write_timeout_s, what), max_poll_s=WRITE_POLL_S,
+            )
+
+        return stage_then_wait
 
     def _save(self, step: int, env: Any) -> None:
         destination = step_dir(self.root, step)
         t0 = time.monotonic()
         written: dict[str, Any] = {}
+        figures: dict[str, float] = {}
 
         def write(staging: Path) -> None:
             written.update(write_checkpoint(
-                staging, step=step, save_policy=self.policy.save_checkpoint,
+                staging, step=step, save_policy=self._save_policy(step, figures),
                 manifest={**self.contents.manifest, "weight_version": step, "env": env, "time": time.time()},
                 config_yaml=self.contents.config_yaml,
             ))
@@ -183,7 +248,7 @@ class Checkpointer:
         self.record({
             "checkpoint/step": step, "checkpoint/save_time_s": seconds,
             "checkpoint/bytes": written.get("bytes", 0), "checkpoint/path": str(destination),
-            "checkpoint/removed": [p.name for p in removed],
+            "checkpoint/removed": [p.name for p in removed], **figures,
         }, step)
         self.flush()
         log.info("saved checkpoint %s (%.1fs)", destination, seconds)
@@ -221,6 +286,8 @@ class Checkpointer:
         return f"the last complete checkpoint, {complete[0].path}, is intact"
 
 
+#: How often a staged save asks whether its files are written.
+WRITE_POLL_S = 0.2
 #: Room a save wants, as a multiple of the last checkpoint's bytes (its size drifts a little).
 ROOM_FACTOR = 1.05
 #: Free bytes under which a failed save is put down to a full disk, whatever it raised
@@ -259,4 +326,4 @@ def _cause(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-__all__ = ["POLICY_DIR", "Checkpointer", "Contents", "Schedule"]
+__all__ = ["POLICY_DIR", "Checkpointer", "Contents", "Schedule", "save_overlaps", "save_stages"]

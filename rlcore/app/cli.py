@@ -201,7 +201,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def checkpoint_plan(prepared: Any) -> dict[str, Any] | None:
     """What the run saves and when (``checkpoint.*`` and the policy's declaration), or
     ``None`` when it saves nothing."""
-    from rlcore.app.checkpointing import save_overlaps
+    from rlcore.app.checkpointing import save_overlaps, save_stages
     from rlcore.app.resume import checkpoint_root, policy_format
 
     c = prepared.config.checkpoint
@@ -209,12 +209,15 @@ def checkpoint_plan(prepared: Any) -> dict[str, Any] | None:
     if c.every_steps == 0 or fmt is None:
         return None
     overlap = save_overlaps(prepared.config, prepared.declarations[Role.POLICY])
+    staged = save_stages(prepared.config, prepared.declarations[Role.POLICY])
     where = c.dir or str(checkpoint_root(prepared.config, Path("<run dir>")))
     how = "beside the next step's rollouts" if overlap else "before the next step"
+    if staged:
+        how = "staged: the loop waits for the copy to host memory, the files are written beside the next steps"
     return {
         "every_steps": c.every_steps, "keep": c.keep, "keep_every": c.keep_every, "dir": where,
         "format": fmt.format,
-        "format_version": fmt.version, "overlap": overlap, "on_sigterm": c.on_sigterm,
+        "format_version": fmt.version, "overlap": overlap, "staged": staged, "on_sigterm": c.on_sigterm,
         "describe": (
             f"every {c.every_steps} steps and after the last, the last {c.keep} kept"
             + (f" (and those of every multiple of {c.keep_every} for good)" if c.keep_every else "")

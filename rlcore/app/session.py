@@ -58,7 +58,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from rlcore.app import overlap
-from rlcore.app.checkpointing import Checkpointer, Contents, Schedule, save_overlaps
+from rlcore.app.checkpointing import Checkpointer, Contents, Schedule, save_overlaps, save_stages
 from rlcore.app.checkpoints import Chosen
 from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.health import check_train_health, reward_trend, trend_line
@@ -803,13 +803,19 @@ class Session:
             return
         self.now = f"the checkpoint of step {step} ({signal_name(guard.pending.signum)} held for it)"
         self.checkpoint(step, force=True)
-        self.wait_checkpoint()
+        self.finish_checkpoint()
         raise guard.take_pending()
 
     def wait_checkpoint(self) -> None:
-        """Wait for the save in flight, if any (raises its :class:`~rlcore.errors.CheckpointError`)."""
+        """Before a call on the policy: wait for a save in flight that reads its state (a
+        staged save goes on writing); raises a failed save's :class:`~rlcore.errors.CheckpointError`."""
         if self._checkpointer is not None:
             self._checkpointer.wait()
+
+    def finish_checkpoint(self) -> None:
+        """Wait until the save in flight, staged or not, is published (raises its failure)."""
+        if self._checkpointer is not None:
+            self._checkpointer.finish()
 
     def _make_checkpointer(self, run: _Run) -> Checkpointer:
         config, prepared = self.config, run.prepared
@@ -835,10 +841,12 @@ class Session:
             schedule=Schedule(
                 every=config.checkpoint.every_steps, last_step=config.grpo.steps, keep=config.checkpoint.keep,
                 keep_every=config.checkpoint.keep_every,
-                overlap=save_overlaps(config, decl),
+                overlap=save_overlaps(config, decl), staged=save_stages(config, decl),
             ),
             record=self._saved,
             flush=run.writer.sync,
+            cancel=run.cancel,
+            write_timeout_s=deadline_s,
         )
 
     def _saved(self, m: dict[str, Any], step: int) -> None:
@@ -956,7 +964,7 @@ class Session:
                     )
                     failure.__cause__ = exc
                 elif exc is None:
-                    self.wait_checkpoint()
+                    self.finish_checkpoint()
                     run.report()
                     self.now = "teardown"
             except BaseException as err:

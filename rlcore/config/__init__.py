@@ -309,6 +309,10 @@ class CheckpointConfig:
     dir: str | None = None
     #: Overlap the save with the next step's rollouts where the policy declares it may.
     overlap: bool = True
+    #: Where the policy declares staged saves, the loop waits only for the copy of the
+    #: state off the devices; the files are written in the background (false: the
+    #: loop waits for the whole save).
+    staged: bool = True
 
 
 @dataclass

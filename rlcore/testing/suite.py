@@ -51,6 +51,7 @@ from rlcore.handles import (
     RefitSender,
     RolloutRequest,
     SamplingParams,
+    StagedCheckpointable,
 )
 from rlcore.publish import STAGING_PREFIX, TRASH_PREFIX, is_complete
 from rlcore.setup.events import EventBoard
@@ -1078,17 +1079,40 @@ class BackendConformance:
         from rlcore.testing import training
 
         decl = harness.declaration
+        claimed = decl.checkpoint is not None
+        self._check_checkpoints(harness, claimed, "CheckpointSupport", Checkpointable,
+                                training.check_checkpoint_round_trip, tmp_path)
+
+    def test_staged_checkpoint(self, harness: Harness, tmp_path: Path) -> None:
+        """A policy that declares ``CheckpointSupport(staged=True)`` writes, in the background,
+        the state it had at ``stage_checkpoint`` while it trains on, and says when it is
+        written without waiting (contract 2.3)."""
+        from rlcore.testing import training
+
+        decl = harness.declaration
+        claimed = decl.checkpoint is not None and decl.checkpoint.staged
+        self._check_checkpoints(harness, claimed, "CheckpointSupport(staged=True)", StagedCheckpointable,
+                                training.check_staged_checkpoint, tmp_path)
+
+    def _check_checkpoints(
+        self, harness: Harness, claimed: bool, declared: str, protocol: type, check: Any, tmp_path: Path
+    ) -> None:
+        """Start the policy and run ``check`` on it where it declares ``declared`` (else skip):
+        its handle must implement ``protocol``."""
+        from rlcore.testing import training
+
+        decl = harness.declaration
         self._role_or_skip(harness, Role.POLICY.value)
-        if decl.checkpoint is None:
-            pytest.skip(f"not claimed: backend '{decl.name}' declares no checkpoints")
+        if not claimed:
+            pytest.skip(f"not claimed: backend '{decl.name}' does not declare {declared}")
         policy = self._start(harness, Role.POLICY, harness.config())
         try:
-            if not isinstance(policy, Checkpointable):
+            if not isinstance(policy, protocol):
                 _fail(
-                    f"policy backend '{decl.name}' declares CheckpointSupport but its handle "
-                    f"({type(policy).__name__}) does not implement rlcore.handles.Checkpointable"
+                    f"policy backend '{decl.name}' declares {declared} but its handle "
+                    f"({type(policy).__name__}) does not implement rlcore.handles.{protocol.__name__}"
                 )
-            training.check_checkpoint_round_trip(policy, f"policy backend '{decl.name}'", tmp_path)
+            check(policy, f"policy backend '{decl.name}'", tmp_path)
         except training.TrainingFailure as err:
             _fail(str(err))
         finally:

@@ -16,7 +16,7 @@ Imports torch (:func:`check_export`) only when called.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -271,6 +271,46 @@ def check_checkpoint_round_trip(policy: Any, who: str, directory: Path) -> None:
             f"{who}: after load_checkpoint and the same two steps, logprobs differ by up to {moved:.2e} "
             "from the run that never stopped"
         )
+
+
+def check_staged_checkpoint(policy: Any, who: str, directory: Path, *, timeout_s: float = 300.0) -> None:
+    """:class:`rlcore.handles.StagedCheckpointable`: what ``stage_checkpoint`` starts writing
+    is the state at that call, though the policy trains on at once; ``checkpoint_written``
+    returns at once and says True once it is all written; loading it, the next steps give
+    exactly what they gave right after the staging."""
+    import time
+
+    _step(policy, who, LEARN_BATCH, LEARN_ADVANTAGES, None, LEARN_LR)
+    staged = directory / "staged"
+    staged.mkdir()
+    figures = policy.stage_checkpoint(str(staged))
+    if not isinstance(figures, Mapping) or not all(isinstance(v, (int, float)) for v in figures.values()):
+        raise TrainingFailure(f"{who}: stage_checkpoint() must return a mapping of figures, got {figures!r}")
+    before = [_step(policy, who, LEARN_BATCH, LEARN_ADVANTAGES, None, LEARN_LR) for _ in range(2)]
+    after_steps = _logprobs(policy, PROBE_BATCH)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        t0 = time.monotonic()
+        done = policy.checkpoint_written()
+        if time.monotonic() - t0 > 10.0:
+            raise TrainingFailure(f"{who}: checkpoint_written() took {time.monotonic() - t0:.0f}s; it must return at once")
+        if done:
+            break
+        if time.monotonic() > deadline:
+            raise TrainingFailure(f"{who}: the staged save into {staged} was not written within {timeout_s:g}s")
+        time.sleep(0.05)
+    if not any(staged.iterdir()):
+        raise TrainingFailure(f"{who}: the staged save wrote nothing into {staged}")
+    policy.load_checkpoint(str(staged))
+    replay = [_step(policy, who, LEARN_BATCH, LEARN_ADVANTAGES, None, LEARN_LR) for _ in range(2)]
+    if [(r.loss, r.grad_norm) for r in replay] != [(b.loss, b.grad_norm) for b in before]:
+        raise TrainingFailure(
+            f"{who}: after loading the staged save, two steps gave {[(r.loss, r.grad_norm) for r in replay]}; "
+            f"right after stage_checkpoint they gave {[(b.loss, b.grad_norm) for b in before]}: what was written "
+            "is not the state at stage_checkpoint (the steps after it changed what the background write read?)"
+        )
+    if _logprobs(policy, PROBE_BATCH) != after_steps:
+        raise TrainingFailure(f"{who}: after loading the staged save and the same two steps, logprobs differ")
 
 
 def check_export(

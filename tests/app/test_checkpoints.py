@@ -430,3 +430,163 @@ def test_a_corrupt_checkpoint_that_cannot_be_set_aside_is_named_and_the_resume_g
     point = choose(tmp_path, config(), FORMAT)
     assert point.step == 2
     assert point.skipped[0].endswith("not set aside (Permission denied): remove it by hand")
+
+
+# -- staged saves (contract 2.3) ----------------------------------------------------------
+
+
+class StagedPolicy(FilePolicy):
+    """A policy whose save copies its state at ``stage_checkpoint`` and writes it on a thread
+    of its own (held by ``gate``), as DCP's and megatron-core's asynchronous saves do."""
+
+    def __init__(self, gate: threading.Event | None = None, fail: BaseException | None = None) -> None:
+        super().__init__(gate=gate, fail=fail)
+        self.writer: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.polls = 0
+
+    def stage_checkpoint(self, directory: str) -> dict[str, float]:
+        assert self.writer is None or not self.writer.is_alive(), "two staged saves at once"
+        staged = {"value": self.value}  # the copy: what is written is the state now
+        self.calls.append("stage")
+
+        def write() -> None:
+            try:
+                if self.gate is not None:
+                    assert self.gate.wait(30)
+                if self.fail is not None:
+                    raise self.fail
+                Path(directory, "state.json").write_text(json.dumps(staged))
+                Path(directory, "shard-0.bin").write_bytes(os.urandom(self.blob))
+                self.calls.append("written")
+            except BaseException as err:  # noqa: BLE001 - handed to checkpoint_written
+                self.error = err
+
+        self.writer = threading.Thread(target=write, daemon=True)
+        self.writer.start()
+        return {"host_bytes": 4096.0}
+
+    def checkpoint_written(self) -> bool:
+        self.polls += 1
+        if self.writer is not None and self.writer.is_alive():
+            return False
+        err, self.error = self.error, None
+        if err is not None:
+            raise err
+        return True
+
+
+def staged_checkpointer(root: Path, policy: StagedPolicy, records: list, **kw: Any) -> Checkpointer:
+    c = checkpointer(root, policy, records=records)
+    c.schedule = Schedule(every=1, last_step=10, keep=2, overlap=False, staged=True)
+    for k, v in kw.items():
+        setattr(c, k, v)
+    return c
+
+
+def test_a_staged_save_holds_the_loop_only_for_the_copy_and_writes_the_state_it_copied(tmp_path: Path) -> None:
+    gate, records = threading.Event(), []
+    policy = StagedPolicy(gate=gate)
+    policy.value = 7
+    c = staged_checkpointer(tmp_path, policy, records)
+    c.save(1)  # returns once staged, the files not yet written
+    assert policy.calls == ["stage"] and c.saving and not step_dir(tmp_path, 1).exists()
+    c.wait()  # before the policy's next call: no join, the write goes on
+    assert c.saving
+    policy.value = 8  # the policy trains on while its files are written
+    gate.set()
+    c.finish()
+    assert policy.calls == ["stage", "written"] and policy.polls >= 1
+    found = scan(tmp_path)[0]
+    assert found.step == 1 and verify(found) is None
+    assert json.loads((found.path / POLICY_DIR / "state.json").read_text()) == {"value": 7}
+    [(step, line)] = records
+    assert step == 1 and line["checkpoint/host_bytes"] == 4096.0
+    assert line["checkpoint/stage_time_s"] <= line["checkpoint/save_time_s"]
+
+
+def test_the_next_staged_save_waits_for_the_last_to_be_published(tmp_path: Path) -> None:
+    gate, records = threading.Event(), []
+    policy = StagedPolicy(gate=gate)
+    c = staged_checkpointer(tmp_path, policy, records)
+    c.save(1)
+    second = threading.Thread(target=c.save, args=(2,))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive() and policy.calls == ["stage"]  # one staged save in flight
+    gate.set()
+    second.join(30)
+    c.finish()
+    assert policy.calls == ["stage", "written", "stage", "written"]
+    assert [f.step for f in scan(tmp_path)] == [2, 1] and [s for s, _ in records] == [1, 2]
+
+
+def test_a_background_write_that_fails_is_raised_naming_the_step_and_the_last_checkpoint_stays(
+    tmp_path: Path,
+) -> None:
+    records: list = []
+    c = staged_checkpointer(tmp_path, StagedPolicy(), records)
+    c.save(1)
+    c.finish()
+    failing = staged_checkpointer(tmp_path, StagedPolicy(fail=OSError(28, "No space left on device")), records)
+    failing.save(2)  # staged: the failure comes with the write
+    with pytest.raises(CheckpointError, match="step 2 could not be saved") as err:
+        failing.finish()
+    assert "step-00000001" in str(err.value) and "intact" in str(err.value)
+    assert [f.step for f in scan(tmp_path)] == [1] and not [p for p in os.listdir(tmp_path) if p.startswith(STAGING_PREFIX)]
+
+
+def test_a_cancelled_run_stops_waiting_for_a_background_write(tmp_path: Path) -> None:
+    from rlcore.errors import Cancelled, CancelToken
+
+    token = CancelToken()
+    c = staged_checkpointer(tmp_path, StagedPolicy(gate=threading.Event()), [], cancel=token)
+    c.save(1)
+    token.cancel("the run was interrupted")
+    with pytest.raises(Cancelled):
+        c.finish()
+    assert scan(tmp_path) == []
+
+
+_KILLED_STAGED_SAVE = """
+import sys, threading, time
+from pathlib import Path
+from rlcore.app.checkpointing import Checkpointer, Contents, Schedule
+from rlcore.publish import publish_dir
+
+class Policy:
+    def stage_checkpoint(self, directory):
+        def write():
+            (Path(directory) / "half.bin").write_bytes(b"x" * 4096)
+            sys.stdout.write("writing\\n")  # one write: the main thread prints too
+            sys.stdout.flush()
+            time.sleep(60)
+        threading.Thread(target=write, daemon=True).start()
+        return {}
+    def checkpoint_written(self):
+        return False
+
+c = Checkpointer(
+    Path(sys.argv[1]), policy=Policy(), publish=lambda dest, write: publish_dir(dest, write),
+    contents=Contents(manifest={}, config_yaml="", env_state=lambda step: None),
+    schedule=Schedule(every=1, last_step=10, keep=2, overlap=False, staged=True), record=lambda m, s: None,
+)
+c.save(2)
+sys.stdout.write("staged\\n")
+sys.stdout.flush()
+c.finish()
+"""
+
+
+def test_a_run_killed_during_a_background_write_resumes_from_the_checkpoint_before(tmp_path: Path) -> None:
+    checkpointer(tmp_path, FilePolicy()).save(1)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_STAGED_SAVE, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert sorted(proc.stdout.readline().strip() for _ in range(2)) == ["staged", "writing"]
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    assert not step_dir(tmp_path, 2).exists()
+    point = choose(tmp_path, config(), FORMAT)
+    assert point.step == 1 and len(point.cleaned) == 1

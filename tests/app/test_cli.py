@@ -76,11 +76,15 @@ def test_plan_shows_what_the_run_saves(capsys) -> None:
     assert main(["plan", quickstart, "checkpoint.every_steps=10", "checkpoint.keep=3"]) == 0
     assert (
         "checkpoints: every 10 steps and after the last, the last 3 kept, in <run dir>/checkpoints; fsdp writes "
-        "fsdp-sharded-dcp v1, beside the next step's rollouts; SIGTERM saves the step in progress (within 120s)"
+        "fsdp-sharded-dcp v1, staged: the loop waits for the copy to host memory, the files are written beside "
+        "the next steps; SIGTERM saves the step in progress (within 120s)"
     ) in " ".join(capsys.readouterr().out.split())
+    assert main(["plan", quickstart, "checkpoint.every_steps=10", "checkpoint.keep=3", "checkpoint.staged=false"]) == 0
+    assert "fsdp-sharded-dcp v1, beside the next step's rollouts;" in " ".join(capsys.readouterr().out.split())
     assert main(["plan", quickstart, "checkpoint.every_steps=10", "checkpoint.overlap=false", "--json"]) == 0
     saves = json.loads(capsys.readouterr().out)["checkpoints"]
     assert saves["overlap"] is False and saves["format"] == "fsdp-sharded-dcp" and saves["every_steps"] == 10
+    assert saves["staged"] is True
     assert main(["plan", quickstart, "checkpoint.every_steps=10", "checkpoint.keep_every=50", "--json"]) == 0
     saves = json.loads(capsys.readouterr().out)["checkpoints"]
     assert saves["keep_every"] == 50 and "(and those of every multiple of 50 for good)" in saves["describe"]

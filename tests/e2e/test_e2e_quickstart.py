@@ -100,6 +100,21 @@ def test_every_step_logged_and_refit_exact(quickstart_run: Path) -> None:
         assert r["refit/weight_sync_time_s"] > 0 and r["refit/bytes"] > 0
 
 
+def test_checkpoints_are_staged_and_published_whole(quickstart_run: Path) -> None:
+    """The FSDP policy stages its saves (contract 2.3): each save's line says what the loop
+    waited (the copy) apart from the whole save and the host memory the copy holds, and every
+    checkpoint kept is published whole (its digests check)."""
+    from rlcore.app.checkpoints import scan, verify
+
+    saves = [r for r in read_metrics(quickstart_run / "metrics.jsonl") if "checkpoint/save_time_s" in r]
+    assert [r["checkpoint/step"] for r in saves] == [4, 8, 12]
+    for r in saves:
+        assert 0 < r["checkpoint/stage_time_s"] <= r["checkpoint/save_time_s"]
+        assert r["checkpoint/host_bytes"] > 0
+    kept = scan(quickstart_run / "checkpoints")
+    assert [f.step for f in kept] == [12, 8] and all(verify(f) is None for f in kept)
+
+
 def _losses(run_dir: Path) -> dict[int, tuple[float, float, float]]:
     return {
         r["step"]: (r["train/loss"], r["train/grad_norm"], r["reward/mean"])

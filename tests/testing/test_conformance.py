@@ -102,6 +102,7 @@ SUITE_ROWS = {
     "test_weight_versions_before_refit",
     "test_env_collect_rollouts",
     "test_checkpoint_round_trip",
+    "test_staged_checkpoint",
     *(f"test_train_step_semantics[{d}]" for d in ("float32", "bfloat16", "float16")),
 }
 

@@ -17,8 +17,16 @@ Why sharded DCP rather than LOCAL_STATE_DICT: both copy the exact bytes of every
 so a checkpoint loads into another world size (DCP reads the overlapping parts of the
 saved shards); local flat-parameter files only fit the world size that wrote them.
 
-Functions here run inside a rank (torch imported lazily); they are collective: every rank
-calls them with the same directory.
+A staged save (:func:`stage`, :func:`written`: contract 2.3's ``stage_checkpoint`` and
+``checkpoint_written``) writes the same files through DCP's ``async_save``: the shards are
+copied into host memory (pinned where there is a GPU; one copy per rank, kept and reused by
+the next save, so the host memory held stays the size of one rank's state) and written by
+DCP's thread, whose collectives run on a gloo group of their own beside the training's
+NCCL. The RNG states and the description are small and written before :func:`stage`
+returns. :func:`written` only asks whether that thread is done.
+
+Functions here run inside a rank (torch imported lazily); :func:`save`, :func:`stage` and
+:func:`load` are collective: every rank calls them with the same directory.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +86,128 @@ def save(worker: FSDPWorker, directory: str) -> dict[str, Any]:
         f.stat().st_size for f in path.iterdir() if f.name.startswith(f"__{worker.rank}_")
     )
     return {"seconds": time.monotonic() - t0, "bytes": nbytes}
+
+
+@dataclass
+class StagedSave:
+    """A rank's staged save being written: DCP's future, where, and since when."""
+
+    future: Any
+    path: Path
+    started: float
+
+
+def stage(worker: FSDPWorker, directory: str) -> dict[str, float]:
+    """Copy this rank's part of a checkpoint into host memory and start writing it into
+    ``directory`` in the background (DCP's ``async_save``); returns once copied, with the
+    host bytes the copy holds and the seconds it took. What is written is the state now.
+    Collective. A staged save still being written is refused (the core waits for it)."""
+    import torch.distributed.checkpoint as dcp
+
+    pending = worker.staged_save
+    if pending is not None and not pending.future.done():
+        raise CheckpointError(f"fsdp checkpoint {directory}: the staged save into {pending.path} is still being written")
+    t0 = time.monotonic()
+    path = Path(directory)
+    state = _sharded_state(worker, with_optimizer=bool(worker.optimizer.state))
+    try:
+        with _quiet():
+            future = dcp.async_save(
+                state, storage_writer=dcp.FileSystemWriter(path, sync_files=False),
+                process_group=_io_group(worker), async_stager=_stager(worker),
+            )
+    except dcp.api.CheckpointException as err:
+        raise _first_failure(err, f"fsdp checkpoint save into {path}") from None
+    worker.staged_save = StagedSave(future, path, t0)
+    _write_rng(path / rng_file(worker.rank))
+    if worker.rank == 0:
+        _write_meta(path / META_FILE, worker, optimizer=bool(worker.optimizer.state))
+    return {"host_bytes": float(_host_bytes(state)), "stage_s": time.monotonic() - t0}
+
+
+def written(worker: FSDPWorker) -> bool:
+    """Whether this rank's staged save is written (True when none is staged); raises the
+    write's failure once, as :func:`save` would have. Local: no collective, returns at once."""
+    pending = worker.staged_save
+    if pending is None:
+        return True
+    if not pending.future.done():
+        return False
+    worker.staged_save = None
+    try:
+        pending.future.result()
+    except BaseException as err:  # DCP's CheckpointException, or what its thread raised
+        raise _first_failure(err, f"fsdp checkpoint save into {pending.path}") from None
+    return True
+
+
+def _stager(worker: FSDPWorker) -> Any:
+    """The rank's DCP stager (:class:`_HostCopy`), made once and kept."""
+    if worker.stager is None:
+        worker.stager = _HostCopy()
+    return worker.stager
+
+
+class _HostCopy:
+    """A DCP ``AsyncStager`` that copies every tensor of the state (ShardedTensors' local
+    shards included) into host memory it allocates at the first save, pinned where CUDA
+    is, and copies into again at every later one: one rank's state of host memory however
+    many saves. Always a copy, CPU tensors too, so the policy may train on at once (DCP's
+    own stagers either skip CPU tensors or do not take ShardedTensors)."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self.cache: dict[str, Any] | None = None
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        import torch
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        if self.cache is None:
+            self.cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+        try:
+            return _copy_state_dict(state_dict, self.cache)
+        except (ValueError, RuntimeError, KeyError):  # the state's layout changed: copy anew
+            self.cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            return _copy_state_dict(state_dict, self.cache)
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.cache = None
+
+
+def _io_group(worker: FSDPWorker) -> Any:
+    """The process group of DCP's background collectives: a gloo group of its own, made once
+    (``async_save`` needs a CPU backend, and collectives of two threads on one group would
+    interleave: the training's own, gloo on CPU, go on while DCP writes)."""
+    import torch.distributed as dist
+
+    if worker.io_group is None:
+        worker.io_group = dist.new_group(backend="gloo")
+    return worker.io_group
+
+
+def _host_bytes(state: Any) -> int:
+    """Bytes of the tensors in a staged state dict (ShardedTensors: their local shards)."""
+    import torch
+
+    if isinstance(state, dict):
+        return sum(_host_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_host_bytes(v) for v in state)
+    shards = getattr(state, "local_shards", None)  # a ShardedTensor (a Tensor too): its own part
+    if callable(shards):
+        return sum(_host_bytes(s.tensor) for s in shards())
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    return 0
 
 
 def _sharded_state(worker: FSDPWorker, *, with_optimizer: bool) -> dict[str, Any]:

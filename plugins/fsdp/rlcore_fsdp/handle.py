@@ -81,6 +81,21 @@ class FSDPPolicy(GroupPolicy):
             max(p["seconds"] for p in parts),
         )
 
+    def stage_checkpoint(self, directory: str) -> dict[str, float]:
+        """Every rank copies its shards of the weights and AdamW state into host memory and
+        DCP writes them into ``directory`` in the background (the same files as
+        :meth:`save_checkpoint`); returns once every rank's copy is made, with the host
+        bytes they hold together (reused by the next save)."""
+        self._check_open()
+        parts = self._checkpoint_call("stage_checkpoint", directory, what="checkpoint staging")
+        return {"host_bytes": sum(p["host_bytes"] for p in parts), "rank_stage_s": max(p["stage_s"] for p in parts)}
+
+    def checkpoint_written(self) -> bool:
+        """Whether every rank's staged save is written; raises a rank's write failure (an
+        ``OSError`` naming the path)."""
+        self._check_open()
+        return all(self._checkpoint_call("checkpoint_written", what="checkpoint write"))
+
     def load_checkpoint(self, directory: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote, resharding a checkpoint of another
         world size. Another model, or a missing or truncated file, raises

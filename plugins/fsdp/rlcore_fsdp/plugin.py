@@ -59,9 +59,12 @@ def rlcore_declare_backend() -> BackendDeclaration:
         max_staleness=8,
         options=FSDPOptions,
         # Sharded DCP files written by every rank (rlcore_fsdp.checkpoint); the save only
-        # reads the shards, so the core may overlap it with the next step's rollouts.
-        checkpoint=CheckpointSupport(format=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION, overlap=True),
-        contract_version="2.2",
+        # reads the shards, so the core may overlap it with the next step's rollouts, and
+        # DCP's async_save stages it in host memory, so the loop waits only for that copy.
+        checkpoint=CheckpointSupport(
+            format=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION, overlap=True, staged=True
+        ),
+        contract_version="2.3",
         description=(
             "Hugging Face causal LM trained with PyTorch FSDP (FSDP1, full shard, gloo on "
             "CPU / NCCL on CUDA); streams HF-named weights one FSDP unit at a time"

@@ -102,6 +102,11 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
         self.pad_id = 0
         self._layout: list[tuple[Any, list[_Entry]]] = []
         self._specs: list[TensorSpec] = []
+        # A staged checkpoint save (rlcore_fsdp.checkpoint.stage): its DCP future, the stager
+        # that keeps the host copy across saves, and the gloo group of its collectives.
+        self.staged_save: Any = None
+        self.stager: Any = None
+        self.io_group: Any = None
 
     # ------------------------------------------------------------------ load
 
@@ -475,6 +480,20 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
 
         self._require_model()
         return checkpoint.save(self, directory)
+
+    def stage_checkpoint(self, directory: str) -> dict[str, float]:
+        """This rank's part of a staged save (:func:`rlcore_fsdp.checkpoint.stage`): returns
+        once its state is in host memory; DCP writes it in the background. Collective."""
+        from rlcore_fsdp import checkpoint
+
+        self._require_model()
+        return checkpoint.stage(self, directory)
+
+    def checkpoint_written(self) -> bool:
+        """Whether this rank's staged save is written (:func:`rlcore_fsdp.checkpoint.written`)."""
+        from rlcore_fsdp import checkpoint
+
+        return checkpoint.written(self)
 
     def load_checkpoint(self, directory: str, meta: dict[str, Any]) -> dict[str, Any]:
         """Restore weights, optimizer and RNG states from ``directory``

@@ -85,7 +85,7 @@ def test_declares_checkpoints() -> None:
     from rlcore_fsdp.handle import FSDPPolicy
 
     d = validate_declaration(rlcore_declare_backend(), plugin="fsdp", distribution="rlcore-fsdp")
-    assert d.contract_version == "2.2"
+    assert d.contract_version == "2.3"
     assert d.checkpoint is not None and d.checkpoint.overlap
     assert (d.checkpoint.format, d.checkpoint.version) == (checkpoint.FORMAT, checkpoint.VERSION)
     assert issubclass(FSDPPolicy, Checkpointable)
@@ -226,3 +226,47 @@ def test_reshards_between_world_sizes(
     save_single(single, tmp_path / "from-one")
     policy.load_checkpoint(str(tmp_path / "from-one"))
     assert_same(weights(policy), single_after)
+
+
+@slow
+def test_a_staged_save_writes_the_state_it_copied_while_the_policy_trains_on(policy: Any, tmp_path: Path) -> None:
+    """Contract 2.3: stage_checkpoint returns once the shards are in host memory; a train step
+    right after changes the weights, and what the background write left loads back as the
+    state at staging, with the same files a blocking save writes."""
+    import time
+
+    from rlcore.handles import StagedCheckpointable
+    from rlcore_fsdp.handle import FSDPPolicy
+
+    assert issubclass(FSDPPolicy, StagedCheckpointable)
+    step(policy, BATCH_A, ADV_A)  # the optimizer has state: the moments are staged too
+    at_stage = weights(policy)
+    figures = policy.stage_checkpoint(str(tmp_path))
+    step(policy, BATCH_B, ADV_B)
+    deadline = time.monotonic() + 60
+    while not policy.checkpoint_written():
+        assert time.monotonic() < deadline, "the staged save was never written"
+        time.sleep(0.05)
+    assert policy.checkpoint_written()  # asked again: still written, nothing raised
+    moments = sum(t.numel() * t.element_size() for t in at_stage.values())
+    assert figures["host_bytes"] >= moments  # the weights' shards and AdamW's two moments
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted([".metadata", "__0_0.distcp", "__1_0.distcp", "rng-0.pt", "rng-1.pt", checkpoint.META_FILE])
+    assert not torch.equal(next(iter(weights(policy).values())), next(iter(at_stage.values())))
+    policy.load_checkpoint(str(tmp_path))
+    assert_same(weights(policy), at_stage)
+
+
+@slow
+def test_a_staged_write_that_fails_is_raised_by_checkpoint_written_naming_the_path(policy: Any, tmp_path: Path) -> None:
+    target = tmp_path / "gone"
+    target.mkdir()
+    policy.stage_checkpoint(str(target))  # the files go into a directory removed under the writer
+    shutil.rmtree(target)
+    import time
+
+    deadline = time.monotonic() + 60
+    with pytest.raises((OSError, CheckpointError), match="gone"):
+        while not policy.checkpoint_written():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)

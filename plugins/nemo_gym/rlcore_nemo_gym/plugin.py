@@ -40,7 +40,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
             ),
         ),
         options=NemoGymOptions,
-        contract_version="2.2",
+        contract_version="2.3",
         description=DESCRIPTION,
     )
 
