@@ -167,6 +167,21 @@ class ProtocolError(RlcoreError):
         self.method = method
 
 
+class MismatchError(RlcoreError):
+    """On a step's own samples the generation's token probabilities left the policy's by more
+    than ``grpo.max_mismatch`` (with ``grpo.on_mismatch: stop``; :mod:`rlcore.app.mismatch`).
+
+    Attributes:
+        kl: the step's ``mismatch/kl`` estimate.
+        step: the step that was not trained.
+    """
+
+    def __init__(self, message: str, *, kl: float | None = None, step: int | None = None) -> None:
+        super().__init__(message)
+        self.kl = kl
+        self.step = step
+
+
 class DivergenceError(RefitError):
     """After a refit the generation's logprobs left the policy's by more than
     ``refit.max_mult_prob_error``: the engine computes with other weights than the

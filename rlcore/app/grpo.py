@@ -28,6 +28,11 @@ the same tokens compared (``refit/token_mult_prob_error``; above
   own refit (``refit/checked_step`` t), written before a failed check raises.
   ``on_check`` is not called.
 
+Every synchronous step also measures the sampler/trainer mismatch on its own samples, the
+same two logprobs per token, before it trains (:meth:`Session.check_mismatch`:
+``mismatch/kl``, the importance weights' mean and extremes; above ``grpo.max_mismatch`` a
+warning, or with ``grpo.on_mismatch: stop`` the end of the run before the step trains).
+
 ``grpo.max_staleness`` k >= 1 runs the loop ahead (:meth:`Session.rollout_stream`): a
 producer thread generates step t + 1 .. t + k while step t trains, the refit of step t
 lands between the engine's calls (or in flight, where the generation declares it), and
@@ -285,11 +290,12 @@ def _sample(s: Session, step: int, clock: _StepClock) -> _Samples:
 
 def _train_checked_by_samples(
     s: Session, step: int, clock: _StepClock, got: _Samples, record_check: Callable[[dict[str, Any]], None]
-) -> tuple[dict[str, float], float, dict[str, Any]]:
+) -> tuple[dict[str, float], float, dict[str, Any], dict[str, float]]:
     """``refit.check: sampled``: the refit of step - 1 checked with the samples' logprobs
     against the policy's, between the policy's logprobs and its train step (two train
     spans in the trace), so a failed check stops the step before it trains. Returns the
-    train step's metrics, the generation-vs-policy error and the check's record."""
+    train step's metrics, the generation-vs-policy error, the check's record and the
+    step's mismatch figures (:meth:`Session.check_mismatch`, also before the train step)."""
     _wait_for_saves(s, clock)
     with clock("train"):
         old_lp = s.policy.logprobs(got.batch)
@@ -307,9 +313,10 @@ def _train_checked_by_samples(
         })
         raise
     check["refit/token_mult_prob_error"] = gen_vs_policy
+    mismatch = s.check_mismatch(step, got.logprobs, old_lp)
     with clock("train"):
         train = s.train(step, got.batch, got.advantages, old_lp)
-    return train, gen_vs_policy, check
+    return train, gen_vs_policy, check, mismatch
 
 
 def _wait_for_saves(s: Session, clock: _StepClock) -> None:
@@ -342,11 +349,12 @@ def _step(
     clock = _StepClock(step, s)
     got = _sample(s, step, clock)
     if sampled:
-        train, gen_vs_policy, check = _train_checked_by_samples(s, step, clock, got, record_check)
+        train, gen_vs_policy, check, mismatch = _train_checked_by_samples(s, step, clock, got, record_check)
     else:
         _wait_for_saves(s, clock)
         with clock("train"):
             old_lp = s.policy.logprobs(got.batch)
+            mismatch = s.check_mismatch(step, got.logprobs, old_lp)  # a stop comes before the step trains
             train = s.train(step, got.batch, got.advantages, old_lp)
         gen_vs_policy = token_mult_prob_error(got.logprobs, old_lp)
     with clock("refit"):
@@ -357,7 +365,7 @@ def _step(
     if failure is None and s.checkpointing:
         with clock("checkpoint"):
             s.checkpoint(step)
-    metrics = _step_metrics(step, got, train, gen_vs_policy, report, check)
+    metrics = {**_step_metrics(step, got, train, gen_vs_policy, report, check), **mismatch}
     _add_timing(metrics, clock, t_step, len(got.batch))
     return metrics, failure
 

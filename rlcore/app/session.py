@@ -64,6 +64,7 @@ from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.health import check_train_health, reward_trend, trend_line
 from rlcore.app.interrupts import RunInterrupted, SignalGuard, active_guard, signal_name, signum_of
 from rlcore.app.loggers import LoggedWriter
+from rlcore.app.mismatch import check_mismatch, mismatch_stats
 from rlcore.app.plots import plot_reward, plot_setup_timeline
 from rlcore.app.progress import RunPhase, SetupProgress, setup_display
 from rlcore.app.records import read_metrics, write_atomic
@@ -698,6 +699,34 @@ class Session:
         )
         check_train_health(out, backend=self.policy.backend, step=step)
         return out
+
+    def check_mismatch(
+        self,
+        step: int,
+        generation_logprobs: Sequence[Sequence[float]],
+        policy_logprobs: Sequence[Sequence[float]],
+    ) -> dict[str, float]:
+        """The sampler/trainer mismatch of ``step``'s own samples: the generation's sampling
+        logprobs against the policy's of the same tokens, before the step trains
+        (:mod:`rlcore.app.mismatch`). Returns the ``mismatch/*`` figures for the step's line.
+        Above ``grpo.max_mismatch`` it warns once for the step (``grpo.on_mismatch: warn``)
+        or raises.
+
+        Raises:
+            MismatchError: above ``grpo.max_mismatch`` with ``grpo.on_mismatch: stop``,
+                naming the step, both backends and the figures; the step must not train.
+        """
+        g = self.config.grpo
+        stats = mismatch_stats(generation_logprobs, policy_logprobs)
+        line = check_mismatch(
+            stats, g.max_mismatch, g.on_mismatch, step=step, policy=self.policy.backend,
+            generation=self.generation.backend,
+        )
+        if line is not None:
+            log.warning("%s", line)
+            if self._run is not None:
+                self._run.console.print(f"[yellow]warning: {line}[/yellow]")
+        return stats
 
     # ---------------------------------------------------------------- weights
 

@@ -149,6 +149,8 @@ class RoleConfig:
 WORKER_LOSS_ACTIONS = ("abort", "replace")
 #: Values of ``refit.check``.
 REFIT_CHECKS = ("sampled", "probe")
+#: ``grpo.on_mismatch``: what a step above ``grpo.max_mismatch`` does (:mod:`rlcore.app.mismatch`).
+MISMATCH_ACTIONS = ("warn", "stop")
 
 
 @dataclass
@@ -288,6 +290,11 @@ class GRPOConfig:
     #: whose oldest token is more than k versions old is not trained on; the policy
     #: backend must declare it accepts k (``rlcore plan`` shows the schedule).
     max_staleness: int = bounded(0, ge=0)
+    #: Bound on the sampler/trainer mismatch of each step's own samples: the token mean of
+    #: the k3 estimate of KL(generation || policy) (``mismatch/kl``; null: no bound). Above
+    #: it, ``on_mismatch`` warns (the step trains) or stops the run before the step trains.
+    max_mismatch: float | None = bounded(None, gt=0)
+    on_mismatch: str = "warn"
 
 
 @dataclass
@@ -624,6 +631,12 @@ def _check_choices(cfg: RunConfig) -> None:
             f"{list(REFIT_CHECKS)} (sampled: the next step's sampling logprobs; probe: the probe "
             "batch after every refit)",
             key="refit.check",
+        )
+    if cfg.grpo.on_mismatch not in MISMATCH_ACTIONS:
+        raise ConfigError(
+            f"config key 'grpo.on_mismatch' is {cfg.grpo.on_mismatch!r}; expected one of "
+            f"{list(MISMATCH_ACTIONS)} (warn: say so and train; stop: end the run before the step trains)",
+            key="grpo.on_mismatch",
         )
     if cfg.logging.wandb.mode not in WANDB_MODES:
         raise ConfigError(

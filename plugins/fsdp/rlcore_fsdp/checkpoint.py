@@ -172,7 +172,7 @@ class _HostCopy:
             self.cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
         try:
             return _copy_state_dict(state_dict, self.cache)
-        except (ValueError, RuntimeError, KeyError):  # the state's layout changed: copy anew
+        except Exception:  # noqa: BLE001 - the state's layout changed (optimizer state since): copy anew
             self.cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
             return _copy_state_dict(state_dict, self.cache)
 
