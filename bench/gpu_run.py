@@ -258,10 +258,19 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     t_start = time.monotonic()
+
+    def progress(what: str) -> None:  # stderr, flushed: a run cut short by a time limit still says how far it got
+        print(f"[gpu_run {time.monotonic() - t_start:.0f} s] {what}", file=sys.stderr, flush=True)
+
     figures: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         cache = [f"setup.cache_dir={tmp}/cache"]
-        runs = [run_once(args.config, [*cache, *args.overrides], Path(tmp) / f"run{i}") for i in range(args.runs)]
+        runs = []
+        for i in range(args.runs):
+            runs.append(run_once(args.config, [*cache, *args.overrides], Path(tmp) / f"run{i}"))
+            steps_done = [r for r in runs[-1][0] if "reward/mean" in r]
+            progress(f"run {i + 1}/{args.runs}: {len(steps_done)} steps, median step "
+                     f"{statistics.median(r['timing/step_time_s'] for r in steps_done):.2f} s")
         steps = [r for records, _ in runs for r in records if "reward/mean" in r]
         setups = [next(r for r in records if "timing/setup/critical_path_s" in r) for records, _ in runs]
         nbytes = steps[0]["refit/bytes"]
@@ -282,12 +291,14 @@ def main(argv: list[str]) -> None:
             figures["setup_floor_s"] = floor
             figures["setup_floor_s_each"] = " ".join(f"{f:.2f}" for f in floors)
             figures["setup_over_floor"] = figures["setup_critical_path_s_median"] / floor
+            progress(f"setup floor {floor:.2f} s")
         gen_rate = statistics.median(r["generate/tokens"] / r["timing/generate_time_s"] for r in steps)
         figures["generate_tokens_per_s"] = gen_rate
         if "engine" not in skip:
             alone = engine_alone(args.config, [*cache, *args.overrides], args.engine_repeats)
             figures["engine_alone_tokens_per_s"] = alone
             figures["generate_tokens_per_s_over_engine_alone"] = gen_rate / alone
+            progress(f"engine alone {alone:,.0f} tokens/s")
         figures["refit_check_share_of_step"] = statistics.median(r["timing/refit_check_share"] for r in steps)
         figures.update(decode_and_train_figures(args.config, [*cache, *args.overrides], steps))
         figures["peak_gib_with_handoff"] = statistics.median(peak for _, peak in runs)
