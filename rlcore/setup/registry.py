@@ -23,6 +23,9 @@ import importlib.metadata
 import inspect
 import logging
 import os
+import sys
+import threading
+import traceback
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -606,17 +609,75 @@ def _load_entry_points(registry: Registry, allow: Sequence[str] | None) -> None:
             _load_one(registry, ep, dist, version)
 
 
-def _load_one(registry: Registry, ep: Any, dist: str | None, version: str | None) -> None:
-    """Import one entry point and register its plugin; an import that fails is reported."""
+#: Seconds a plugin's import may take before it is reported and skipped (an import that
+#: blocks on the network or a lock would hang ``rlcore plugins`` and ``rlcore run``).
+IMPORT_TIMEOUT_ENV = "RLCORE_PLUGIN_IMPORT_TIMEOUT_S"
+IMPORT_TIMEOUT_S = 120.0
+
+
+class ImportStuck(Exception):
+    """A plugin's import did not finish within :func:`import_timeout_s`."""
+
+
+def import_timeout_s() -> float:
+    """``$RLCORE_PLUGIN_IMPORT_TIMEOUT_S``, else :data:`IMPORT_TIMEOUT_S`."""
+    raw = os.environ.get(IMPORT_TIMEOUT_ENV, "").strip()
     try:
-        plugin = ep.load()
+        return float(raw) if raw else IMPORT_TIMEOUT_S
+    except ValueError:
+        logger.warning("%s=%r is not a number of seconds; using %g", IMPORT_TIMEOUT_ENV, raw, IMPORT_TIMEOUT_S)
+        return IMPORT_TIMEOUT_S
+
+
+def _load_within(ep: Any, timeout_s: float) -> object:
+    """``ep.load()`` on a daemon thread, waited for ``timeout_s``: its result or its error;
+    :class:`ImportStuck` naming where it was when the time ran out (the thread is left
+    behind: an import cannot be interrupted, and a daemon thread does not hold the exit)."""
+    done: dict[str, Any] = {}
+
+    def load() -> None:
+        try:
+            done["plugin"] = ep.load()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+            done["error"] = err
+
+    thread = threading.Thread(target=load, name=f"rlcore-import-{ep.name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise ImportStuck(f"its import did not finish within {timeout_s:g}s ({_where(thread)})")
+    if "error" in done:
+        raise done["error"]
+    return done["plugin"]
+
+
+def _where(thread: threading.Thread) -> str:
+    """The innermost frame of ``thread`` outside the import machinery, as ``file:line in func``."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    frames = traceback.extract_stack(frame) if frame is not None else []
+    own = [f for f in frames if "importlib" not in f.filename and f.filename != threading.__file__]
+    if not own:
+        return "where, Python cannot tell"
+    f = own[-1]
+    return f"waiting at {f.filename}:{f.lineno} in {f.name}"
+
+
+def _load_one(registry: Registry, ep: Any, dist: str | None, version: str | None) -> None:
+    """Import one entry point and register its plugin; an import that fails, or does not
+    finish within :func:`import_timeout_s`, is reported."""
+    try:
+        plugin = _load_within(ep, import_timeout_s())
     except (Exception, SystemExit) as err:  # noqa: BLE001 - incl. SyntaxError
         logger.debug("import of plugin '%s' failed", ep.name, exc_info=True)
+        if isinstance(err, ImportStuck):
+            why = (f"could not be imported: {err}. A plugin's import must not block (no network or locks at "
+                   f"import time); to give it longer, set {IMPORT_TIMEOUT_ENV}")
+        else:
+            why = (f"failed to import '{getattr(ep, 'value', ep.name)}': {type(err).__name__}: {err}. Fix the "
+                   "error or uninstall the distribution")
         registry._fail(PluginFailure(
             ep.name, dist, "import",
-            f"{_origin(ep.name, dist, version)} failed to import '{getattr(ep, 'value', ep.name)}': "
-            f"{type(err).__name__}: {err}. Fix the error or uninstall the distribution; to skip it, "
-            f"leave it out of the plugin allowlist ({_ALLOW_HINT}).",
+            f"{_origin(ep.name, dist, version)} {why}; to skip it, leave it out of the plugin allowlist ({_ALLOW_HINT}).",
             version=version,
         ))
         return

@@ -7,12 +7,15 @@ real entry-point machinery. The rest register plugin objects in-process.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -624,6 +627,52 @@ def test_import_errors_are_reported(fake_entry_points: list[FakeEntryPoint]) -> 
     assert failures["explodes"].stage == "import"
     assert reg.backends["alpha"].distribution == "rlcore-alpha"
     assert reg.backends["alpha"].version == "1.0"
+
+
+class HangingEntryPoint(FakeEntryPoint):
+    """An entry point whose import blocks (on the network, a lock) until ``release`` is set."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.release = threading.Event()
+
+    def load(self) -> object:
+        self.release.wait(60)  # the import that never finishes
+        return None
+
+
+def test_a_plugin_whose_import_hangs_is_named_with_where_it_waits_and_skipped(
+    fake_entry_points: list[FakeEntryPoint], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hanging = HangingEntryPoint("stuck")
+    fake_entry_points.append(hanging)
+    monkeypatch.setenv(registry.IMPORT_TIMEOUT_ENV, "0.5")
+    try:
+        t0 = time.monotonic()
+        reg = load_registry()
+        assert time.monotonic() - t0 < 10
+    finally:
+        hanging.release.set()
+    assert sorted(reg.backends) == ["alpha", "beta", "gamma"]  # the others load as ever
+    failure = {f.name: f for f in reg.failures}["stuck"]
+    assert failure.stage == "import" and failure.distribution == "rlcore-stuck"
+    assert "did not finish within 0.5s" in failure.message and registry.IMPORT_TIMEOUT_ENV in failure.message
+    lines, first = inspect.getsourcelines(HangingEntryPoint.load)
+    waits = first + next(i for i, line in enumerate(lines) if "release.wait" in line)
+    assert f"waiting at {__file__}:{waits} in load" in failure.message  # where it blocks, named
+    # A run whose config needs it is refused naming why; one that does not, runs.
+    with pytest.raises(BackendNotFoundError, match="(?s)'stuck'.*failed to load .import.*did not finish within 0.5s"):
+        reg.backend_for(Role.POLICY, "stuck")
+    assert reg.backend_for(Role.POLICY, "alpha").name == "alpha"
+
+
+def test_the_import_timeout_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(registry.IMPORT_TIMEOUT_ENV, raising=False)
+    assert registry.import_timeout_s() == registry.IMPORT_TIMEOUT_S
+    monkeypatch.setenv(registry.IMPORT_TIMEOUT_ENV, "7")
+    assert registry.import_timeout_s() == 7.0
+    monkeypatch.setenv(registry.IMPORT_TIMEOUT_ENV, "soon")
+    assert registry.import_timeout_s() == registry.IMPORT_TIMEOUT_S
 
 
 @pytest.mark.parametrize(
