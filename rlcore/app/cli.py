@@ -337,7 +337,11 @@ def _split_overrides(values: list[str]) -> tuple[str | None, list[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlcore", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="rlcore",
+        description="rlcore: set up RL post-training backends, run the GRPO loop, sync the weights.",
+        epilog="rlcore COMMAND --help says more; `rlcore run` with no CONFIG runs examples/quickstart.yaml.",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -352,7 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("run", help="set up, run the GRPO loop, write a run directory")
-    p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]")
+    p.add_argument(
+        "args", nargs="*", metavar="[CONFIG] [key=value ...]",
+        help="a YAML config (default: examples/quickstart.yaml) and key=value overrides, "
+        "e.g. grpo.steps=5 model.dtype=bfloat16",
+    )
     p.add_argument("--out", default=None, help="run directory (default: <output_dir>/<name>-<time>); must be new or empty")
     p.add_argument(
         "--resume", nargs="?", const="", default=None, metavar="DIR",

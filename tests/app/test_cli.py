@@ -179,3 +179,16 @@ def test_plugins_in_a_narrow_terminal_folds_names(monkeypatch, capsys) -> None:
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
     assert "…" not in out
+
+
+@pytest.mark.parametrize("command", [[], ["plugins"], ["plan"], ["run"], ["export"], ["new-backend"]])
+def test_help_is_plain_text(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` shows no reStructuredText (double backquotes, roles), and ``rlcore run``'s
+    says what CONFIG defaults to."""
+    with pytest.raises(SystemExit) as done:
+        main([*command, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and ":class:" not in out and ":func:" not in out, out
+    if command == ["run"]:
+        assert "default: examples/quickstart.yaml" in " ".join(out.split())
