@@ -292,7 +292,7 @@ def check_staged_checkpoint(policy: Any, who: str, directory: Path, *, timeout_s
     while True:
         t0 = time.monotonic()
         done = policy.checkpoint_written()
-        if time.monotonic() - t0 > 10.0:
+        if time.monotonic() - t0 > 60.0:  # generous: the point is no wait for the write
             raise TrainingFailure(f"{who}: checkpoint_written() took {time.monotonic() - t0:.0f}s; it must return at once")
         if done:
             break

