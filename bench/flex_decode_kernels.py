@@ -6,9 +6,9 @@ request) against the bytes the step must read (each request's keys and values on
 against a gather + SDPA reference, and profiled for copies (a kernel that copies the layer's
 cache makes a step's cost grow with the cache, not the context):
 
-* ``heads``: the cache as ``[1, kv_heads, rows, dim]`` (a strided view), queries
-  ``[requests, heads, 1, dim]``, the batch static: FlexAttention's decoding kernel, all query
-  heads of a kv head together (what ``rlcore_megatron.flex_decode`` does);
+* ``heads``: ``rlcore_megatron.flex_decode``'s own step mask and attention: the cache as
+  ``[1, kv_heads, rows, dim]`` (a strided view), queries ``[requests, heads, 1, dim]``, the
+  batch static: FlexAttention's decoding kernel, all query heads of a kv head together;
 * ``heads-dynamic``: the same with the batch size dynamic (the main kernel, a query head each);
 * ``heads-inside``: the same view made inside the compiled function;
 * ``sdpa``: the reference, each request's blocks gathered to a dense copy, then SDPA.
@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 BLOCK = 256  # megatron-core's KV block, tokens
-PIECE = 128  # FlexAttention's KV block, tokens
 
 
 def make_step(requests: int, mean: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, device: str) -> dict:
@@ -52,48 +51,14 @@ def make_step(requests: int, mean: int, heads: int, kv_heads: int, dim: int, dty
     return {k_: t.to(device) for k_, t in dict(q=q, k=k, v=v, table=table, lengths=lengths).items()}
 
 
-def pieces(table: torch.Tensor, lengths: torch.Tensor, blocks: int) -> tuple[torch.Tensor, ...]:
-    """Per request, its 128-token pieces of the cache in order (count, index), and per piece
-    its owner and place in the owner's sequence (what the mask reads)."""
-    requests, width = table.shape
-    split = BLOCK // PIECE
-    device = table.device
-    mine = (table.long().clamp(min=0)[:, :, None] * split + torch.arange(split, device=device)).reshape(requests, -1)
-    place = torch.arange(mine.shape[1], device=device).expand_as(mine)
-    used = place * PIECE < lengths[:, None]
-    total = blocks * split
-    target = torch.where(used, mine, total)
-    owner = torch.full((total + 1,), -1, dtype=torch.long, device=device)
-    owner.scatter_(0, target.reshape(-1), torch.arange(requests, device=device)[:, None].expand_as(mine).reshape(-1))
-    logical = torch.zeros(total + 1, dtype=torch.long, device=device)
-    logical.scatter_(0, target.reshape(-1), place.reshape(-1))
-    index = torch.zeros(requests, total, dtype=torch.int32, device=device)
-    index[:, : mine.shape[1]] = mine.to(torch.int32)
-    count = used.sum(1).to(torch.int32)
-    return count.view(requests, 1, 1), index.view(requests, 1, 1, total), owner, logical
+def heads_inside(q, k, v, count, index, owner, logical, lengths, piece, scale):
+    """The plugin's attention with the cache's view made inside the compiled function."""
+    from rlcore_megatron import flex_decode
 
-
-def heads_attend(q, keys, values, count, index, owner, logical, lengths, scale):
-    """``keys``/``values``: ``[1, kv_heads, rows, dim]``."""
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
-    rows = keys.shape[2]
-
-    def visible(b, h, q_idx, kv_idx):
-        at = kv_idx // PIECE
-        return (owner[at] == b) & (logical[at] * PIECE + kv_idx % PIECE < lengths[b])
-
-    mask = BlockMask.from_kv_blocks(count, index, BLOCK_SIZE=(PIECE, PIECE), mask_mod=visible, seq_lengths=(1, rows))
-    out = flex_attention(q.unsqueeze(2), keys, values, block_mask=mask, scale=scale,
-                         enable_gqa=q.shape[1] != keys.shape[1])
-    return out.squeeze(2)
-
-
-def heads_inside(q, k, v, count, index, owner, logical, lengths, scale):
     blocks, block, kv_heads, dim = k.shape
     keys = k.view(1, blocks * block, kv_heads, dim).transpose(1, 2)
     values = v.view(1, blocks * block, kv_heads, dim).transpose(1, 2)
-    return heads_attend(q, keys, values, count, index, owner, logical, lengths, scale)
+    return flex_decode._attend(q, keys, values, count, index, owner, logical, lengths, piece, scale)
 
 
 def reference(step: dict, scale: float) -> torch.Tensor:
@@ -154,8 +119,12 @@ def main() -> None:
     step = make_step(args.requests, args.mean, args.heads, args.kv_heads, args.dim, dtype, args.device)
     scale = args.dim ** -0.5
     q, k, v, lengths = step["q"], step["k"], step["v"], step["lengths"]
-    blocks = k.shape[0]
-    mask_args = pieces(step["table"], lengths.long(), blocks)
+    from rlcore_megatron import flex_decode
+
+    requests = q.shape[0]
+    mask = flex_decode.step_mask(lengths, step["table"], k.shape[0], BLOCK)  # the plugin's own, per step
+    padded = torch.cat([q, q.new_zeros(mask.count.shape[0] - requests, *q.shape[1:])])
+    mask_args = (mask.count, mask.index, mask.owner, mask.logical, mask.lengths, mask.piece, scale)
     ref = reference(step, scale)
     bytes_read = int(lengths.sum()) * args.kv_heads * args.dim * 2 * k.element_size()
     cache_bytes = 2 * k.numel() * k.element_size()
@@ -179,15 +148,12 @@ def main() -> None:
         if layout == "sdpa":
             return lambda: reference(step, scale)
         wrap = (lambda f, **kw: torch.compile(f, fullgraph=True, **kw)) if compiled else (lambda f, **kw: f)
-        if layout == "heads":
-            fn = wrap(heads_attend, dynamic=False)
-            return lambda: fn(q, keys, values, *mask_args, lengths, scale)
-        if layout == "heads-dynamic":
-            fn = wrap(heads_attend, dynamic=True)
-            return lambda: fn(q, keys, values, *mask_args, lengths, scale)
+        if layout in ("heads", "heads-dynamic"):
+            fn = wrap(flex_decode._attend, dynamic=layout == "heads-dynamic")
+            return lambda: fn(padded, keys, values, *mask_args)[:requests]
         if layout == "heads-inside":
             fn = wrap(heads_inside, dynamic=False)
-            return lambda: fn(q, k, v, *mask_args, lengths, scale)
+            return lambda: fn(padded, k, v, *mask_args)[:requests]
         raise SystemExit(f"unknown layout {layout!r}")
 
     for layout in ["sdpa", *args.layouts.split(",")]:

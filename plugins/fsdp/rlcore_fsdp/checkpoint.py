@@ -79,9 +79,7 @@ def save(worker: FSDPWorker, directory: str) -> dict[str, Any]:
     except dcp.api.CheckpointException as err:  # a BaseException: turned into what it wraps
         raise _first_failure(err, f"fsdp checkpoint save into {path}") from None
     # After DCP's collectives: a rank failing here fails alone, its peers do not wait on it.
-    _write_rng(path / rng_file(worker.rank))
-    if worker.rank == 0:
-        _write_meta(path / META_FILE, worker, optimizer=bool(worker.optimizer.state))
+    _write_rank_files(worker, path)
     nbytes = sum(
         f.stat().st_size for f in path.iterdir() if f.name.startswith(f"__{worker.rank}_")
     )
@@ -90,11 +88,10 @@ def save(worker: FSDPWorker, directory: str) -> dict[str, Any]:
 
 @dataclass
 class StagedSave:
-    """A rank's staged save being written: DCP's future, where, and since when."""
+    """A rank's staged save being written: DCP's future and where."""
 
     future: Any
     path: Path
-    started: float
 
 
 def stage(worker: FSDPWorker, directory: str) -> dict[str, float]:
@@ -118,10 +115,8 @@ def stage(worker: FSDPWorker, directory: str) -> dict[str, float]:
             )
     except dcp.api.CheckpointException as err:
         raise _first_failure(err, f"fsdp checkpoint save into {path}") from None
-    worker.staged_save = StagedSave(future, path, t0)
-    _write_rng(path / rng_file(worker.rank))
-    if worker.rank == 0:
-        _write_meta(path / META_FILE, worker, optimizer=bool(worker.optimizer.state))
+    worker.staged_save = StagedSave(future, path)
+    _write_rank_files(worker, path)
     return {"host_bytes": float(_host_bytes(state)), "stage_s": time.monotonic() - t0}
 
 
@@ -154,8 +149,6 @@ class _HostCopy:
     is, and copies into again at every later one: one rank's state of host memory however
     many saves. Always a copy, CPU tensors too, so the policy may train on at once (DCP's
     own stagers either skip CPU tensors or do not take ShardedTensors)."""
-
-    _synchronize_after_execute = False
 
     def __init__(self) -> None:
         self.cache: dict[str, Any] | None = None
@@ -208,6 +201,13 @@ def _host_bytes(state: Any) -> int:
     if isinstance(state, torch.Tensor):
         return state.numel() * state.element_size()
     return 0
+
+
+def _write_rank_files(worker: FSDPWorker, path: Path) -> None:
+    """This rank's RNG states, and on rank 0 the checkpoint's description, beside DCP's files."""
+    _write_rng(path / rng_file(worker.rank))
+    if worker.rank == 0:
+        _write_meta(path / META_FILE, worker, optimizer=bool(worker.optimizer.state))
 
 
 def _sharded_state(worker: FSDPWorker, *, with_optimizer: bool) -> dict[str, Any]:
