@@ -28,7 +28,7 @@ from rlcore.errors import DeclarationError
 #: declared); a major version may change or remove. A plugin declares the version it
 #: was written against (:attr:`BackendDeclaration.contract_version`) and loads when
 #: its major equals the core's and its minor is not newer.
-CONTRACT_VERSION = "2.3"
+CONTRACT_VERSION = "2.4"
 _VERSION_RE = re.compile(r"^(\d+)\.(\d+)$")
 
 #: What each major version changed that a plugin of the major before must change, and how.
@@ -319,6 +319,12 @@ class BackendDeclaration:
             (:class:`CheckpointSupport`, contract 2.2); ``None`` (the default): it does
             not, and a config with ``checkpoint.every_steps`` or a resume is refused
             before anything starts.
+        trains_adapters: (policy) it takes ``policy.options.lora``
+            (:class:`rlcore.lora.LoraOptions`, contract 2.4) and then trains low-rank
+            adapters alone, the base weights frozen and without optimizer state, and
+            exports merged weights (base + the adapters' product, under the base
+            weights' names) to refit and ``rlcore export``. The core refuses
+            ``policy.options.lora`` for a policy that does not declare it.
         memory_handoff: (policy, generation) its handles implement
             :class:`rlcore.handles.MemoryHandoff` (``sleep``/``wake``): with
             ``placement.colocated`` the loop has it give device memory back while the
@@ -350,6 +356,7 @@ class BackendDeclaration:
     inflight_refit: tuple[InflightRefit, ...] = ()
     max_staleness: int = 0
     checkpoint: CheckpointSupport | None = None
+    trains_adapters: bool = False
     contract_version: str = CONTRACT_VERSION
     options: type | None = None
     description: str = ""
@@ -448,6 +455,7 @@ class BackendDeclaration:
                     "overlap": self.checkpoint.overlap, "staged": self.checkpoint.staged,
                 }
             ),
+            "trains_adapters": self.trains_adapters,
             "contract_version": self.contract_version,
             "options": self.option_names(),
             "description": self.description,

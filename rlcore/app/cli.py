@@ -171,9 +171,10 @@ def render_plan(plan: Any, con: Console) -> None:
     con.print("[bold]may overlap[/bold]: " + ("; ".join(f"{a} || {b}" for a, b in pairs) or "nothing"))
     con.print("[bold]critical path[/bold]: " + " -> ".join(plan.critical_path))
     con.print(f"[bold]refit transport[/bold]: {plan.refit_transport}")
-    if plan.schedule is not None:
-        head, _, rest = plan.schedule.describe().partition(": ")
-        con.print(f"[bold]{head}[/bold]: {escape(rest)}")
+    for part in (plan.refit_content, plan.schedule):
+        if part is not None:
+            head, _, rest = part.describe().partition(": ")
+            con.print(f"[bold]{head}[/bold]: {escape(rest)}")
     if plan.devices is not None:
         kind = "shared by the colocated roles" if plan.devices.colocated else "one role each"
         con.print(f"[bold]GPUs[/bold]: {plan.devices.gpus} ({kind}, one Ray placement group)")

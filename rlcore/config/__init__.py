@@ -678,13 +678,16 @@ def resolve_options(options: Mapping[str, Any], schema: type | None, *, section:
         resolved = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         leaf = str(getattr(err, "full_key", "") or "")
-        valid = [f.name for f in dataclasses.fields(schema)]
         if isinstance(err, ConfigAttributeError | ConfigKeyError):
-            hint = _closest(leaf, valid)
+            # A nested option (policy.options.lora.rnk): suggest among its own section's keys.
+            parent, _, name = leaf.rpartition(".")
+            valid = _option_names(schema, parent)
+            hint = _closest(name, valid)
+            at = f"{section}.options." + (f"{parent}." if parent else "")
             raise ConfigError(
                 f"unknown option '{section}.options.{leaf}' for backend '{backend}'."
-                + (f" Did you mean '{section}.options.{hint}'?" if hint else "")
-                + f" Valid options: {', '.join(valid) or '(none)'}.",
+                + (f" Did you mean '{at}{hint}'?" if hint else "")
+                + f" Valid options{f' of {at[:-1]}' if parent else ''}: {', '.join(valid) or '(none)'}.",
                 key=f"{section}.options.{leaf}",
             ) from None
         raise ConfigError(
@@ -697,6 +700,19 @@ def resolve_options(options: Mapping[str, Any], schema: type | None, *, section:
     except ConfigError as err:
         raise ConfigError(f"{err} (an option of backend '{backend}')", key=err.key) from None
     return resolved
+
+
+def _option_names(schema: type, path: str) -> list[str]:
+    """The field names of the options dataclass at dotted ``path`` inside ``schema``
+    (an optional nested dataclass counts as that dataclass)."""
+    import typing
+
+    node: Any = schema
+    for part in filter(None, path.split(".")):
+        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+        candidates = [node_type for node_type in typing.get_args(hints.get(part)) or (hints.get(part),)]
+        node = next((c for c in candidates if dataclasses.is_dataclass(c)), None)
+    return [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
 
 
 def to_plain(cfg: RunConfig) -> dict[str, Any]:

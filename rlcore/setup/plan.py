@@ -155,6 +155,27 @@ class Schedule:
 
 
 @dataclass(frozen=True)
+class RefitContent:
+    """What every refit carries from the policy to the generation, and why.
+
+    Attributes:
+        kind: ``weights`` (every weight as the policy trains it) or ``merged`` (a policy
+            that trains LoRA adapters sends each adapted weight as base + the adapters'
+            product, under the base weight's name).
+        why: the reason, in words (``rlcore plan``).
+    """
+
+    kind: str
+    why: str
+
+    def describe(self) -> str:
+        return f"refit content: {self.kind} ({self.why})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "why": self.why}
+
+
+@dataclass(frozen=True)
 class Plan:
     tasks: tuple[Task, ...]
     edges: tuple[Edge, ...]
@@ -173,6 +194,9 @@ class Plan:
     #: How the loop overlaps generation with training (``grpo.max_staleness`` and the
     #: declarations); None for a plan built without the run's declarations.
     schedule: Schedule | None = None
+    #: What each refit carries (full or merged weights); None for a plan built without
+    #: the run's declarations.
+    refit_content: RefitContent | None = None
 
     # Indexes built once per plan (a plan of 1,000 groups is walked task by task).
     @cached_property
@@ -271,6 +295,7 @@ class Plan:
             "overlapping": [list(p) for p in self.overlapping_pairs()],
             "devices": self.devices.to_dict() if self.devices is not None else None,
             "schedule": self.schedule.to_dict() if self.schedule is not None else None,
+            "refit_content": self.refit_content.to_dict() if self.refit_content is not None else None,
         }
 
 

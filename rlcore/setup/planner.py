@@ -35,8 +35,18 @@ from rlcore.config import RunConfig, resolve_options
 from rlcore.config.placement import DeviceLayout, device_layout
 from rlcore.declarations import ENDPOINT_EVENT, BackendDeclaration, Role, Transport
 from rlcore.errors import ConfigError, PlanError
+from rlcore.lora import check_lora_request, requested_lora
 from rlcore.setup.graph import topological_order
-from rlcore.setup.plan import REFIT_TASK, Edge, Plan, Task, Wait, init_task, longest_path
+from rlcore.setup.plan import (
+    REFIT_TASK,
+    Edge,
+    Plan,
+    RefitContent,
+    Task,
+    Wait,
+    init_task,
+    longest_path,
+)
 from rlcore.setup.schedule import plan_schedule
 
 # When two inits may not overlap, this order decides who goes first: generation
@@ -497,6 +507,7 @@ def build_plan(
     :class:`PlanError` for needs nobody meets.
     """
     _check_roles(config, declarations)
+    check_adapters(config, declarations)
     groups = groups_for(config, declarations, options=options)
     return plan_groups(config, groups, accelerator=accelerator)
 
@@ -541,6 +552,29 @@ def plan_groups(
         refit_transport=transport,
         devices=_devices(config, accelerator),
         schedule=schedule,
+        refit_content=_refit_content(p),
+    )
+
+
+def check_adapters(config: RunConfig, declarations: Mapping[Role, BackendDeclaration]) -> None:
+    """``policy.options.lora`` only for a policy backend that declares ``trains_adapters``
+    (before its options are checked: the refusal says why, not 'unknown option')."""
+    policy = declarations.get(Role.POLICY)
+    if policy is not None:
+        check_lora_request(config.policy.options, backend=policy.name, trains_adapters=policy.trains_adapters)
+
+
+def _refit_content(p: _Planning) -> RefitContent:
+    """Full weights, or merged ones where the policy trains adapters (no generation backend
+    takes adapters in place under contract 2.4)."""
+    adapted = [g for g in p.policy if g.declaration.trains_adapters and requested_lora(g.view["options"])]
+    if not adapted:
+        return RefitContent("weights", "the policy trains every weight")
+    rank = adapted[0].view["options"]["lora"].get("rank", "?")
+    return RefitContent(
+        "merged",
+        f"policy '{adapted[0].declaration.name}' trains LoRA adapters (rank {rank}) and sends each "
+        f"adapted weight merged, base + adapters, as generation '{p.gen.declaration.name}' loads full weights",
     )
 
 

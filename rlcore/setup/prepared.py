@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from rlcore.config import RunConfig, resolve_options
 from rlcore.declarations import BackendDeclaration, Role
 from rlcore.errors import ConfigError, PlanError
+from rlcore.lora import check_lora_request
 from rlcore.setup.plan import REFIT_TASK, Plan, Task, init_task, role_of_task
 from rlcore.setup.planner import build_plan, choose_transport, role_view, selected_roles
 from rlcore.setup.schedule import plan_schedule
@@ -125,7 +126,10 @@ def prepare_role(config: RunConfig, registry: Registry, role: Role) -> PreparedR
 
 
 def _resolved(config: RunConfig, role: Role, decl: BackendDeclaration) -> Any:
-    """``<role>.options`` checked against ``decl``'s options dataclass."""
+    """``<role>.options`` checked against ``decl``'s options dataclass (``policy.options.lora``
+    first against its declaration: :func:`rlcore.lora.check_lora_request`)."""
+    if role is Role.POLICY:
+        check_lora_request(config.policy.options, backend=decl.name, trains_adapters=decl.trains_adapters)
     return resolve_options(getattr(config, role.value).options, decl.options, section=role.value, backend=decl.name)
 
 

@@ -20,6 +20,7 @@ from rlcore.declarations import (
     Role,
 )
 from rlcore.errors import ConfigError, PlanError
+from rlcore.lora import LoraOptions
 from rlcore.setup.planner import build_plan
 
 P, G, E = Role.POLICY, Role.GENERATION, Role.ENV
@@ -405,3 +406,24 @@ def test_option_condition_uses_declared_default() -> None:
 def test_backend_serving_wrong_role() -> None:
     with pytest.raises(ConfigError, match="policy.backend"):
         plan_for(vllm, vllm)
+
+
+@dataclass
+class AdapterOptions:
+    lora: LoraOptions | None = None
+
+
+def test_lora_needs_a_policy_that_trains_adapters_and_the_plan_says_the_refit_is_merged() -> None:
+    adapting = BackendDeclaration(
+        name="adapting", roles={P}, send_transports={"disk"}, trains_adapters=True, options=AdapterOptions
+    )
+    full = plan_for(adapting, vllm).refit_content
+    assert full is not None and full.kind == "weights"
+    merged = plan_for(adapting, vllm, None, "policy.options.lora.rank=4").refit_content
+    assert merged is not None and merged.kind == "merged"
+    assert "'adapting' trains LoRA adapters (rank 4)" in merged.why and "'vllm' loads full weights" in merged.why
+    assert plan_for(adapting, vllm, None, "policy.options.lora.rank=4").to_dict()["refit_content"]["kind"] == "merged"
+    # A policy that does not declare it is refused before its options are read, naming both.
+    with pytest.raises(ConfigError, match="policy backend 'fsdp' does not train adapters") as info:
+        plan_for(fsdp, vllm, None, "policy.options.lora.rank=4")
+    assert info.value.key == "policy.options.lora"

@@ -32,6 +32,7 @@ Functions here run inside a rank (torch imported lazily); :func:`save`, :func:`s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -237,6 +238,8 @@ def _write_meta(path: Path, worker: FSDPWorker, *, optimizer: bool) -> None:
         "version": VERSION,
         "world_size": worker.world_size,
         "optimizer": optimizer,
+        # What trains: the adapters' options under policy.options.lora (None: every weight).
+        "lora": dataclasses.asdict(worker.options.lora) if worker.options and worker.options.lora else None,
         "torch": torch.__version__,
         "weights": [[s.name, list(s.shape), s.dtype] for s in worker.weight_specs()],
     }
@@ -263,9 +266,15 @@ def read_meta(directory: str) -> dict[str, Any]:
         ) from err
 
 
-def check_compatible(directory: str, meta: dict[str, Any], specs: list[Any]) -> None:
+def check_compatible(directory: str, meta: dict[str, Any], specs: list[Any], lora: dict[str, Any] | None = None) -> None:
     """Raise :class:`CheckpointError` naming the first difference when the checkpoint holds
-    another model than ``specs`` (the running policy's weights), or a file is missing."""
+    another model than ``specs`` (the running policy's weights), other adapters than
+    ``lora`` (the running ``policy.options.lora``), or a file is missing."""
+    if meta.get("lora") != lora:
+        raise CheckpointError(
+            f"fsdp checkpoint {directory} was written with policy.options.lora={meta.get('lora')}, "
+            f"the running policy has {lora} (resume with the options the run was started with)"
+        )
     saved = [(n, tuple(s), d) for n, s, d in meta["weights"]]
     running = [(s.name, tuple(s.shape), s.dtype) for s in specs]
     if saved != running:

@@ -102,7 +102,7 @@ class FSDPPolicy(GroupPolicy):
         :class:`rlcore.errors.CheckpointError` naming it before any rank loads."""
         self._check_open()
         meta = checkpoint.read_meta(directory)
-        checkpoint.check_compatible(directory, meta, self.weight_specs())
+        checkpoint.check_compatible(directory, meta, self.weight_specs(), self.info.get("lora"))
         if int(meta["world_size"]) != self.world_size:
             log.info(
                 "fsdp checkpoint %s was saved by %d rank(s): resharding it onto %d",

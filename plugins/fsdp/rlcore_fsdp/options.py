@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlcore.config import bounded
+from rlcore.errors import ConfigError
+from rlcore.lora import LoraOptions
 
 
 @dataclass
@@ -33,3 +35,15 @@ class FSDPOptions:
     #: Timeout in seconds of every collective in the policy group and of each driver
     #: call to the workers after init.
     timeout_s: float = bounded(300.0, gt=0)
+    #: Train low-rank adapters (peft's LoRA) instead of the weights: the base weights are
+    #: frozen, only the adapters train and have optimizer state, and the policy exports
+    #: merged weights (rlcore.lora; needs use_orig_params). ``null``: train every weight.
+    lora: LoraOptions | None = None
+
+    def __post_init__(self) -> None:
+        if self.lora is not None and not self.use_orig_params:
+            raise ConfigError(
+                "policy.options.lora needs policy.options.use_orig_params=true: FSDP1 keeps frozen "
+                "base weights and trained adapters in one flat parameter only with it",
+                key="policy.options.use_orig_params",
+            )

@@ -64,7 +64,9 @@ def rlcore_declare_backend() -> BackendDeclaration:
         checkpoint=CheckpointSupport(
             format=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION, overlap=True, staged=True
         ),
-        contract_version="2.3",
+        # policy.options.lora: peft's LoRA adapters train, merged weights leave (rlcore_fsdp.adapters).
+        trains_adapters=True,
+        contract_version="2.4",
         description=(
             "Hugging Face causal LM trained with PyTorch FSDP (FSDP1, full shard, gloo on "
             "CPU / NCCL on CUDA); streams HF-named weights one FSDP unit at a time"
@@ -136,6 +138,11 @@ def _log_ready(ctx: InitContext, info: dict[str, Any], device: str) -> None:
         info["sync_s"],
         info["wrap_s"],
     )
+    if info.get("lora"):
+        ctx.log.info(
+            "fsdp policy: LoRA adapters train (%.2f M parameters, rank %d); the base weights are frozen",
+            info["trainable"] / 1e6, info["lora"]["rank"],
+        )
 
 
 @hookimpl

@@ -29,6 +29,7 @@ on): torch and transformers are imported inside the methods, in the ranks' proce
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -79,6 +80,8 @@ class _Entry:
     param_name: str
     shape: tuple[int, ...]
     dtype: str
+    #: The peft LoRA layer whose adapters' product is added on export (None: exported as is).
+    adapter: Any = None
 
 
 class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
@@ -102,6 +105,9 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
         self.pad_id = 0
         self._layout: list[tuple[Any, list[_Entry]]] = []
         self._specs: list[TensorSpec] = []
+        # Units whose parameters are all frozen, on one rank, with their parameter objects
+        # (:meth:`_restore_frozen_views`).
+        self._frozen_units: list[tuple[Any, list[Any]]] = []
         # A staged checkpoint save (rlcore_fsdp.checkpoint.stage): its DCP future, the stager
         # that keeps the host copy across saves, and the gloo group of its collectives.
         self.staged_save: Any = None
@@ -145,6 +151,8 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
         return {
             "rank": self.rank,
             "device": self.device.type,
+            "lora": dataclasses.asdict(options.lora) if options.lora is not None else None,
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "load_s": load_s,
             "sync_s": sync_s,
             "wrap_s": wrap_s,
@@ -175,6 +183,7 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         model, error = None, None
+        assert self.options is not None
         try:
             if self.rank == 0:
                 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
@@ -186,6 +195,11 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
                 model.to_empty(device=self.device)
                 # to_empty gives each module its own new tensor: restore tied weights.
                 model.tie_weights()
+            if self.options.lora is not None:
+                # Before the broadcast from rank 0: every rank starts from rank 0's adapters.
+                from rlcore_fsdp import adapters
+
+                model = adapters.attach(model, self.options.lora)
         except Exception as err:  # reported to every rank by _sync_from_rank0
             error = err
         return model, error
@@ -193,8 +207,16 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
     def _shard(self, model: Any, options: FSDPOptions) -> None:
         """Wrap the model with FSDP; its optimizer, unit layout and weight specs."""
 
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
         self.model = self._wrap(model, options)
         self.model.eval()
+        handles = [u._handle for u in FSDP.fsdp_modules(self.model) if u._handle is not None]
+        self._frozen_units = [
+            (h, list(h.flat_param._params))
+            for h in handles
+            if not h.flat_param.requires_grad and not h.uses_sharded_strategy and h.flat_param._params
+        ]
         self.reset_optimizer()
         self._layout = self._unit_layout()
         self._specs = [
@@ -202,13 +224,14 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
         ]
 
     def reset_optimizer(self) -> None:
-        """A fresh AdamW over the sharded parameters (no state: moments and step counts
-        start on the first step). The learning rate comes with every ``train_step``."""
+        """A fresh AdamW over the trained parameters (every one, or the adapters alone under
+        ``options.lora``; no state: moments and step counts start on the first step). The
+        learning rate comes with every ``train_step``."""
         import torch
 
         assert self.options is not None
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=0.0, weight_decay=self.options.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad], lr=0.0, weight_decay=self.options.weight_decay
         )
 
     def _sync_from_rank0(self, model: Any, error: BaseException | None) -> None:
@@ -332,6 +355,7 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         module_names = {id(m): n for n, m in self.model.named_modules()}
+        adapted, skipped, name = self._adapter_layout()
         layout = []
         for unit in FSDP.fsdp_modules(self.model):
             handle = unit._handle
@@ -343,10 +367,13 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
             prefix = hf_name(unit_name + ".") if unit_name else ""
             entries, shapes = [], {}
             for fqn, info, shape in zip(flat._fqns, flat._param_infos, flat._shapes, strict=True):
-                entries.append(
-                    _Entry(prefix + hf_name(fqn), info.module, info.param_name, tuple(shape), dtype)
-                )
                 shapes[(id(info.module), info.param_name)] = tuple(shape)
+                if id(info.module) in skipped:
+                    continue
+                adapter = adapted.get(id(info.module)) if info.param_name == "weight" else None
+                entries.append(
+                    _Entry(name(prefix + hf_name(fqn)), info.module, info.param_name, tuple(shape), dtype, adapter)
+                )
             for shared in flat._shared_param_infos:
                 fqn = (
                     f"{shared.module_name}.{shared.param_name}"
@@ -355,10 +382,21 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
                 )
                 shape = shapes[(id(shared.prim_module), shared.prim_param_name)]
                 entries.append(
-                    _Entry(prefix + hf_name(fqn), shared.module, shared.param_name, shape, dtype)
+                    _Entry(name(prefix + hf_name(fqn)), shared.module, shared.param_name, shape, dtype)
                 )
             layout.append((unit, entries))
         return layout
+
+    def _adapter_layout(self) -> tuple[dict[int, Any], set[int], Any]:
+        """Under ``options.lora``: the adapted layers (base layer id -> peft layer), the
+        adapter matrices (not exported) and the renaming to the base model's names;
+        without adapters, nothing and the identity."""
+        assert self.options is not None
+        if self.options.lora is None:
+            return {}, set(), lambda name: name
+        from rlcore_fsdp import adapters
+
+        return adapters.adapted_layers(self.model), adapters.adapter_modules(self.model), adapters.merged_name
 
     # ---------------------------------------------------------------- export
 
@@ -373,8 +411,11 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
         Every rank must iterate it to the end (each FSDP unit is all-gathered by all
         ranks); only rank 0 yields, the others yield nothing. Rank 0 holds at most one
         gathered unit plus the tensors its consumer keeps: each yielded tensor is a
-        fresh copy, valid after the unit is resharded.
+        fresh copy, valid after the unit is resharded. Under ``options.lora`` an adapted
+        weight is yielded merged (base + the adapters' product) under the base model's
+        name, and the adapter matrices are not yielded.
         """
+        import torch
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         self._require_model()
@@ -389,6 +430,13 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
                             f"fsdp export: {e.name} has shape {tuple(full.shape)} while summoned, "
                             f"expected {e.shape} (FSDP internals changed?)"
                         )
+                    if e.adapter is not None:  # merged: the weight the policy computes with
+                        from rlcore_fsdp import adapters
+
+                        with torch.no_grad():  # not around the yield: the consumer's grad mode is its own
+                            merged = full.detach() + adapters.delta(e.adapter)
+                        yield e.name, merged
+                        continue
                     # Copy first: a view would pin the unsharded storage past the reshard.
                     yield e.name, full.detach().clone()
 
@@ -452,6 +500,34 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
         target = ids[:, first + 1 :].unsqueeze(-1)
         token_lp = logits.gather(-1, target).squeeze(-1) - torch.logsumexp(logits, dim=-1)
         return token_lp, padded.mask.to(self.device), padded.spans
+
+    def train_step(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """:meth:`PolicyGradientWorker.train_step`, with the adapters' dropout on during it
+        (``options.lora.dropout``; the logprobs of the loss's ratio are computed without)."""
+        from rlcore_fsdp import adapters
+
+        self._require_model()
+        lora = getattr(self.options, "lora", None)
+        try:
+            with adapters.dropout_on(self.model, lora):
+                return super().train_step(*args, **kwargs)
+        finally:
+            if lora is not None:
+                self._restore_frozen_views()
+
+    def _restore_frozen_views(self) -> None:
+        """Register the frozen units' parameters again after a training step.
+
+        A training forward turns an FSDP unit's parameters into plain tensor views and its
+        post-backward hook makes them parameters again; a unit whose parameters are all
+        frozen (the root under LoRA: embeddings, final norm, head) gets no such hook, and
+        with one rank (``NO_SHARD``) nothing else resets them: the next forward would take
+        the tensors for its parameters, and they would vanish from ``named_parameters`` and
+        the state dict (torch 2.13's FSDP1). The parameter objects kept at :meth:`_shard`
+        are put back and viewed into the unit's storage again."""
+        for handle, params in self._frozen_units:
+            handle.flat_param._params[:] = params
+            handle._use_unsharded_views(as_params=True)
 
     def _data_parallel(self) -> tuple[int, int]:
         """Every rank takes its own rows (FSDP shards the weights over the same ranks)."""
