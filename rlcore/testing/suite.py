@@ -1094,6 +1094,38 @@ class BackendConformance:
         self._check_checkpoints(harness, claimed, "CheckpointSupport(staged=True)", StagedCheckpointable,
                                 training.check_staged_checkpoint, tmp_path)
 
+    def test_adapters(self, harness: Harness) -> None:
+        """A policy that declares ``trains_adapters`` (contract 2.4), run with
+        ``policy.options.lora``: its refit carries merged weights under the base names (the
+        base model itself before any step), a step moves adapted weights only, and the
+        merged export computes the policy's logprobs (:func:`rlcore.testing.training.check_adapters`)."""
+        from rlcore.config import cache_dir
+        from rlcore.models.tiny import ensure_model
+        from rlcore.testing import training
+        from rlcore.testing.reference import hf_model, reference_logprobs
+
+        decl = harness.declaration
+        self._role_or_skip(harness, Role.POLICY.value)
+        if not decl.trains_adapters:
+            pytest.skip(f"not claimed: backend '{decl.name}' does not declare trains_adapters")
+        if not self._uses_core_refit(harness, Role.POLICY):
+            pytest.skip(f"backend '{decl.name}' refits through its own path: its merged export is checked there")
+        rank = 4
+        config = harness.config(f"policy.options.lora.rank={rank}", "model.dtype=float32")
+        model_dir = ensure_model(config.model, cache_dir(config))
+        base = hf_model(model_dir).state_dict()
+        policy = self._start(harness, Role.POLICY, config)
+        try:
+            training.check_adapters(
+                policy, f"policy backend '{decl.name}'",
+                lambda: training_capture(self, harness, policy, config), base,
+                lambda state: reference_logprobs(hf_model(model_dir, state), training.PROBE_BATCH), rank=rank,
+            )
+        except training.TrainingFailure as err:
+            _fail(str(err))
+        finally:
+            harness.shutdown(policy, what="policy handle")
+
     def _check_checkpoints(
         self, harness: Harness, claimed: bool, declared: str, protocol: type, check: Any, tmp_path: Path
     ) -> None:

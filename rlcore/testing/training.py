@@ -333,3 +333,52 @@ def check_export(
                 f"{who}: in model.dtype={dtype}, {label} must be the checkpoint's Hugging Face "
                 f"weights in {dtype}: {'; '.join(d for d in detail if d)}"
             )
+
+
+#: Weights ``target_modules: [all-linear]`` never adapts: embeddings and norms.
+_NEVER_ADAPTED = ("embed_tokens.weight", "norm.weight")
+
+
+def check_adapters(
+    policy: Any, who: str, capture: Any, base: Mapping[str, Any], reference: Any, *, rank: int
+) -> None:
+    """A policy that trains adapters (``trains_adapters``, ``policy.options.lora`` with
+    ``rank`` on every linear layer, contract 2.4) exports merged weights under the base
+    names: before any step that is the base model itself (``B`` starts at zero); a
+    learning step moves adapted weights only (embeddings and norms stay); and the merged
+    export computes what the policy computes (``reference(state)``: a plain model's logprobs
+    of :data:`PROBE_BATCH` with ``state`` loaded). ``capture()`` is one refit's tensors."""
+    import torch
+
+    first = capture()
+    if sorted(first) != sorted(base):
+        extra, missing = sorted(set(first) - set(base)), sorted(set(base) - set(first))
+        raise TrainingFailure(
+            f"{who}: with policy.options.lora (rank {rank}) the refit must carry the base model's weights "
+            f"under their names, merged; unexpected {extra[:4]}, missing {missing[:4]}"
+        )
+    off = [n for n in base if not torch.equal(first[n].cpu().to(base[n].dtype), base[n])]
+    if off:
+        raise TrainingFailure(
+            f"{who}: before any step the merged weights must be the base model's (the adapters' B starts "
+            f"at zero); {off[:4]} differ"
+        )
+    _step(policy, who, LEARN_BATCH, LEARN_ADVANTAGES, None, 0.05)
+    after = capture()
+    moved = sorted(n for n in base if not torch.equal(after[n].cpu().to(base[n].dtype), base[n]))
+    if not moved:
+        raise TrainingFailure(f"{who}: a learning step with adapters changed no exported weight")
+    frozen = [n for n in moved if n.endswith(_NEVER_ADAPTED)]
+    if frozen:
+        raise TrainingFailure(
+            f"{who}: with adapters only, a step moved {frozen[:4]}, which target_modules=[all-linear] "
+            "never adapts: the base weights must stay frozen"
+        )
+    want = reference(after)
+    got = _logprobs(policy, PROBE_BATCH)
+    worst = max(abs(x - y) for r, q in zip(got, want, strict=True) for x, y in zip(r, q, strict=True))
+    if worst > TOLERANCE["float32"][0]:
+        raise TrainingFailure(
+            f"{who}: a plain model holding the merged export gives logprobs up to {worst:.2e} away from "
+            "the policy's: the export must be base + (alpha / rank) * B @ A of every adapted weight"
+        )

@@ -103,6 +103,7 @@ SUITE_ROWS = {
     "test_env_collect_rollouts",
     "test_checkpoint_round_trip",
     "test_staged_checkpoint",
+    "test_adapters",
     *(f"test_train_step_semantics[{d}]" for d in ("float32", "bfloat16", "float16")),
 }
 
