@@ -28,7 +28,7 @@ from rlcore.errors import DeclarationError
 #: declared); a major version may change or remove. A plugin declares the version it
 #: was written against (:attr:`BackendDeclaration.contract_version`) and loads when
 #: its major equals the core's and its minor is not newer.
-CONTRACT_VERSION = "2.4"
+CONTRACT_VERSION = "2.5"
 _VERSION_RE = re.compile(r"^(\d+)\.(\d+)$")
 
 #: What each major version changed that a plugin of the major before must change, and how.
@@ -234,6 +234,10 @@ class InflightRefit:
         object.__setattr__(self, "when", tuple(self.when))
 
 
+#: What a policy may declare in ``loss_options``: the parts of :class:`rlcore.handles.LossOptions`
+#: its ``train_step`` applies (contract 2.5).
+LOSS_FEATURES = ("clip_eps_high", "aggregation", "correction")
+
 #: What a generation backend that declares no in-flight refit does: it waits for its calls.
 BETWEEN_CALLS = InflightRefit(RefitLanding.BETWEEN_CALLS)
 
@@ -319,6 +323,13 @@ class BackendDeclaration:
             (:class:`CheckpointSupport`, contract 2.2); ``None`` (the default): it does
             not, and a config with ``checkpoint.every_steps`` or a resume is refused
             before anything starts.
+        loss_options: (policy) which of :class:`rlcore.handles.LossOptions` its
+            ``train_step`` applies when given ``loss=`` (contract 2.5): any of
+            :data:`LOSS_FEATURES`, ``clip_eps_high`` (the asymmetric clip),
+            ``aggregation`` (the three aggregations), ``correction`` (``tis`` and
+            ``mis``). The core passes ``loss=`` only when the run asks for a feature, and
+            refuses a run that asks for one the policy does not declare, before anything
+            starts. :class:`rlcore.runtime.losses.PolicyGradientWorker` applies all three.
         trains_adapters: (policy) it takes ``policy.options.lora``
             (:class:`rlcore.lora.LoraOptions`, contract 2.4) and then trains low-rank
             adapters alone, the base weights frozen and without optimizer state, and
@@ -357,6 +368,7 @@ class BackendDeclaration:
     max_staleness: int = 0
     checkpoint: CheckpointSupport | None = None
     trains_adapters: bool = False
+    loss_options: frozenset[str] = frozenset()
     contract_version: str = CONTRACT_VERSION
     options: type | None = None
     description: str = ""
@@ -377,6 +389,10 @@ class BackendDeclaration:
         object.__setattr__(self, "needs", tuple(self.needs))
         object.__setattr__(self, "openai_endpoint_when", tuple(self.openai_endpoint_when))
         object.__setattr__(self, "inflight_refit", tuple(self.inflight_refit))
+        object.__setattr__(
+            self, "loss_options",
+            frozenset([self.loss_options] if isinstance(self.loss_options, str) else self.loss_options),
+        )
 
     def serves(self, role: Role) -> bool:
         return role in self.roles
@@ -456,6 +472,7 @@ class BackendDeclaration:
                 }
             ),
             "trains_adapters": self.trains_adapters,
+            "loss_options": sorted(self.loss_options),
             "contract_version": self.contract_version,
             "options": self.option_names(),
             "description": self.description,
@@ -546,6 +563,14 @@ def _checkpoint(d: BackendDeclaration) -> Iterator[str]:
         yield f"checkpoint.format must be a non-empty string, got {c.format!r}"
     elif not (isinstance(c.version, str) and c.version.strip()):
         yield f"checkpoint.version must be a non-empty string, got {c.version!r}"
+
+
+def _loss_options(d: BackendDeclaration) -> Iterator[str]:
+    unknown = sorted(set(d.loss_options) - set(LOSS_FEATURES))
+    if unknown:
+        yield f"loss_options {unknown} are not features of rlcore.handles.LossOptions ({', '.join(LOSS_FEATURES)})"
+    elif d.loss_options and Role.POLICY not in d.roles:
+        yield "loss_options is only meaningful for a backend that serves policy"
 
 
 def _refit_fed(d: BackendDeclaration) -> Iterator[str]:
@@ -649,7 +674,7 @@ def _needs(d: BackendDeclaration) -> Iterator[str]:
 #: One check per rule a declaration must keep; each yields what it finds wrong.
 _RULES: tuple[Callable[[BackendDeclaration], Iterator[str]], ...] = (
     _name, _roles, _overlap, _generation_only, _refit_fed, _dtypes, _memory_handoff,
-    _endpoint_conditions, _inflight_refit, _max_staleness, _checkpoint,
+    _endpoint_conditions, _inflight_refit, _max_staleness, _checkpoint, _loss_options,
     _contract_version, _transports, _options, _artifacts, _needs,
 )
 

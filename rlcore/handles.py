@@ -113,6 +113,58 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
 
 
+@dataclass(frozen=True)
+class LossOptions:
+    """How a policy that declares ``loss_options`` (contract 2.5) shapes its loss, passed to
+    :meth:`PolicyHandle.train_step` as ``loss=`` when the run asks for anything but the
+    defaults (``grpo.clip_eps_high``, ``grpo.loss_aggregation``, ``grpo.rollout_correction``).
+
+    With ``ratio = exp(logprob - old_logprob)`` and ``A`` the row's advantage, each completion
+    token ``t`` of row ``i`` has the loss
+    ``l = -w_t * min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps_high) * A)``:
+
+    Attributes:
+        clip_eps_high: the upper clip (``None``: ``clip_eps``, symmetric); a token is
+            counted in ``clip_fraction`` when its ratio leaves that asymmetric range.
+        aggregation: the step's loss from the token losses: ``token_mean``
+            (``sum l / tokens``), ``seq_mean_token_mean`` (``mean_i (sum_t l / len_i)``),
+            ``seq_mean_token_sum_norm`` (``mean_i (sum_t l / norm_tokens)``).
+        norm_tokens: the constant of ``seq_mean_token_sum_norm`` (the run's ``max_new_tokens``).
+        correction: ``none`` (``w = 1``), ``tis`` (``w = min(rho, cap)``) or ``mis``
+            (``w = rho`` where ``rho <= cap``, else 0), ``rho = exp(old_logprob -
+            engine_logprob)`` per token, detached: the trainer's probability of the sampled
+            token over the sampler's.
+        cap: the correction's bound (>= 1).
+        engine_logprobs: the generation's sampling logprobs, one row per pair (needed by
+            ``tis`` and ``mis``).
+    """
+
+    clip_eps_high: float | None = None
+    aggregation: str = "token_mean"
+    norm_tokens: int | None = None
+    correction: str = "none"
+    cap: float = 2.0
+    engine_logprobs: Sequence[Sequence[float]] | None = None
+
+    def features(self) -> frozenset[str]:
+        """What of this differs from the plain GRPO loss: the names of
+        :data:`rlcore.declarations.LOSS_FEATURES` the policy must declare."""
+        used = set()
+        if self.clip_eps_high is not None:
+            used.add("clip_eps_high")
+        if self.aggregation != "token_mean":
+            used.add("aggregation")
+        if self.correction != "none":
+            used.add("correction")
+        return frozenset(used)
+
+    def __post_init__(self) -> None:
+        if self.correction != "none" and self.engine_logprobs is None:
+            raise ValueError(f"LossOptions.correction={self.correction!r} needs engine_logprobs")
+        if self.aggregation == "seq_mean_token_sum_norm" and not self.norm_tokens:
+            raise ValueError("LossOptions.aggregation='seq_mean_token_sum_norm' needs norm_tokens >= 1")
+
+
 class Sample(TypedDict):
     """One sampled completion (see the module's conventions).
 
@@ -207,8 +259,12 @@ class PolicyHandle(BackendHandle, Protocol):
         *,
         clip_eps: float = 0.2,
         lr: float = 1e-5,
+        loss: LossOptions | None = None,
     ) -> dict[str, float]:
         """One optimiser step of the clipped policy-gradient (GRPO) loss over ``batch``.
+
+        ``loss`` (contract 2.5) comes only to a policy that declares ``loss_options``, and
+        only when the run asks for more than the plain loss below (:class:`LossOptions`).
 
         ``advantages`` has one float per pair (every token of a completion shares
         it); ``old_logprobs`` are the policy's logprobs of the same tokens before

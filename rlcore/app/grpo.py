@@ -315,7 +315,7 @@ def _train_checked_by_samples(
     check["refit/token_mult_prob_error"] = gen_vs_policy
     mismatch = s.check_mismatch(step, got.logprobs, old_lp)
     with clock("train"):
-        train = s.train(step, got.batch, got.advantages, old_lp)
+        train = s.train(step, got.batch, got.advantages, old_lp, engine_logprobs=got.logprobs)
     return train, gen_vs_policy, check, mismatch
 
 
@@ -355,7 +355,7 @@ def _step(
         with clock("train"):
             old_lp = s.policy.logprobs(got.batch)
             mismatch = s.check_mismatch(step, got.logprobs, old_lp)  # a stop comes before the step trains
-            train = s.train(step, got.batch, got.advantages, old_lp)
+            train = s.train(step, got.batch, got.advantages, old_lp, engine_logprobs=got.logprobs)
         gen_vs_policy = token_mult_prob_error(got.logprobs, old_lp)
     with clock("refit"):
         report = s.refit(step)
@@ -445,7 +445,8 @@ def _step_ahead(
     batch: list[Pair] = [(r["prompt_ids"], r["token_ids"]) for g in groups for r in g]
     _wait_for_saves(s, clock)
     with clock("train"):
-        train = s.train(step, batch, advantages, [r["logprobs"] for g in groups for r in g])
+        sampled = [r["logprobs"] for g in groups for r in g]
+        train = s.train(step, batch, advantages, sampled, engine_logprobs=sampled)
     with clock("refit"):
         report = s.refit(step)
     check, failure = _probe_check(s, step, clock)

@@ -104,6 +104,7 @@ from rlcore.handles import (
 from rlcore.runtime.cluster import Cluster
 from rlcore.runtime.join import ClusterChoice, check_join, choose_cluster
 from rlcore.runtime.placed import forget_placed, placed_groups
+from rlcore.setup.loss import loss_options, requested_features
 from rlcore.setup.preflight import check_before_start, check_checkpoints, check_joined_resources
 from rlcore.setup.registry import load_registry
 from rlcore.setup.runner import SetupResult, run_prepared
@@ -679,23 +680,37 @@ class Session:
         *,
         clip_eps: float | None = None,
         lr: float | None = None,
+        engine_logprobs: Sequence[Sequence[float]] | None = None,
     ) -> dict[str, float]:
         """One optimiser step of the policy (:meth:`rlcore.handles.PolicyHandle.train_step`:
         one advantage per pair, ``old_logprobs`` the policy's before the step, ``None`` for
-        on-policy); ``clip_eps`` and ``lr`` default to ``config.grpo``'s. The policy gets the
-        devices first. Returns the step's metrics (``loss``, ``grad_norm``,
-        ``clip_fraction``, ``tokens``, ``lr``).
+        on-policy); ``clip_eps`` and ``lr`` default to ``config.grpo``'s. Where the config
+        asks for more than the plain loss (``grpo.clip_eps_high``, ``grpo.loss_aggregation``,
+        ``grpo.rollout_correction``), the policy gets them as ``loss=``
+        (:class:`rlcore.handles.LossOptions`); ``engine_logprobs``, the generation's sampling
+        logprobs of the batch, are what a rollout correction weighs against (required then).
+        The policy gets the devices first. Returns the step's metrics (``loss``,
+        ``grad_norm``, ``clip_fraction``, ``tokens``, ``lr``).
 
         Raises:
             TrainingHealthError: a non-finite loss or gradient norm, naming the policy
                 backend and ``step``: the weights after it must not be refitted.
         """
         g = self.config.grpo
+        shaped = {}
+        if requested_features(g):
+            if g.rollout_correction != "none" and engine_logprobs is None:
+                raise ValueError(
+                    f"grpo.rollout_correction={g.rollout_correction} weighs each token by the generation's "
+                    "sampling logprobs: pass engine_logprobs (the samples' 'logprobs') to Session.train"
+                )
+            shaped["loss"] = loss_options(g, engine_logprobs or ())
         self._turn("policy")
         out = self.policy.train_step(
             batch, advantages, old_logprobs,
             clip_eps=g.clip_eps if clip_eps is None else clip_eps,
             lr=g.learning_rate if lr is None else lr,
+            **shaped,
         )
         check_train_health(out, backend=self.policy.backend, step=step)
         return out

@@ -151,6 +151,10 @@ WORKER_LOSS_ACTIONS = ("abort", "replace")
 REFIT_CHECKS = ("sampled", "probe")
 #: ``grpo.on_mismatch``: what a step above ``grpo.max_mismatch`` does (:mod:`rlcore.app.mismatch`).
 MISMATCH_ACTIONS = ("warn", "stop")
+#: Values of ``grpo.loss_aggregation`` (:class:`rlcore.handles.LossOptions`).
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+#: Values of ``grpo.rollout_correction`` (:class:`rlcore.handles.LossOptions`).
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
 
 
 @dataclass
@@ -281,8 +285,22 @@ class GRPOConfig:
     temperature: float = bounded(1.0, ge=0)
     #: Policy learning rate (0: the policy does not move).
     learning_rate: float = bounded(5e-3, ge=0)
-    #: PPO-style ratio clip.
+    #: PPO-style ratio clip: the ratio is kept within [1 - clip_eps, 1 + clip_eps].
     clip_eps: float = bounded(0.2, gt=0)
+    #: The ratio's upper clip, 1 + clip_eps_high, when set (DAPO's clip-higher: room for
+    #: unlikely tokens to grow; 0.28 in the paper). null: clip_eps on both sides.
+    clip_eps_high: float | None = bounded(None, gt=0)
+    #: How the per-token losses make the step's loss (:data:`LOSS_AGGREGATIONS`):
+    #: ``token_mean`` (every completion token of the batch weighs the same),
+    #: ``seq_mean_token_mean`` (each sample's token mean, averaged over samples: GRPO's
+    #: paper), ``seq_mean_token_sum_norm`` (each sample's token sum over max_new_tokens,
+    #: averaged over samples: Dr. GRPO, no length bias).
+    loss_aggregation: str = "token_mean"
+    #: Correction for the sampler/trainer mismatch (:data:`ROLLOUT_CORRECTIONS`): each
+    #: token's loss weighed by w = p_policy / p_generation of its sampled token, ``tis``
+    #: truncated at rollout_correction_cap, ``mis`` masked (weight 0) above it; ``none``.
+    rollout_correction: str = "none"
+    rollout_correction_cap: float = bounded(2.0, ge=1)
     seed: int = bounded(0, ge=0)
     #: How many weight versions a trained sample may lag the policy (k). 0: the
     #: synchronous loop (generation waits through every train step and refit). k >= 1:
@@ -638,6 +656,15 @@ def _check_choices(cfg: RunConfig) -> None:
             f"{list(MISMATCH_ACTIONS)} (warn: say so and train; stop: end the run before the step trains)",
             key="grpo.on_mismatch",
         )
+    for key, allowed in (("loss_aggregation", LOSS_AGGREGATIONS), ("rollout_correction", ROLLOUT_CORRECTIONS)):
+        value = getattr(cfg.grpo, key)
+        if value not in allowed:
+            hint = _closest(value, allowed)
+            raise ConfigError(
+                f"config key 'grpo.{key}' is {value!r}; expected one of {list(allowed)}"
+                + (f" (did you mean '{hint}'?)" if hint else "") + " (docs/grpo.md)",
+                key=f"grpo.{key}",
+            )
     if cfg.logging.wandb.mode not in WANDB_MODES:
         raise ConfigError(
             f"config key 'logging.wandb.mode' is {cfg.logging.wandb.mode!r}; expected one of "

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
+from rlcore.handles import LossOptions
 from rlcore.runtime.batches import Row, check_rows, check_train_inputs, shard_range
 
 
@@ -28,9 +29,11 @@ def clipped_pg_loss(
     clip_eps: float,
     *,
     adv_dtype: Any = None,
+    clip_eps_high: float | None = None,
+    weights: Any = None,
 ) -> tuple[Any, Any]:
-    """Per-token loss (``-objective``, zero where ``mask`` is false) and the number of
-    masked tokens whose ratio left the clip range.
+    """Per-token loss (``-weights * objective``, zero where ``mask`` is false) and the
+    number of masked tokens whose ratio left the clip range.
 
     Args:
         token_lp: ``[rows, T]`` logprobs of the completion tokens under the current weights.
@@ -38,23 +41,84 @@ def clipped_pg_loss(
         spans: per row, the ``[start, end)`` columns of its completion in ``token_lp``.
         advantages: one per row.
         old_rows: per row, the logprobs before the step (``None``: on-policy).
-        clip_eps: the ratio's clip range.
+        clip_eps: the ratio's clip range, below (and above, without ``clip_eps_high``).
         adv_dtype: dtype of the advantages (default: ``token_lp``'s).
+        clip_eps_high: the range above 1 (DAPO's clip-higher); ``None``: ``clip_eps``.
+        weights: ``[rows, T]`` per-token factors (a rollout correction's), or ``None``.
     """
     import torch
 
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     adv = torch.tensor(
         [[float(a)] for a in advantages], dtype=adv_dtype or token_lp.dtype, device=token_lp.device
     )
-    old = token_lp.detach().clone()
-    for i, row in enumerate(old_rows):
+    old = _rows_into(token_lp.detach().clone(), spans, old_rows)
+    ratio = torch.exp(torch.where(mask, token_lp - old, torch.zeros_like(token_lp)))
+    objective = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + high) * adv)
+    r = ratio.detach()
+    clipped = (((r < 1 - clip_eps) | (r > 1 + high)) & mask).sum()
+    if weights is not None:
+        objective = objective * weights
+    return -objective * mask, clipped
+
+
+def _rows_into(out: Any, spans: Sequence[tuple[int, int]], rows: Sequence[Sequence[float] | None]) -> Any:
+    """``out`` with each given row's values written at its completion's columns."""
+    import torch
+
+    for i, row in enumerate(rows):
         if row is not None:
             start, end = spans[i]
-            old[i, start:end] = torch.tensor(row, dtype=old.dtype, device=old.device)
-    ratio = torch.exp(torch.where(mask, token_lp - old, torch.zeros_like(token_lp)))
-    objective = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
-    clipped = (((ratio.detach() - 1).abs() > clip_eps) & mask).sum()
-    return -objective * mask, clipped
+            out[i, start:end] = torch.tensor(row, dtype=out.dtype, device=out.device)
+    return out
+
+
+def correction_weights(
+    token_lp: Any,
+    mask: Any,
+    spans: Sequence[tuple[int, int]],
+    old_rows: Sequence[Sequence[float] | None],
+    engine_rows: Sequence[Sequence[float] | None],
+    correction: str,
+    cap: float,
+) -> Any:
+    """Per-token factors of a rollout correction (:class:`rlcore.handles.LossOptions`):
+    ``rho = exp(old - engine)``, the trainer's over the sampler's probability of each
+    sampled token (``old``: the rows' old logprobs, the current ones where a row has
+    none), ``tis``: ``min(rho, cap)``, ``mis``: ``rho`` where ``rho <= cap``, else 0;
+    ``None`` for ``none``. Detached: a weight, not a path of the gradient."""
+    import torch
+
+    if correction == "none":
+        return None
+    trainer = _rows_into(token_lp.detach().clone(), spans, old_rows)
+    sampler = _rows_into(trainer.clone(), spans, engine_rows)
+    rho = torch.exp(torch.where(mask, trainer - sampler, torch.zeros_like(trainer))).to(token_lp.dtype)
+    if correction == "tis":
+        return torch.clamp(rho, max=cap)
+    if correction == "mis":
+        return torch.where(rho <= cap, rho, torch.zeros_like(rho))
+    raise ValueError(f"unknown rollout correction {correction!r} (none, tis or mis)")
+
+
+def row_scales(lengths: Sequence[int], aggregation: str, norm_tokens: int | None = None) -> list[float]:
+    """Each row's factor on its token losses so that their sum is the step's loss under
+    ``aggregation`` (:class:`rlcore.handles.LossOptions`): ``1 / tokens`` (token_mean),
+    ``1 / (rows * len_i)`` (seq_mean_token_mean), ``1 / (rows * norm_tokens)``
+    (seq_mean_token_sum_norm). Applied to every row of the global batch, so the gradient
+    summed over ranks and micro-batches is that of the aggregated loss."""
+    rows, tokens = len(lengths), sum(lengths)
+    if aggregation == "token_mean":
+        return [1.0 / max(tokens, 1)] * rows
+    if aggregation == "seq_mean_token_mean":
+        return [1.0 / (rows * max(n, 1)) for n in lengths]
+    if aggregation == "seq_mean_token_sum_norm":
+        if not norm_tokens:
+            raise ValueError("seq_mean_token_sum_norm needs norm_tokens >= 1")
+        return [1.0 / (rows * norm_tokens)] * rows
+    raise ValueError(
+        f"unknown loss aggregation {aggregation!r} (token_mean, seq_mean_token_mean or seq_mean_token_sum_norm)"
+    )
 
 
 def model_logprobs(model: Any, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
@@ -169,6 +233,35 @@ class LogprobWorker:
         return out
 
 
+class _Local(NamedTuple):
+    """One row of a rank's share of a train step."""
+
+    row: Row
+    advantage: float
+    old: Sequence[float] | None
+    engine: Sequence[float] | None
+    scale: float
+
+
+#: The plain GRPO loss (no ``loss=`` given): symmetric clip, token mean, no correction.
+_PLAIN_LOSS = LossOptions()
+
+
+def _engine_rows(shape: LossOptions, rows: Sequence[Row]) -> list[list[float]] | None:
+    """The engine's logprobs a correction needs, checked one per completion token."""
+    if shape.correction == "none" or shape.engine_logprobs is None:
+        return None
+    engine = [[float(x) for x in r] for r in shape.engine_logprobs]
+    if len(engine) != len(rows):
+        raise ValueError(f"LossOptions.engine_logprobs has {len(engine)} rows for {len(rows)} pairs")
+    for i, ((_, completion), lp) in enumerate(zip(rows, engine, strict=True)):
+        if len(lp) != len(completion):
+            raise ValueError(
+                f"LossOptions.engine_logprobs row {i} has {len(lp)} logprobs for {len(completion)} tokens"
+            )
+    return engine
+
+
 class PolicyGradientWorker(LogprobWorker):
     """:class:`LogprobWorker` plus the GRPO ``train_step`` (clipped policy gradient, AdamW).
 
@@ -203,6 +296,7 @@ class PolicyGradientWorker(LogprobWorker):
         old_logprobs: Sequence[Sequence[float]] | None,
         clip_eps: float,
         lr: float,
+        loss: LossOptions | None = None,
     ) -> dict[str, float]:
         """One GRPO step (clipped policy gradient, AdamW). Collective.
 
@@ -210,11 +304,13 @@ class PolicyGradientWorker(LogprobWorker):
         min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)`` with
         ``ratio = exp(logprob - old_logprob)`` and ``A`` the row's advantage;
         ``old_logprobs=None`` means on-policy (ratio 1, the REINFORCE gradient).
+        ``loss`` (:class:`rlcore.handles.LossOptions`, contract 2.5): the asymmetric clip,
+        the aggregation and the rollout correction it names.
 
-        Rows are sharded over the replicas like :meth:`logprobs`; each rank scales its
-        token sum by ``1 / total_tokens`` (times the replica count where the backend
-        averages gradients), so the reduced gradient is exactly that of the global token
-        mean. Padding passes weigh nothing.
+        Rows are sharded over the replicas like :meth:`logprobs`; each rank scales each
+        row's token losses by its share of the aggregated loss (:func:`row_scales`; times
+        the replica count where the backend averages gradients), so the reduced gradient
+        is exactly that of the global loss. Padding passes weigh nothing.
 
         Returns ``loss``, ``grad_norm`` (before clipping), ``clip_fraction`` (tokens whose
         ratio left the clip range), ``tokens`` and ``lr``; identical on every rank.
@@ -223,25 +319,30 @@ class PolicyGradientWorker(LogprobWorker):
         assert self.optimizer is not None and self.options is not None
         self._before_step()
         rows = check_train_inputs(batch, advantages, old_logprobs)
-        n_tokens = sum(len(c) for _, c in rows)
+        shape = loss or _PLAIN_LOSS
+        engine = _engine_rows(shape, rows)
+        lengths = [len(c) for _, c in rows]
+        n_tokens = sum(lengths)
+        scales = row_scales(lengths, shape.aggregation, shape.norm_tokens)
         replicas, replica = self._data_parallel()
         start, end = shard_range(len(rows), replicas, replica)
         local = [
-            (rows[i], float(advantages[i]), None if old_logprobs is None else old_logprobs[i])
+            _Local(rows[i], float(advantages[i]), None if old_logprobs is None else old_logprobs[i],
+                   None if engine is None else engine[i], scales[i])
             for i in range(start, end)
         ]
-        scale = (replicas if self.averages_gradients else 1.0) / max(n_tokens, 1)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        stats = self._accumulate_gradients(local, len(rows), clip_eps, scale)
+        factor = float(replicas) if self.averages_gradients else 1.0
+        stats = self._accumulate_gradients(local, len(rows), clip_eps, factor, shape)
         grad_norm = self._finish_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if replicas > 1:
             stats = self._summed_over_replicas(stats)
         return {
-            "loss": float(stats[0]) / max(n_tokens, 1),
+            "loss": float(stats[0]),
             "grad_norm": grad_norm,
             "clip_fraction": float(stats[1]) / max(n_tokens, 1),
             "tokens": float(n_tokens),
@@ -249,31 +350,30 @@ class PolicyGradientWorker(LogprobWorker):
         }
 
     def _accumulate_gradients(
-        self, local: list[tuple[Row, float, Sequence[float] | None]], n_rows: int, clip_eps: float, scale: float
+        self, local: list[_Local], n_rows: int, clip_eps: float, factor: float, shape: LossOptions
     ) -> Any:
         """Forward and backward over this rank's ``local`` rows, micro-batch by micro-batch
-        (a rank with no rows runs padding passes that weigh nothing), each token's loss
-        scaled by ``scale``; returns this rank's (loss sum, clipped tokens) as a float64 tensor."""
+        (a rank with no rows runs padding passes that weigh nothing), each row's token
+        losses scaled by its share of the loss (times ``factor``); returns this rank's
+        (aggregated loss part, clipped tokens) as a float64 tensor."""
         import torch
 
-        stats = torch.zeros(2, dtype=torch.float64)  # loss sum, clipped tokens
+        stats = torch.zeros(2, dtype=torch.float64)  # loss, clipped tokens
         for chunk in self._micro_batches(local, n_rows):
-            token_lp, mask, spans = self._forward_logprobs(
-                self._rows_or_padding([r for r, _, _ in chunk])
-            )
+            token_lp, mask, spans = self._forward_logprobs(self._rows_or_padding([x.row for x in chunk]))
             if not chunk:
                 mask = torch.zeros_like(mask)
-            token_loss, n_clipped = clipped_pg_loss(
-                token_lp,
-                mask,
-                spans,
-                [a for _, a, _ in chunk] or [0.0],
-                [old_row for _, _, old_row in chunk] or [None],
-                clip_eps,
-                adv_dtype=torch.float32,
+            olds = [x.old for x in chunk] or [None]
+            weights = correction_weights(
+                token_lp, mask, spans, olds, [x.engine for x in chunk] or [None], shape.correction, shape.cap
             )
-            (token_loss.sum() * scale).backward()
-            stats[0] += token_loss.detach().sum().double().cpu()
+            token_loss, n_clipped = clipped_pg_loss(
+                token_lp, mask, spans, [x.advantage for x in chunk] or [0.0], olds, clip_eps,
+                adv_dtype=torch.float32, clip_eps_high=shape.clip_eps_high, weights=weights,
+            )
+            scale = torch.tensor([[x.scale] for x in chunk] or [[0.0]], dtype=torch.float64)
+            (token_loss * scale.to(token_loss.device, token_loss.dtype)).sum().mul(factor).backward()
+            stats[0] += (token_loss.detach().double().cpu() * scale).sum()
             stats[1] += n_clipped.double().cpu()
         return stats
 

@@ -12,10 +12,13 @@ address and sends, every rank runs the export) and the training loop's
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlcore.runtime.batches import put_train_inputs
 from rlcore.runtime.group_handle import GroupHandle
+
+if TYPE_CHECKING:
+    from rlcore.handles import LossOptions
 
 
 class GroupPolicy(GroupHandle):
@@ -53,12 +56,17 @@ class GroupPolicy(GroupHandle):
         *,
         clip_eps: float = 0.2,
         lr: float = 1e-5,
+        loss: LossOptions | None = None,
     ) -> dict[str, float]:
         """One GRPO step on every rank; returns rank 0's metrics (``loss``, ``grad_norm``,
-        ``clip_fraction``, ``tokens``, ``lr``)."""
+        ``clip_fraction``, ``tokens``, ``lr``). ``loss``: :class:`rlcore.handles.LossOptions`
+        (contract 2.5), given to every rank through the object store."""
+        import ray
+
         self._check_open()
         inputs = put_train_inputs(batch, advantages, old_logprobs)
+        extra = () if loss is None else (ray.put(loss),)
         results = self.group.call(
-            "train_step", *inputs, float(clip_eps), float(lr), what="train step"
+            "train_step", *inputs, float(clip_eps), float(lr), *extra, what="train step"
         )
         return dict(results[0])

@@ -20,6 +20,7 @@ from rlcore.config import RunConfig, resolve_options
 from rlcore.declarations import BackendDeclaration, Role
 from rlcore.errors import ConfigError, PlanError
 from rlcore.lora import check_lora_request
+from rlcore.setup.loss import check_loss_features
 from rlcore.setup.plan import REFIT_TASK, Plan, Task, init_task, role_of_task
 from rlcore.setup.planner import build_plan, choose_transport, role_view, selected_roles
 from rlcore.setup.schedule import plan_schedule
@@ -86,6 +87,7 @@ def prepare(
     backends = selected_backends(registry, config)
     declarations = {r: i.declaration for r, i in backends.items() if i.declaration is not None}
     check_dtype(config, declarations)
+    check_loss_features(config, declarations[Role.POLICY])
     options = {role: _resolved(config, role, d) for role, d in declarations.items()}
     if plan is None:
         plan = build_plan(config, declarations, options=options, accelerator=accelerator)

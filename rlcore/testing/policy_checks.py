@@ -121,25 +121,34 @@ def check_logprobs(worker: Any, model_dir: str | Path) -> None:
         worker.logprobs([([2], [3]), ([], [3])])
 
 
-def check_train_step(worker: Any, model_dir: str | Path, *, weight_atol: float) -> None:
+def check_train_step(
+    worker: Any, model_dir: str | Path, *, weight_atol: float, loss: Callable[[list], Any] | None = None
+) -> dict[str, Any]:
     """One step of ``worker`` (``logprobs``, ``train_step``, ``export_state_dict``, loaded
     from ``model_dir``) with perturbed old logprobs equals :func:`reference_step`: loss,
-    gradient norm, a clip fraction strictly between 0 and 1, 10 tokens, the step's lr;
-    every weight but the norms moved, each within ``weight_atol`` of the reference's."""
+    gradient norm, clip fraction, a clip fraction strictly between 0 and 1, 10 tokens, the
+    step's lr; every weight but the norms moved, each within ``weight_atol`` of the
+    reference's. ``loss(current_logprobs)``: the :class:`rlcore.handles.LossOptions` of the
+    step (its engine logprobs made from the current ones). Returns the step's metrics."""
     import torch
 
     before = worker.export_state_dict()
-    old = perturbed_old(worker.logprobs(GRPO_BATCH))
-    got = worker.train_step(GRPO_BATCH, GRPO_ADVANTAGES, old, CLIP_EPS, LR)
-    ref = reference_step(hf_model(model_dir), GRPO_BATCH, GRPO_ADVANTAGES, old)
+    current = worker.logprobs(GRPO_BATCH)
+    old = perturbed_old(current)
+    shape = loss(current) if loss is not None else None
+    extra = {} if shape is None else {"loss": shape}
+    got = worker.train_step(GRPO_BATCH, GRPO_ADVANTAGES, old, CLIP_EPS, LR, **extra)
+    ref = reference_step(hf_model(model_dir), GRPO_BATCH, GRPO_ADVANTAGES, old, loss=shape)
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6), (got, ref["loss"])
     assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), (got, ref["grad_norm"])
+    assert got["clip_fraction"] == pytest.approx(ref["clip_fraction"]), (got, ref["clip_fraction"])
     assert 0.0 < got["clip_fraction"] < 1.0 and got["tokens"] == 10 and got["lr"] == LR, got
     after = worker.export_state_dict()
     unmoved = [n for n in before if "norm" not in n and torch.equal(before[n], after[n])]
     assert not unmoved, f"the step left {unmoved} unchanged"
     for name, t in ref["state"].items():
         torch.testing.assert_close(after[name], t, rtol=0, atol=weight_atol, msg=name)
+    return got
 
 
 def check_group_train_step(

@@ -15,6 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rlcore.handles import LossOptions
+
 #: Rows (prompt ids, completion ids): uneven lengths (right padding), an empty
 #: completion, a one-token prompt. Ids < 52 (rlcore's tiny tokenizer's vocabulary).
 GRPO_BATCH: list[tuple[list[int], list[int]]] = [
@@ -64,31 +66,53 @@ def reference_grpo_step(
     lr: float,
     clip_eps: float = 0.2,
     max_grad_norm: float = 1.0,
+    loss: LossOptions | None = None,
 ) -> dict[str, Any]:
     """One GRPO step: ``-mean`` over every completion token of the batch of
     ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)``, global grad-norm clipping,
     AdamW (no weight decay). Returns the metrics of the ``train_step`` contract
     (``loss``, ``grad_norm`` before clipping, ``clip_fraction``: tokens whose ratio left
-    ``[1 - eps, 1 + eps]``, ``tokens``, ``lr``) and the new ``state``."""
+    ``[1 - eps, 1 + eps]``, ``tokens``, ``lr``) and the new ``state``.
+
+    ``loss`` (:class:`rlcore.handles.LossOptions`), written from the papers' formulas one
+    sample at a time: the upper clip ``1 + clip_eps_high`` (DAPO); each token's term times
+    ``min(rho, cap)`` (tis) or ``rho if rho <= cap else 0`` (mis), ``rho = exp(old -
+    engine)``; the mean over samples of each sample's token mean (seq_mean_token_mean) or
+    token sum over ``norm_tokens`` (seq_mean_token_sum_norm, Dr. GRPO)."""
     import torch
 
+    shape = loss or LossOptions()
+    high = clip_eps if shape.clip_eps_high is None else shape.clip_eps_high
+    engine = shape.engine_logprobs or [None] * len(batch)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     terms, clipped = [], 0
-    for (p, c), a, o in zip(batch, advantages, old, strict=True):
+    for (p, c), a, o, e in zip(batch, advantages, old, engine, strict=True):
         if not c:
             continue
         logp = model(input_ids=torch.tensor([p + c])).logits[0, :-1].float().log_softmax(-1)
         lp = logp[len(p) - 1 : len(p) - 1 + len(c)].gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
         ratio = torch.exp(lp - torch.tensor(o))
-        terms.append(torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a))
-        clipped += int(((ratio - 1).abs() > clip_eps).sum())
+        term = torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + high) * a)
+        if shape.correction != "none":
+            rho = torch.exp(torch.tensor(o) - torch.tensor(e))
+            cap = torch.tensor(shape.cap)
+            term = term * (torch.minimum(rho, cap) if shape.correction == "tis" else torch.where(rho <= cap, rho, 0.0))
+        terms.append(term)
+        clipped += int(((ratio < 1 - clip_eps) | (ratio > 1 + high)).sum())
     tokens = sum(len(c) for _, c in batch)
-    loss = -torch.cat(terms).mean() if terms else torch.zeros((), requires_grad=True)
-    loss.backward()
+    if not terms:
+        total = torch.zeros((), requires_grad=True)
+    elif shape.aggregation == "seq_mean_token_mean":
+        total = -torch.stack([t.mean() for t in terms]).sum() / len(batch)
+    elif shape.aggregation == "seq_mean_token_sum_norm":
+        total = -torch.stack([t.sum() / shape.norm_tokens for t in terms]).sum() / len(batch)
+    else:
+        total = -torch.cat(terms).mean()
+    total.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     opt.step()
     return {
-        "loss": loss.item(),
+        "loss": total.item(),
         "grad_norm": norm.item(),
         "clip_fraction": clipped / max(tokens, 1),
         "tokens": float(tokens),

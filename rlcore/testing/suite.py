@@ -1094,6 +1094,25 @@ class BackendConformance:
         self._check_checkpoints(harness, claimed, "CheckpointSupport(staged=True)", StagedCheckpointable,
                                 training.check_staged_checkpoint, tmp_path)
 
+    def test_loss_options(self, harness: Harness) -> None:
+        """A policy that declares ``loss_options`` (contract 2.5) applies each of them as
+        :class:`rlcore.handles.LossOptions` says: at ``lr=0`` the loss and clip fraction it
+        reports are the contract's formula of its own logprobs
+        (:func:`rlcore.testing.training.check_loss_options`)."""
+        from rlcore.testing import training
+
+        decl = harness.declaration
+        self._role_or_skip(harness, Role.POLICY.value)
+        if not decl.loss_options:
+            pytest.skip(f"not claimed: backend '{decl.name}' declares no loss_options")
+        policy = self._start(harness, Role.POLICY, harness.config("model.dtype=float32"))
+        try:
+            training.check_loss_options(policy, f"policy backend '{decl.name}'", decl.loss_options)
+        except training.TrainingFailure as err:
+            _fail(str(err))
+        finally:
+            harness.shutdown(policy, what="policy handle")
+
     def test_adapters(self, harness: Harness) -> None:
         """A policy that declares ``trains_adapters`` (contract 2.4), run with
         ``policy.options.lora``: its refit carries merged weights under the base names (the

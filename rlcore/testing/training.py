@@ -382,3 +382,78 @@ def check_adapters(
             f"{who}: a plain model holding the merged export gives logprobs up to {worst:.2e} away from "
             "the policy's: the export must be base + (alpha / rank) * B @ A of every adapted weight"
         )
+
+
+def shaped_loss(
+    logprobs: Sequence[Sequence[float]],
+    old: Sequence[Sequence[float]],
+    advantages: Sequence[float],
+    shape: Any,
+    clip_eps: float = CLIP_EPS,
+) -> tuple[float, float]:
+    """The contract's loss and clip fraction under :class:`rlcore.handles.LossOptions`
+    ``shape`` (contract 2.5), one token at a time: the upper clip ``1 + clip_eps_high``,
+    each term times the correction's weight, the aggregation over rows."""
+    high = clip_eps if shape.clip_eps_high is None else shape.clip_eps_high
+    engine = shape.engine_logprobs or [None] * len(logprobs)
+    per_row: list[list[float]] = []
+    clipped = tokens = 0
+    for row, old_row, e_row, a in zip(logprobs, old, engine, advantages, strict=True):
+        terms = []
+        for j, (lp, o) in enumerate(zip(row, old_row, strict=True)):
+            r = math.exp(lp - o)
+            term = min(r * a, min(max(r, 1 - clip_eps), 1 + high) * a)
+            if shape.correction != "none":
+                rho = math.exp(o - e_row[j])
+                term *= min(rho, shape.cap) if shape.correction == "tis" else (rho if rho <= shape.cap else 0.0)
+            terms.append(term)
+            clipped += r < 1 - clip_eps or r > 1 + high
+        tokens += len(terms)
+        per_row.append(terms)
+    if shape.aggregation == "seq_mean_token_mean":
+        loss = -sum(sum(t) / len(t) for t in per_row if t) / len(per_row)
+    elif shape.aggregation == "seq_mean_token_sum_norm":
+        loss = -sum(sum(t) / shape.norm_tokens for t in per_row) / len(per_row)
+    else:
+        loss = -sum(sum(t) for t in per_row) / max(tokens, 1)
+    return loss, clipped / max(tokens, 1)
+
+
+def loss_option_cases(features: frozenset[str], logprobs: Sequence[Sequence[float]]) -> dict[str, Any]:
+    """One :class:`rlcore.handles.LossOptions` per declared feature and value, the sampling
+    logprobs of a correction off the policy's by -0.25/+0.25 in turn."""
+    from rlcore.handles import LossOptions
+
+    engine = [[x + (0.25 if (i + j) % 2 else -0.25) for j, x in enumerate(r)] for i, r in enumerate(logprobs)]
+    cases: dict[str, Any] = {}
+    if "clip_eps_high" in features:
+        cases["clip_eps_high=0.4"] = LossOptions(clip_eps_high=0.4)
+    if "aggregation" in features:
+        cases["seq_mean_token_mean"] = LossOptions(aggregation="seq_mean_token_mean")
+        cases["seq_mean_token_sum_norm"] = LossOptions(aggregation="seq_mean_token_sum_norm", norm_tokens=6)
+    if "correction" in features:
+        for kind in ("tis", "mis"):
+            cases[kind] = LossOptions(correction=kind, cap=1.1, engine_logprobs=engine)
+    return cases
+
+
+def check_loss_options(policy: Any, who: str, features: frozenset[str], dtype: str = "float32") -> None:
+    """Each feature a policy declares in ``loss_options`` (contract 2.5), at ``lr=0`` on
+    :data:`PROBE_BATCH` with stale old logprobs: the reported ``loss`` and ``clip_fraction``
+    are :func:`shaped_loss` of its own logprobs, and differ from the plain loss's where the
+    feature changes anything (a policy that ignored ``loss=`` fails)."""
+    atol, _ = TOLERANCE[dtype]
+    current = _logprobs(policy, PROBE_BATCH)
+    old = shifted(current)
+    batch = [(list(p), list(c)) for p, c in PROBE_BATCH]
+    for name, shape in loss_option_cases(features, current).items():
+        got = policy.train_step(batch, list(PROBE_ADVANTAGES), old, clip_eps=CLIP_EPS, lr=0.0, loss=shape)
+        m = StepMetrics.of(got, who)
+        want, clip = shaped_loss(current, old, PROBE_ADVANTAGES, shape)
+        if abs(m.loss - want) > atol or abs(m.clip_fraction - clip) > 1e-9:
+            plain = grpo_loss(current, old, PROBE_ADVANTAGES)
+            raise TrainingFailure(
+                f"{who}: train_step(loss=LossOptions({name})) at lr=0 reported loss {m.loss:.6f}, clip_fraction "
+                f"{m.clip_fraction:.3f}; the contract's formula gives {want:.6f}, {clip:.3f} (the plain loss: "
+                f"{plain:.6f}): apply each feature it declares in loss_options as rlcore.handles.LossOptions says"
+            )

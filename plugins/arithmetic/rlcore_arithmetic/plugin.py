@@ -37,7 +37,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
         roles={Role.ENV},
         overlap=OverlapSafety(non_colocated=True, colocated=True),
         options=ArithmeticOptions,
-        contract_version="2.4",
+        contract_version="2.5",
         description="verifiable a+b= task with partial-credit rewards (pure Python)",
     )
 

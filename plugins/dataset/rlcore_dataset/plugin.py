@@ -15,7 +15,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
         roles={Role.ENV},
         overlap=OverlapSafety(non_colocated=True, colocated=True),
         options=DatasetOptions,
-        contract_version="2.4",
+        contract_version="2.5",
         description="your prompts (JSONL/JSON/Parquet/datasets) scored by your Python reward functions",
     )
 

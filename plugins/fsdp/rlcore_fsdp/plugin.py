@@ -66,7 +66,9 @@ def rlcore_declare_backend() -> BackendDeclaration:
         ),
         # policy.options.lora: peft's LoRA adapters train, merged weights leave (rlcore_fsdp.adapters).
         trains_adapters=True,
-        contract_version="2.4",
+        # Its train_step is rlcore.runtime.losses.PolicyGradientWorker's: every LossOptions feature.
+        loss_options={"clip_eps_high", "aggregation", "correction"},
+        contract_version="2.5",
         description=(
             "Hugging Face causal LM trained with PyTorch FSDP (FSDP1, full shard, gloo on "
             "CPU / NCCL on CUDA); streams HF-named weights one FSDP unit at a time"

@@ -5,6 +5,7 @@ its own)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_dir(tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def worker(model_dir: Path) -> Iterator[Any]:
+@contextmanager
+def _one_rank(model_dir: Path, **options: Any) -> Iterator[Any]:
     """An :class:`rlcore_fsdp.worker.FSDPWorker` of world size 1 in this process (gloo),
-    the tiny model loaded with 2-row micro-batches."""
+    the tiny model loaded with 2-row micro-batches and ``options`` (``FSDPOptions``)."""
     from rlcore.runtime.addresses import free_port
     from rlcore_fsdp.options import FSDPOptions
     from rlcore_fsdp.worker import FSDPWorker
@@ -31,10 +32,23 @@ def worker(model_dir: Path) -> Iterator[Any]:
     w = FSDPWorker(0, 1)
     w.init_process_group("127.0.0.1", free_port(), "gloo", 60.0)
     try:
-        w.load(str(model_dir), "float32", FSDPOptions(micro_batch_size=2))
+        w.load(str(model_dir), "float32", FSDPOptions(**{"micro_batch_size": 2, **options}))
         yield w
     finally:
         w.teardown()
+
+
+@pytest.fixture(scope="module")
+def worker(model_dir: Path) -> Iterator[Any]:
+    """One rank in this process (:func:`_one_rank`), shared by a module."""
+    with _one_rank(model_dir) as w:
+        yield w
+
+
+@pytest.fixture(scope="session")
+def one_rank() -> Callable[..., AbstractContextManager[Any]]:
+    """``with one_rank(model_dir, **options) as w``: a rank of its own (:func:`_one_rank`)."""
+    return _one_rank
 
 
 @pytest.fixture(scope="module")

@@ -30,16 +30,9 @@ LORA = LoraOptions(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_
 
 
 @pytest.fixture(scope="module")
-def lora_worker(model_dir: Path) -> Iterator[FSDPWorker]:
-    from rlcore.runtime.addresses import free_port
-
-    w = FSDPWorker(0, 1)
-    w.init_process_group("127.0.0.1", free_port(), "gloo", 60.0)
-    try:
-        w.load(str(model_dir), "float32", FSDPOptions(micro_batch_size=2, lora=LORA))
+def lora_worker(model_dir: Path, one_rank: Any) -> Iterator[FSDPWorker]:
+    with one_rank(model_dir, lora=LORA) as w:
         yield w
-    finally:
-        w.teardown()
 
 
 def named(worker: FSDPWorker) -> dict[str, torch.Tensor]:

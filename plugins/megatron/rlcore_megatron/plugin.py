@@ -110,7 +110,9 @@ def rlcore_declare_backend() -> BackendDeclaration:
         # checkpoint of weights and AdamW state, plus each rank's RNG states. The save only
         # reads them (no step, no RNG draw, no state moved), so it may overlap sampling.
         checkpoint=CheckpointSupport(format=train_state.FORMAT, version=train_state.FORMAT_VERSION, overlap=True),
-        contract_version="2.4",
+        # Its train_step is rlcore.runtime.losses.PolicyGradientWorker's: every LossOptions feature.
+        loss_options={"clip_eps_high", "aggregation", "correction"},
+        contract_version="2.5",
         options=MegatronOptions,
         description=(
             "megatron-core GPTModel (local layer spec, tensor parallel over gloo/NCCL) as "

@@ -40,7 +40,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
             ),
         ),
         options=NemoGymOptions,
-        contract_version="2.4",
+        contract_version="2.5",
         description=DESCRIPTION,
     )
 

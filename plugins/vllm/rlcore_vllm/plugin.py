@@ -56,7 +56,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
                 RefitLanding.BETWEEN_STEPS, token_versions=True, when=(Condition("options.serve_openai", False),)
             ),
         ),
-        contract_version="2.4",
+        contract_version="2.5",
         options=VLLMOptions,
         description=DESCRIPTION,
     )
