@@ -330,6 +330,10 @@ class BackendDeclaration:
             ``mis``). The core passes ``loss=`` only when the run asks for a feature, and
             refuses a run that asks for one the policy does not declare, before anything
             starts. :class:`rlcore.runtime.losses.PolicyGradientWorker` applies all three.
+        extra_draws: (env) its ``collect_rollouts`` gives other prompts for each
+            ``RolloutRequest.draw`` > 0 of one step (contract 2.5): what dynamic sampling
+            (``grpo.dynamic_sampling``) asks for after it drops groups of equal rewards.
+            A run with dynamic sampling and an env that does not declare it is refused.
         trains_adapters: (policy) it takes ``policy.options.lora``
             (:class:`rlcore.lora.LoraOptions`, contract 2.4) and then trains low-rank
             adapters alone, the base weights frozen and without optimizer state, and
@@ -369,6 +373,7 @@ class BackendDeclaration:
     checkpoint: CheckpointSupport | None = None
     trains_adapters: bool = False
     loss_options: frozenset[str] = frozenset()
+    extra_draws: bool = False
     contract_version: str = CONTRACT_VERSION
     options: type | None = None
     description: str = ""
@@ -473,6 +478,7 @@ class BackendDeclaration:
             ),
             "trains_adapters": self.trains_adapters,
             "loss_options": sorted(self.loss_options),
+            "extra_draws": self.extra_draws,
             "contract_version": self.contract_version,
             "options": self.option_names(),
             "description": self.description,
@@ -571,6 +577,11 @@ def _loss_options(d: BackendDeclaration) -> Iterator[str]:
         yield f"loss_options {unknown} are not features of rlcore.handles.LossOptions ({', '.join(LOSS_FEATURES)})"
     elif d.loss_options and Role.POLICY not in d.roles:
         yield "loss_options is only meaningful for a backend that serves policy"
+
+
+def _extra_draws(d: BackendDeclaration) -> Iterator[str]:
+    if d.extra_draws and Role.ENV not in d.roles:
+        yield "extra_draws is only meaningful for a backend that serves env"
 
 
 def _refit_fed(d: BackendDeclaration) -> Iterator[str]:
@@ -674,7 +685,7 @@ def _needs(d: BackendDeclaration) -> Iterator[str]:
 #: One check per rule a declaration must keep; each yields what it finds wrong.
 _RULES: tuple[Callable[[BackendDeclaration], Iterator[str]], ...] = (
     _name, _roles, _overlap, _generation_only, _refit_fed, _dtypes, _memory_handoff,
-    _endpoint_conditions, _inflight_refit, _max_staleness, _checkpoint, _loss_options,
+    _endpoint_conditions, _inflight_refit, _max_staleness, _checkpoint, _loss_options, _extra_draws,
     _contract_version, _transports, _options, _artifacts, _needs,
 )
 

@@ -438,6 +438,11 @@ class RolloutRequest:
         tokenizer: the run's Hugging Face tokenizer (to encode prompts, decode
             completions): transformers' ``AutoTokenizer`` of the run's model
             (:func:`rlcore.models.tokenizer.load`).
+        draw: 0 for the step's own prompts; 1, 2, ... when dynamic sampling
+            (``grpo.dynamic_sampling``) asks the same step for more prompts because
+            groups of equal rewards were dropped (contract 2.5). An env that declares
+            ``extra_draws`` gives other prompts for each draw (and the same ones for the
+            same step and draw); the core sends draws > 0 to no other env.
     """
 
     step: int
@@ -448,6 +453,7 @@ class RolloutRequest:
     seed: int
     generation: GenerationHandle
     tokenizer: Any
+    draw: int = 0
 
     def sampling(self) -> SamplingParams:
         """The :class:`SamplingParams` of this request's ``generate`` call."""
@@ -564,6 +570,15 @@ class PromptAndScoreEnv:
         """``n`` prompts for ``step`` (the same step gives the same prompts)."""
         raise NotImplementedError
 
+    def sample_extra_prompts(self, n: int, step: int, draw: int) -> Sequence[Prompt]:
+        """``n`` other prompts for ``step``'s extra ``draw`` (>= 1) of dynamic sampling (the
+        same step and draw give the same prompts). An env that implements it declares
+        ``extra_draws=True`` (contract 2.5)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} draws no extra prompts (implement sample_extra_prompts and "
+            "declare extra_draws=True for grpo.dynamic_sampling)"
+        )
+
     def score(self, prompts: Sequence[Any], completions: Sequence[Sequence[str]]) -> list[list[float]]:
         """One reward per completion text (special tokens removed), per prompt."""
         raise NotImplementedError
@@ -575,7 +590,10 @@ class PromptAndScoreEnv:
         """Sample ``request.samples_per_prompt`` completions of each prompt through
         ``request.generation``, then score their texts."""
         tok = request.tokenizer
-        prompts = list(self.sample_prompts(request.prompts, request.step))
+        if request.draw:
+            prompts = list(self.sample_extra_prompts(request.prompts, request.step, request.draw))
+        else:
+            prompts = list(self.sample_prompts(request.prompts, request.step))
         prompt_ids = [list(tok(p.text).input_ids) for p in prompts]
         groups = request.generation.generate(prompt_ids, request.sampling())
         texts = [[tok.decode(s["token_ids"], skip_special_tokens=True) for s in g] for g in groups]

@@ -165,6 +165,8 @@ def _step_metrics(
         "reward/max": max(flat_rewards) if flat_rewards else math.nan,
         "reward/exact": statistics.fmean(1.0 if r >= 1.0 else 0.0 for r in flat_rewards) if flat_rewards else math.nan,
         "reward/failed": sum(flags),
+        # Groups whose rewards are all equal: zero advantage, nothing learned from them.
+        "reward/zero_variance_groups": sum(1 for g in rewards if g and max(g) - min(g) <= 1e-12),
         "train/loss": train.get("loss"),
         "train/grad_norm": train.get("grad_norm"),
         "train/gen_vs_policy_mult_prob_error": gen_vs_policy,
@@ -365,7 +367,7 @@ def _step(
     if failure is None and s.checkpointing:
         with clock("checkpoint"):
             s.checkpoint(step)
-    metrics = {**_step_metrics(step, got, train, gen_vs_policy, report, check), **mismatch}
+    metrics = {**_step_metrics(step, got, train, gen_vs_policy, report, check), **mismatch, **s.sampling_metrics(step)}
     _add_timing(metrics, clock, t_step, len(got.batch))
     return metrics, failure
 
@@ -463,6 +465,7 @@ def _step_ahead(
         "staleness/dropped_groups": dropped,
         "staleness/mixed_version_samples": sum(len(set(v)) > 1 for v in versions),
         "timing/producer_gated_s": stream.take_gated_s(),
+        **s.sampling_metrics(step),
     })
     return metrics, failure
 

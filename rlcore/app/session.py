@@ -60,6 +60,7 @@ from rich.console import Console
 from rlcore.app import overlap
 from rlcore.app.checkpointing import Checkpointer, Contents, Schedule, save_overlaps, save_stages
 from rlcore.app.checkpoints import Chosen
+from rlcore.app.dynamic_sampling import draw_teaching_groups
 from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.health import check_train_health, reward_trend, trend_line
 from rlcore.app.interrupts import RunInterrupted, SignalGuard, active_guard, signal_name, signum_of
@@ -443,6 +444,7 @@ class Session:
         self._checkpointer: Checkpointer | None = None
         self._deferring: SignalGuard | None = None  # holds SIGTERM back for a last checkpoint
         self._generation_epoch = 0  # generation recoveries so far (a rollout stream's losses are told apart by it)
+        self._sampling: dict[int, dict[str, float]] = {}  # step -> its dynamic sampling's figures
         self._refit, self._record, self._span, self._cancelled = given.refit, given.record, given.span, given.cancelled
         # Given handles take the place of the cached properties that build them from a run.
         handles = {
@@ -601,8 +603,24 @@ class Session:
         self._turn("generation")
         return self._retry(lambda: self._collect(request), step, "rollout")  # type: ignore[no-any-return]
 
+    def sampling_metrics(self, step: int) -> dict[str, float]:
+        """What dynamic sampling did for ``step``'s rollouts (``sampling/dropped_groups``,
+        ``sampling/extra_draws``, ``sampling/short_groups``); empty without
+        ``grpo.dynamic_sampling``. Each step's figures are given once."""
+        return self._sampling.pop(step, {})
+
     def _collect(self, request: RolloutRequest) -> list[list[Rollout]]:
-        return self._needed_env().collect_rollouts(request)
+        """The env's groups for ``request``; with ``grpo.dynamic_sampling``, the groups that
+        teach, drawn until ``request.prompts`` of them (:mod:`rlcore.app.dynamic_sampling`)."""
+        env, g = self._needed_env(), self.config.grpo
+        if not g.dynamic_sampling:
+            return env.collect_rollouts(request)
+        drawn = draw_teaching_groups(
+            lambda draw: env.collect_rollouts(dataclasses.replace(request, draw=draw)),
+            request.prompts, g.dynamic_sampling_max_draws,
+        )
+        self._sampling[request.step] = drawn.metrics()
+        return drawn.groups
 
     def _needed_env(self) -> GuardedEnv:
         env = self.env

@@ -301,6 +301,11 @@ class GRPOConfig:
     #: truncated at rollout_correction_cap, ``mis`` masked (weight 0) above it; ``none``.
     rollout_correction: str = "none"
     rollout_correction_cap: float = bounded(2.0, ge=1)
+    #: DAPO's dynamic sampling: a group whose rewards are all equal (zero advantage) is
+    #: dropped and the env asked for more prompts, up to dynamic_sampling_max_draws extra
+    #: calls a step, until prompts_per_step groups teach (the env must declare extra_draws).
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_draws: int = bounded(4, ge=1)
     seed: int = bounded(0, ge=0)
     #: How many weight versions a trained sample may lag the policy (k). 0: the
     #: synchronous loop (generation waits through every train step and refit). k >= 1:

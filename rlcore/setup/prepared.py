@@ -88,6 +88,7 @@ def prepare(
     declarations = {r: i.declaration for r, i in backends.items() if i.declaration is not None}
     check_dtype(config, declarations)
     check_loss_features(config, declarations[Role.POLICY])
+    check_dynamic_sampling(config, declarations.get(Role.ENV))
     options = {role: _resolved(config, role, d) for role, d in declarations.items()}
     if plan is None:
         plan = build_plan(config, declarations, options=options, accelerator=accelerator)
@@ -168,6 +169,23 @@ def check_dtype(config: RunConfig, declarations: Mapping[Role, BackendDeclaratio
             f"in {runs} only (its declaration's dtypes); set model.dtype to one of them or pick "
             f"another {role.value}.backend",
             key="model.dtype",
+        )
+
+
+def check_dynamic_sampling(config: RunConfig, env: BackendDeclaration | None) -> None:
+    """``grpo.dynamic_sampling`` only with an env that declares ``extra_draws``: it asks the
+    env for more prompts of a step (``RolloutRequest.draw``)."""
+    if not config.grpo.dynamic_sampling:
+        return
+    key = "grpo.dynamic_sampling"
+    if env is None:
+        raise ConfigError(f"config key '{key}' draws more prompts from the env: set env.backend", key=key)
+    if not env.extra_draws:
+        raise ConfigError(
+            f"config key '{key}' is true, but env backend '{env.name}' does not declare extra_draws (it "
+            "cannot give a step more prompts after groups of equal rewards are dropped); set "
+            f"{key}=false or choose an env that declares it",
+            key=key,
         )
 
 

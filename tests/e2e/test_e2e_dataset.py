@@ -54,3 +54,22 @@ def test_a_bad_reward_is_refused_before_anything_starts(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stdout + done.stderr
     assert "env.options.reward: 'examples/math_reward.py' has no function 'nope'" in done.stdout + done.stderr
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_dynamic_sampling_trains_no_group_of_equal_rewards(tmp_path: Path) -> None:
+    """Two samples per prompt make groups of equal rewards common (both without a number):
+    with grpo.dynamic_sampling none is trained on, and the dropped ones are replaced by
+    extra draws of the env, as the step's line says."""
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [str(RLCORE), "run", EXAMPLE, "grpo.steps=3", "grpo.samples_per_prompt=2", "grpo.dynamic_sampling=true",
+         f"setup.cache_dir={tmp_path / 'cache'}", "--out", str(run_dir)],
+        capture_output=True, text=True, cwd=REPO, timeout=840,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["reward/zero_variance_groups"] == 0 for r in steps), steps
+    assert sum(r["sampling/dropped_groups"] for r in steps) > 0
+    assert all(r["sampling/extra_draws"] >= (r["sampling/dropped_groups"] > 0) for r in steps)
+    assert all(r["generate/prompt_tokens"] > 0 for r in steps)

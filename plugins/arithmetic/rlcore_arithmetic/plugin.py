@@ -23,6 +23,11 @@ class ArithmeticEnv(PromptAndScoreEnv):
         o = self.options
         return make_prompts(n, seed=o.seed * 100_003 + step, max_operand=o.max_operand, ops=o.ops)
 
+    def sample_extra_prompts(self, n: int, step: int, draw: int) -> list[Prompt]:
+        """Dynamic sampling's extra prompts: another seed per (step, draw)."""
+        o = self.options
+        return make_prompts(n, seed=(o.seed * 100_003 + step) * 1_009 + draw * 10_000_019, max_operand=o.max_operand, ops=o.ops)
+
     def score(self, prompts: list[Prompt], completions: list[list[str]]) -> list[list[float]]:
         return [[reward(p, c) for c in group] for p, group in zip(prompts, completions, strict=True)]
 
@@ -37,6 +42,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
         roles={Role.ENV},
         overlap=OverlapSafety(non_colocated=True, colocated=True),
         options=ArithmeticOptions,
+        extra_draws=True,  # sample_extra_prompts: dynamic sampling's other prompts
         contract_version="2.5",
         description="verifiable a+b= task with partial-credit rewards (pure Python)",
     )

@@ -66,3 +66,12 @@ def test_rollouts_keep_the_samples_weight_versions() -> None:
     assert [[r.get("versions") for r in g] for g in groups] == [[[4, 5], None]] * 2
     prompts = env.sample_prompts(2, 1)
     assert [g[0]["prompt_ids"] for g in groups] == [[ord(c) for c in p.text] for p in prompts]
+
+
+def test_extra_draws_give_other_prompts_repeatably() -> None:
+    env = ArithmeticEnv(ArithmeticOptions(max_operand=50))
+    own = env.sample_prompts(6, 3)
+    extra = env.sample_extra_prompts(6, 3, 1)
+    assert extra == env.sample_extra_prompts(6, 3, 1)
+    assert extra != own and extra != env.sample_extra_prompts(6, 3, 2) and extra != env.sample_prompts(6, 4)
+    assert rlcore_declare_backend().extra_draws

@@ -48,6 +48,10 @@ class DatasetEnv(PromptAndScoreEnv):
     def sample_prompts(self, n: int, step: int) -> list[DataPrompt]:
         return [self._prompt(i) for i in self.sampler.take(n, step)]
 
+    def sample_extra_prompts(self, n: int, step: int, draw: int) -> list[DataPrompt]:
+        """Dynamic sampling's extra prompts: the next rows of the stream, as a step's."""
+        return [self._prompt(i) for i in self.sampler.take(n, step, draw)]
+
     def _prompt(self, i: int) -> DataPrompt:
         row = self.rows[i]
         check_prompt(row, self.options, where=f"row {i}")
@@ -89,7 +93,11 @@ class DatasetEnv(PromptAndScoreEnv):
         """The step's prompts sampled through the generation, scored; with
         ``on_reward_error=skip`` a failed sample carries ``failed`` (its reason)."""
         tok = request.tokenizer
-        prompts = self.sample_prompts(request.prompts, request.step)
+        prompts = (
+            self.sample_extra_prompts(request.prompts, request.step, request.draw)
+            if request.draw
+            else self.sample_prompts(request.prompts, request.step)
+        )
         prompt_ids = [self.encode(tok, p) for p in prompts]
         groups = request.generation.generate(prompt_ids, request.sampling())
         texts = [[tok.decode(s["token_ids"], skip_special_tokens=True) for s in g] for g in groups]

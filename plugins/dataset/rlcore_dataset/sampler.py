@@ -10,9 +10,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-#: Steps whose start position is remembered, so a step asked again (the same step must give
+#: (step, draw) entries whose start position is remembered, so a step asked again (the same step must give
 #: the same prompts: a retried rollout, the conformance suite) gets the same rows.
-REMEMBERED_STEPS = 16
+REMEMBERED_STEPS = 64
 
 
 class EpochSampler:
@@ -23,7 +23,7 @@ class EpochSampler:
             raise ValueError(f"an EpochSampler needs at least one row, got {rows}")
         self.rows, self.seed, self.shuffle = rows, seed, shuffle
         self.position = 0  # rows taken so far, over every epoch
-        self._starts: dict[int, int] = {}  # step -> its first position
+        self._starts: dict[tuple[int, int], int] = {}  # (step, draw) -> its first position
         self._orders: dict[int, list[int]] = {}
 
     def order(self, epoch: int) -> list[int]:
@@ -35,12 +35,13 @@ class EpochSampler:
             self._orders = {epoch: idx}  # an epoch is read through before the next begins
         return self._orders[epoch]
 
-    def take(self, n: int, step: int) -> list[int]:
-        """The rows of ``step``: the next ``n`` of the stream, or the same rows as the first
-        time when ``step`` was taken already."""
-        start = self._starts.get(step)
+    def take(self, n: int, step: int, draw: int = 0) -> list[int]:
+        """The rows of ``step`` (and of its extra ``draw`` of dynamic sampling): the next ``n``
+        of the stream, or the same rows as the first time when they were taken already."""
+        key = (step, draw)
+        start = self._starts.get(key)
         if start is None:
-            start = self._starts[step] = self.position
+            start = self._starts[key] = self.position
             self.position += n
             for old in sorted(self._starts)[:-REMEMBERED_STEPS]:
                 del self._starts[old]
@@ -58,7 +59,7 @@ class EpochSampler:
         current position."""
         position = self.position
         if after_step is not None:
-            position = self._starts.get(after_step + 1, position)
+            position = self._starts.get((after_step + 1, 0), position)
         return {"position": position, "rows": self.rows, "seed": self.seed, "shuffle": self.shuffle}
 
     def load_state(self, state: dict[str, Any]) -> None:

@@ -52,3 +52,15 @@ def test_the_state_after_a_step_ignores_steps_taken_ahead() -> None:
     resumed.load_state(ahead.state(after_step=2))
     assert [resumed.take(3, step) for step in range(3, 6)] == steps[2:]
     assert ahead.state()["position"] == 12 and ahead.state(after_step=2)["position"] == 6
+
+
+def test_an_extra_draw_takes_the_next_rows_and_is_repeatable() -> None:
+    s = EpochSampler(20, seed=2)
+    own = s.take(4, 1)
+    extra = s.take(4, 1, draw=1)
+    assert not set(own) & set(extra) and s.position == 8
+    assert s.take(4, 1, draw=1) == extra and s.position == 8  # asked again: the same rows
+    nxt = s.take(4, 2)
+    assert not set(nxt) & (set(own) | set(extra))
+    # A run resumed after step 1 starts step 2 where it started, past step 1's extra draw.
+    assert s.state(after_step=1)["position"] == 8
