@@ -311,6 +311,39 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- samples
+
+
+def cmd_samples(args: argparse.Namespace) -> int:
+    """``rlcore samples DIR [-n N] [--step S]``: the newest lines of a run's samples.jsonl."""
+    from rlcore.app.samples import FILE, newest
+
+    run_dir = Path(args.dir)
+    if not run_dir.is_dir():
+        _console(stderr=True).print(f"error: {run_dir} is not a run directory")
+        return 2
+    lines = newest(run_dir, args.n, args.step)
+    if not lines:
+        where = f" of step {args.step}" if args.step is not None else ""
+        _console(stderr=True).print(
+            f"no samples{where} in {run_dir / FILE} (logging.samples_every=0 writes none)"
+        )
+        return 1
+    con = _console()
+    for line in lines:
+        con.print(
+            f"[bold]step {line['step']}[/bold]  reward {_reward(line['reward'])}  weights v{line['weight_version']}",
+            highlight=False,
+        )
+        con.print(f"  prompt:     {escape(str(line['prompt']))!s}", highlight=False)
+        con.print(f"  completion: {escape(str(line['completion']))!s}", highlight=False)
+    return 0
+
+
+def _reward(value: object) -> str:
+    return f"{value:.3f}" if isinstance(value, int | float) else "none (failed)"
+
+
 # ---------------------------------------------------------------- new-backend
 
 
@@ -375,6 +408,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest that verifies)")
     p.add_argument("--to", required=True, metavar="HF_DIR", help="the model directory to write; must be new or empty")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("samples", help="print the newest samples a run wrote (its samples.jsonl)")
+    p.add_argument("dir", metavar="DIR", help="run directory")
+    p.add_argument("-n", type=int, default=8, help="how many of the newest samples (0: all; default 8)")
+    p.add_argument("--step", type=int, default=None, help="only this step's samples")
+    p.set_defaults(func=cmd_samples)
 
     p = sub.add_parser("new-backend", help="write a ready backend plugin package")
     p.add_argument("name", help="backend name, e.g. mybackend")

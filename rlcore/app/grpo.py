@@ -275,6 +275,7 @@ def _sample(s: Session, step: int, clock: _StepClock) -> _Samples:
         s.to_generation()
     with clock("generate"):
         groups = s.rollouts(step)
+    s.record_samples(step, groups)
     with clock("reward"):
         rewards, failed = scored(groups)
         advantages = group_advantages(rewards, failed=failed)
@@ -441,6 +442,7 @@ def _step_ahead(
             groups, lags, more = _fresh(got, step - 1, k)
             dropped += more
     s.now = f"step {step}"
+    s.record_samples(step, groups, got.version)
     with clock("reward"):
         rewards, failed = scored(groups)
         advantages = [a for g in group_advantages(rewards, failed=failed) for a in g]

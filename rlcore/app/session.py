@@ -79,6 +79,7 @@ from rlcore.app.rundir import (
     make_run_dir,
     truncate_metrics,
 )
+from rlcore.app.samples import due, sample_lines, write_samples
 from rlcore.app.stream import RolloutStream
 from rlcore.app.trace import TraceRecorder
 from rlcore.config import RunConfig, cache_dir, load_config
@@ -602,6 +603,21 @@ class Session:
         )
         self._turn("generation")
         return self._retry(lambda: self._collect(request), step, "rollout")  # type: ignore[no-any-return]
+
+    def record_samples(self, step: int, groups: Sequence[Sequence[Rollout]], version: int | None = None) -> None:
+        """Write a few of ``step``'s samples, decoded, to the run directory's ``samples.jsonl``
+        (every ``logging.samples_every`` steps, ``logging.samples_per_step`` of them;
+        :mod:`rlcore.app.samples`); ``version``: the weights they were sampled with (default:
+        the generation's now). Nothing without a run directory.
+
+        Raises:
+            RunDirError: the disk could not take the lines (the file ends at a whole line).
+        """
+        logging_cfg = self.config.logging
+        if self.run_dir is None or not due(step, logging_cfg.samples_every):
+            return
+        version = self.weight_version if version is None else version
+        write_samples(self.run_dir, sample_lines(step, groups, self.tokenizer, version, logging_cfg.samples_per_step))
 
     def sampling_metrics(self, step: int) -> dict[str, float]:
         """What dynamic sampling did for ``step``'s rollouts (``sampling/dropped_groups``,

@@ -388,6 +388,11 @@ class LoggingConfig:
     tensorboard: bool = False
     wandb: WandbConfig = field(default_factory=WandbConfig)
     mlflow: MLflowConfig = field(default_factory=MLflowConfig)
+    #: Write ``samples.jsonl`` every N steps (0: never): prompt, completion, reward and
+    #: weight version of a few samples (:mod:`rlcore.app.samples`; ``rlcore samples DIR``).
+    samples_every: int = bounded(1, ge=0)
+    #: Samples written per such step, one per prompt first.
+    samples_per_step: int = bounded(4, ge=1)
 
 
 @dataclass

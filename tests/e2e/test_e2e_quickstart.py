@@ -165,6 +165,20 @@ def test_reward_rises(quickstart_run: Path) -> None:
     assert last > first + 0.1, rewards
 
 
+def test_every_step_writes_its_samples_and_the_cli_reads_them(quickstart_run: Path) -> None:
+    from rlcore.app.samples import newest
+
+    lines = newest(quickstart_run, 0)
+    # logging.samples_per_step (4) of every step, one per prompt: different prompts, decoded.
+    assert [line["step"] for line in lines] == [s for s in range(1, STEPS + 1) for _ in range(4)]
+    first = [line for line in lines if line["step"] == 1]
+    assert len({line["prompt"] for line in first}) == 4 and all(line["prompt"].endswith("=") for line in first)
+    assert all(isinstance(line["reward"], float) and line["weight_version"] == line["step"] - 1 for line in lines)
+    shown = subprocess.run([str(RLCORE), "samples", str(quickstart_run), "-n", "2"], capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.count(f"step {STEPS} ") == 2 and shown.stdout.count("completion: ") == 2
+
+
 class KillGenerationWorker:
     """Test-only wrapper plugin: SIGKILLs the generation worker process before refit step 2."""
 
