@@ -67,13 +67,21 @@ def data_files(path: Path) -> list[Path]:
 def load_rows(data: str, *, split: str = "train") -> list[dict[str, Any]]:
     """Every row of ``env.options.data``, as dicts; a :class:`ConfigError` naming the key,
     the file and the line for anything unreadable."""
+    return load_rows_and_origins(data, split=split)[0]
+
+
+def load_rows_and_origins(data: str, *, split: str = "train") -> tuple[list[dict[str, Any]], list[str]]:
+    """:func:`load_rows`, and where each row is, for people: ``prompts.jsonl line 22`` (the
+    file's own line, counted from 1), ``data.json item 3`` or ``data.parquet row 3`` (from 1),
+    ``split 'train' row 3`` of a saved dataset."""
     path = data_path(data)
     if is_saved_dataset(path):
-        return _saved_dataset(path, split)
-    rows = [row for f in data_files(path) for row in _file_rows(f)]
-    if not rows:
+        rows = _saved_dataset(path, split)
+        return rows, [f"{path.name} split {split!r} row {i}" for i in range(1, len(rows) + 1)]
+    pairs = [pair for f in data_files(path) for pair in _file_rows(f)]
+    if not pairs:
         raise ConfigError(f"{KEY} is {data!r}, which holds no rows; give at least one prompt", key=KEY)
-    return rows
+    return [row for row, _ in pairs], [where for _, where in pairs]
 
 
 def first_row(data: str, *, split: str = "train") -> dict[str, Any]:
@@ -83,21 +91,22 @@ def first_row(data: str, *, split: str = "train") -> dict[str, Any]:
     if is_saved_dataset(path):
         return load_rows(data, split=split)[0]
     for f in data_files(path):
-        for row in _file_rows(f):
+        for row, _ in _file_rows(f):
             return row
     raise ConfigError(f"{KEY} is {data!r}, which holds no rows; give at least one prompt", key=KEY)
 
 
-def _file_rows(path: Path) -> Iterator[dict[str, Any]]:
+def _file_rows(path: Path) -> Iterator[tuple[dict[str, Any], str]]:
+    """Each row of the file, with where it is (counted from 1)."""
     if path.suffix == ".jsonl":
         yield from _jsonl(path)
     elif path.suffix == ".json":
         yield from _json(path)
     else:
-        yield from _parquet(path)
+        yield from ((row, f"{path.name} row {i}") for i, row in enumerate(_parquet(path), 1))
 
 
-def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
+def _jsonl(path: Path) -> Iterator[tuple[dict[str, Any], str]]:
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -109,10 +118,10 @@ def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
                     f"{KEY}: {path} line {n} is not JSON ({err.msg}); each line is one JSON object",
                     key=KEY,
                 ) from None
-            yield _object(row, f"{path} line {n}")
+            yield _object(row, f"{path} line {n}"), f"{path.name} line {n}"
 
 
-def _json(path: Path) -> Iterator[dict[str, Any]]:
+def _json(path: Path) -> Iterator[tuple[dict[str, Any], str]]:
     try:
         rows = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
@@ -123,8 +132,8 @@ def _json(path: Path) -> Iterator[dict[str, Any]]:
             "(or a .jsonl file, one object per line)",
             key=KEY,
         )
-    for i, row in enumerate(rows):
-        yield _object(row, f"{path} item {i}")
+    for i, row in enumerate(rows, 1):
+        yield _object(row, f"{path} item {i}"), f"{path.name} item {i}"
 
 
 def _parquet(path: Path) -> Iterator[dict[str, Any]]:

@@ -38,9 +38,12 @@ class DatasetEnv(PromptAndScoreEnv):
     """Samples rows per epoch from a seeded order and scores completions with the rewards."""
 
     def __init__(
-        self, options: DatasetOptions, rows: list[dict[str, Any]], specs: list[RewardSpec], pool: RewardPool
+        self, options: DatasetOptions, rows: list[dict[str, Any]], specs: list[RewardSpec], pool: RewardPool,
+        origins: list[str] | None = None,
     ) -> None:
         self.options, self.rows, self.specs, self.pool = options, rows, specs, pool
+        #: Where each row is in env.options.data, for messages (``prompts.jsonl line 22``).
+        self.origins = origins or [f"row {i} (counted from 0)" for i in range(len(rows))]
         self.sampler = EpochSampler(len(rows), seed=options.seed, shuffle=options.shuffle)
         self._columns = reward_columns(rows[0], options.prompt_column)
         self.closed = False
@@ -54,7 +57,7 @@ class DatasetEnv(PromptAndScoreEnv):
 
     def _prompt(self, i: int) -> DataPrompt:
         row = self.rows[i]
-        check_prompt(row, self.options, where=f"row {i}")
+        check_prompt(row, self.options, where=self.origins[i])
         prompt = row[self.options.prompt_column]
         text = prompt if isinstance(prompt, str) else "\n".join(str(m["content"]) for m in prompt)
         return DataPrompt(text, i, prompt, {c: row.get(c) for c in self._columns})
@@ -77,7 +80,10 @@ class DatasetEnv(PromptAndScoreEnv):
 
     def score_detailed(self, prompts: Sequence[DataPrompt], completions: Sequence[Sequence[str]]) -> list[GroupScores]:
         """Each group's rewards and failed samples (``on_reward_error`` applied)."""
-        groups = [GroupInput(p.row, p.prompt, p.columns, list(c)) for p, c in zip(prompts, completions, strict=True)]
+        groups = [
+            GroupInput(p.row, p.prompt, p.columns, list(c), self.origins[p.row])
+            for p, c in zip(prompts, completions, strict=True)
+        ]
         return score_groups(self.pool, self.specs, groups, on_error=self.options.on_reward_error)
 
     def score(self, prompts: Sequence[DataPrompt], completions: Sequence[Sequence[str]]) -> list[list[float]]:

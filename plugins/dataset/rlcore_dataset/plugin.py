@@ -26,7 +26,7 @@ def rlcore_init_env(ctx: InitContext):  # noqa: ANN201 - a DatasetEnv; its modul
     """Read the rows and start ``env.workers`` reward processes (in the driver's host: the env
     samples through the run's generation, its rewards run beside it)."""
     from rlcore.errors import ConfigError
-    from rlcore_dataset.data import load_rows
+    from rlcore_dataset.data import load_rows_and_origins
     from rlcore_dataset.env import DatasetEnv
     from rlcore_dataset.pool import RewardPool
     from rlcore_dataset.rewards import RewardSpec, parse_specs
@@ -39,7 +39,7 @@ def rlcore_init_env(ctx: InitContext):  # noqa: ANN201 - a DatasetEnv; its modul
         )
     o: DatasetOptions = ctx.options
     specs = [RewardSpec(_absolute(s.spec), s.weight) for s in parse_specs(o.reward, o.reward_weights)]
-    rows = load_rows(o.data, split=o.split)
+    rows, origins = load_rows_and_origins(o.data, split=o.split)
     ctx.cancel.raise_if_cancelled("init:env")
     ctx.deadline.raise_if_expired()
     pool = RewardPool(
@@ -49,7 +49,7 @@ def rlcore_init_env(ctx: InitContext):  # noqa: ANN201 - a DatasetEnv; its modul
         start_timeout_s=120.0 if (left := ctx.deadline.remaining()) is None else max(1.0, left),
     )
     pool.start()
-    return DatasetEnv(o, rows, specs, pool)
+    return DatasetEnv(o, rows, specs, pool, origins)
 
 
 def _absolute(spec: str) -> str:

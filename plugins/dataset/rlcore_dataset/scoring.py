@@ -34,6 +34,8 @@ class GroupInput:
     prompt: Any
     columns: dict[str, Any]
     completions: list[str]
+    #: Where the row is, for people (``prompts.jsonl line 22``); empty: its index.
+    origin: str = ""
 
     def arguments(self) -> dict[str, Any]:
         """TRL's keyword arguments: one entry per completion in each list."""
@@ -66,12 +68,25 @@ def score_groups(
         for f, spec in enumerate(specs):
             _add(scores, spec, g, outcomes[gi * len(specs) + f], on_error)
         out.append(scores)
+    _warn_once(out)
     return out
+
+
+def _warn_once(scored: Sequence[GroupScores]) -> None:
+    """One warning for every sample left out of a call's groups, not one per sample."""
+    reasons = [f for g in scored for f in g.failed if f is not None]
+    if reasons:
+        more = f" ({len(reasons) - 1} more like it in these groups)" if len(reasons) > 1 else ""
+        log.warning(
+            "%d sample(s) left out of their group's advantage (env.options.on_reward_error=skip): %s%s",
+            len(reasons), reasons[0], more,
+        )
 
 
 def _add(scores: GroupScores, spec: RewardSpec, g: GroupInput, got: Outcome, on_error: str) -> None:
     n = len(g.completions)
-    where = f"reward function {spec.name!r} ({spec.spec}) on row {g.row} of env.options.data"
+    at = g.origin or f"row {g.row} (counted from 0)"
+    where = f"reward function {spec.name!r} ({spec.spec}) on {at} of env.options.data"
     failed: dict[int, str] = {}
     if got.error is not None:
         failed = dict.fromkeys(range(n), f"{where}: {got.error}")
@@ -88,7 +103,6 @@ def _add(scores: GroupScores, spec: RewardSpec, g: GroupInput, got: Outcome, on_
     for j in range(n):
         if j in failed:
             if scores.failed[j] is None:
-                log.warning("%s; the sample is left out of its group's advantage", failed[j])
                 scores.failed[j] = failed[j]
         elif got.scores is not None:
             scores.rewards[j] += spec.weight * got.scores[j]

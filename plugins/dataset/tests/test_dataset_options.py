@@ -88,3 +88,14 @@ def test_a_datasets_dataset_saved_to_disk_is_read(tmp_path: Path) -> None:
     assert load_rows(str(tmp_path / "one")) == rows
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:1])}).save_to_disk(str(tmp_path / "dict"))
     assert load_rows(str(tmp_path / "dict")) == rows[:1]
+
+
+def test_each_row_knows_its_line_counted_from_one(tmp_path: Path) -> None:
+    from rlcore_dataset.data import load_rows_and_origins
+
+    (tmp_path / "a.jsonl").write_text('{"prompt": "x"}\n\n{"prompt": "y"}\n')
+    (tmp_path / "b.json").write_text('[{"prompt": "z"}]')
+    rows, origins = load_rows_and_origins(str(tmp_path))
+    assert [r["prompt"] for r in rows] == ["x", "y", "z"]
+    # The blank line counts: the second row is the file's line 3, as an editor shows it.
+    assert origins == ["a.jsonl line 1", "a.jsonl line 3", "b.json item 1"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import os
 import re
 import time
@@ -15,7 +17,8 @@ from rlcore_dataset.scoring import GroupInput, RewardError, score_groups
 
 REWARDS = str(Path(__file__).resolve().parent / "fixture_rewards.py")
 GROUPS = [
-    GroupInput(row=4, prompt="4+1=", columns={"answer": "5", "id": 4}, completions=["5", "b", "55"]),
+    GroupInput(row=4, prompt="4+1=", columns={"answer": "5", "id": 4}, completions=["5", "b", "55"],
+               origin="prompts.jsonl line 5"),
     GroupInput(row=7, prompt="7+1=", columns={"answer": "8", "id": 7}, completions=["8", "8"]),
 ]
 
@@ -57,12 +60,16 @@ def test_rewards_are_called_with_completions_and_columns_and_weighted() -> None:
     ("nan_for_b", "returned nan for completion 1"),
     ("dies", r"its process exited during the call \(exit code 3"),
 ])
-def test_a_broken_reward_is_named_with_its_row(fn: str, why: str) -> None:
+def test_a_broken_reward_is_named_with_its_row(fn: str, why: str, caplog: pytest.LogCaptureFixture) -> None:
     pool, specs = pool_of(fn, workers=1)
     try:
-        with pytest.raises(RewardError, match=rf"'{fn}'.*row 4 of env.options.data: {why}"):
+        with pytest.raises(RewardError, match=rf"'{fn}'.*on prompts.jsonl line 5 of env.options.data: {why}"):
             score_groups(pool, specs, GROUPS[:1], on_error="fail")
-        skipped = score_groups(pool, specs, GROUPS[:1], on_error="skip")[0]
+        with caplog.at_level(logging.WARNING, logger="rlcore_dataset.scoring"):
+            skipped = score_groups(pool, specs, GROUPS[:1], on_error="skip")[0]
+        # One warning for the call, counting the samples, not one per sample.
+        warned = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+        assert len(warned) == 1 and warned[0].startswith(f"{1 if fn == 'nan_for_b' else 3} sample(s) left out")
         failed = [f is not None for f in skipped.failed]
         assert failed == ([False, True, False] if fn == "nan_for_b" else [True, True, True])
         assert all(re.search(why, f) for f in skipped.failed if f)
