@@ -7,6 +7,7 @@ Only this module prints. It imports the heavy parts (Ray, torch) only inside
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import json
 import logging
@@ -40,6 +41,8 @@ DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 #: Width of output that is not a terminal (a pipe, a file): wide enough that tables are
 #: never cut (rich would otherwise assume 80 columns and shorten names to "arithme…").
 PIPE_WIDTH = 1000
+#: Columns ``rlcore plugins`` fits in (a terminal narrower than this gets its own width).
+PLUGINS_WIDTH = 100
 
 
 def _console(stderr: bool = False) -> Console:
@@ -52,7 +55,8 @@ def _console(stderr: bool = False) -> Console:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    """``rlcore plugins [--json]``: backends, wrappers, skipped plugins, disabled ones.
+    """``rlcore plugins [NAME] [--json]``: backends, wrappers, skipped plugins, disabled ones;
+    with NAME, that backend's declaration and options.
 
     Versions are those of the code Python imports: a plugin whose distribution is
     installed twice is listed as skipped, naming every copy and the imported one.
@@ -60,15 +64,18 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from rlcore.setup.registry import load_registry
 
     registry = load_registry()
+    if args.name is not None:
+        return _plugin_detail(registry, args.name, as_json=args.json)
     if args.json:
         print(json.dumps(_plugins_payload(registry), indent=2))
         return 0
     con = _console()
-    table = Table(title="rlcore backends (entry-point group rlcore.backends)")
-    columns = ("backend", "roles", "overlap (non-colo/colo)", "refit-fed", "transports", "endpoint",
-               "contract", "distribution")
-    for col in columns:
-        table.add_column(col, overflow="fold")  # a narrow terminal folds names, never cuts them
+    # At most PLUGINS_WIDTH columns: cells wrap between words; a long name folds, never cut.
+    table = Table(title="rlcore backends (entry-point group rlcore.backends)", width=min(con.width, PLUGINS_WIDTH))
+    # Widths that hold the longest word of each column (shared_memory, rlcore-arithmetic).
+    for col, least, most in (("backend", 10, 12), ("roles", 11, 11), ("transports", 13, 13), ("declares", 16, None),
+                             ("contract", 8, 8), ("distribution", 17, 17)):
+        table.add_column(col, overflow="fold", min_width=least, max_width=most)
     for name, info in sorted(registry.backends.items()):
         d = info.declaration
         assert d is not None
@@ -76,14 +83,13 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         table.add_row(
             name,
             ", ".join(sorted(r.value for r in d.roles)),
-            f"{'yes' if d.overlap.non_colocated else 'no'}/{'yes' if d.overlap.colocated else 'no'}",
-            "yes" if d.refit_fed else "no",
-            ", ".join(transports),
-            _endpoint_cell(d),
+            ", ".join(transports) or "-",
+            "; ".join(_declares(d)),
             d.contract_version,
             f"{info.distribution or '?'} {info.version or ''}".strip(),
         )
     con.print(table)
+    con.print("rlcore plugins NAME lists a backend's options; --json gives every declaration field")
     for w in registry.wrappers:
         con.print(f"wrapper plugin: {w.name} ({w.distribution or '?'})")
     for f in registry.failures:
@@ -92,6 +98,60 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         con.print(f"[yellow]not loaded (allowlist): {name}[/yellow]")
     if not registry.backends:
         con.print("no backends installed: pip install one, e.g. ./plugins/fsdp")
+    return 0
+
+
+def _declares(d: BackendDeclaration) -> list[str]:
+    """What a backend declares beyond roles and transports, in a few words each."""
+    parts = [f"overlap {'yes' if d.overlap.non_colocated else 'no'}/{'yes' if d.overlap.colocated else 'no'}"]
+    parts += ["refit-fed"] if d.refit_fed else []
+    parts += [f"endpoint {_endpoint_cell(d)}"] if d.openai_endpoint else []
+    if d.checkpoint is not None:
+        parts.append("checkpoints" + (" (staged)" if d.checkpoint.staged else ""))
+    parts += [f"max_staleness {d.max_staleness}"] if d.max_staleness else []
+    parts += ["adapters"] if d.trains_adapters else []
+    parts += [f"loss options: {', '.join(sorted(d.loss_options))}"] if d.loss_options else []
+    parts += ["extra draws"] if d.extra_draws else []
+    return parts
+
+
+def _plugin_detail(registry: Registry, name: str, *, as_json: bool) -> int:
+    """``rlcore plugins NAME``: one backend's declaration and its options (type, default,
+    range, doc), within :data:`PLUGINS_WIDTH` columns."""
+    import textwrap
+
+    from rlcore.app.option_docs import option_docs
+
+    info = registry.backends.get(name)
+    if info is None or info.declaration is None:
+        known = ", ".join(sorted(registry.backends)) or "none"
+        _console(stderr=True).print(f"error: no backend named {name!r} is installed (installed: {known})")
+        return 2
+    d = info.declaration
+    options = option_docs(d.options) if d.options is not None else []
+    if as_json:
+        print(json.dumps({"declaration": d.to_dict(), "options": [dataclasses.asdict(o) for o in options]}, indent=2))
+        return 0
+    con = _console()
+    head = [
+        f"{name} ({info.distribution or '?'} {info.version or ''}): {d.description}",
+        f"  roles: {', '.join(sorted(r.value for r in d.roles))}; contract {d.contract_version}",
+        "  declares: " + "; ".join(_declares(d)),
+    ]
+    for text in head:
+        for line in textwrap.wrap(text, width=PLUGINS_WIDTH, subsequent_indent="    "):
+            con.print(escape(line), highlight=False)
+    if d.options is None:
+        con.print("  options: not declared (any <role>.options mapping is passed through unchecked)")
+        return 0
+    section = "policy" if Role.POLICY in d.roles else next(iter(sorted(r.value for r in d.roles)))
+    con.print(f"options ({section}.options.NAME, or the section of the role it serves):")
+    for o in options:
+        head = f"  {o.name}: {o.type} = {o.default}" + (f"  ({o.range})" if o.range and o.range != "any number" else "")
+        con.print(escape(head), highlight=False)
+        doc = o.doc.replace("``", "`")
+        for line in textwrap.wrap(doc, width=PLUGINS_WIDTH - 6):
+            con.print(escape(f"      {line}"), highlight=False)
     return 0
 
 
@@ -379,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("plugins", help="list installed backends and their declarations")
+    p = sub.add_parser("plugins", help="list installed backends and their declarations; NAME: one backend's options")
+    p.add_argument("name", nargs="?", default=None, metavar="NAME", help="a backend: its declaration and options")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_plugins)
 

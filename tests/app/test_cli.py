@@ -165,9 +165,31 @@ def test_plugins_in_a_pipe_prints_whole_names() -> None:
     assert "…" not in out
     for name in ("arithmetic", "rlcore-arithmetic", "shared_memory"):
         assert name in out
+    # 100 columns at most, cells wrapped between words (a name is never split).
+    assert max(len(line) for line in out.splitlines()) <= 100
     # Each backend's contract version, and an endpoint that depends on the config says when.
-    vllm_row = next(line for line in out.splitlines() if line.startswith("│ vllm "))
-    assert "when options.serve_openai == True" in vllm_row and f"│ {CONTRACT_VERSION} " in vllm_row
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("│ vllm "))
+    block = [lines[start]] + [line for line in lines[start + 1:] if line.startswith("│  ")][:6]
+    declares = " ".join(line.split("│")[4].strip() for line in block)  # the column, its lines joined
+    assert "endpoint when options.serve_openai == True" in " ".join(declares.split())
+    assert f"│ {CONTRACT_VERSION} " in lines[start]
+
+
+def test_plugins_name_lists_the_options_with_types_defaults_ranges_and_docs(capsys) -> None:
+    assert main(["plugins", "fsdp"]) == 0
+    out = capsys.readouterr().out
+    assert "  micro_batch_size: int = 32  (at least 1)" in out
+    assert "  lora.rank: int = 8  (at least 1)" in out and "Rank of each adapter" in out
+    assert "declares: overlap yes/yes" in out and "adapters" in out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert main(["plugins", "fsdp", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["declaration"]["trains_adapters"] is True
+    assert {"name": "lora.alpha", "type": "float", "default": "16.0", "range": "greater than 0",
+            "doc": "Scale numerator: the product is scaled by ``alpha / rank``."} in payload["options"]
+    assert main(["plugins", "nope"]) == 2
+    assert "no backend named 'nope' is installed" in capsys.readouterr().err
 
 
 def test_plugins_in_a_narrow_terminal_folds_names(monkeypatch, capsys) -> None:
