@@ -402,6 +402,19 @@ class StagedCheckpointable(Checkpointable, Protocol):
 
 
 @runtime_checkable
+class AdapterSource(Protocol):
+    """A policy that trains LoRA adapters (``trains_adapters``, contract 2.5) gives them as
+    peft saves them, for ``rlcore export --adapter``: a directory peft loads onto the base."""
+
+    def adapter_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The adapter tensors by the names peft saves them under
+        (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``; CPU tensors)
+        and peft's adapter config (``adapter_config.json``'s fields: ``r``, ``lora_alpha``,
+        ``target_modules``, ...). Raises when the run trained every weight."""
+        ...
+
+
+@runtime_checkable
 class ResumableEnv(Protocol):
     """An env handle with state a resumed run must get back (optional, contract 2.2): a
     position in a dataset, a curriculum. An env that picks its prompts from the step alone

@@ -360,14 +360,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     with SignalGuard():
         try:
-            exported = export_checkpoint(Path(args.dir), Path(args.to), step=args.step, console=_console())
+            exported = export_checkpoint(
+                Path(args.dir), Path(args.to), step=args.step, console=_console(), adapter=args.adapter
+            )
         except KeyboardInterrupt as err:
             signum = signum_of(err)
             left = end_leftovers()
             extra = f"; ended leftover processes {', '.join(left)}" if left else ""
             _console(stderr=True).print(f"export interrupted ({signal_name(signum)}); {args.to} not written{extra}")
             return 128 + signum
-    _console().print(f"Hugging Face model: {exported.path}")
+    _console().print(f"{'peft adapter' if args.adapter else 'Hugging Face model'}: {exported.path}")
     return 0
 
 
@@ -468,6 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", metavar="DIR", help="run directory, its checkpoints directory, or one step-N checkpoint")
     p.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest that verifies)")
     p.add_argument("--to", required=True, metavar="HF_DIR", help="the model directory to write; must be new or empty")
+    p.add_argument("--adapter", action="store_true",
+                   help="a LoRA run: write its adapters as a peft adapter directory instead of the merged model")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("samples", help="print the newest samples a run wrote (its samples.jsonl)")

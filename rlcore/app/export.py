@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Exported", "export_checkpoint", "find_checkpoint", "start_policy", "write_model"]
+__all__ = ["Exported", "export_checkpoint", "find_checkpoint", "start_policy", "write_adapter", "write_model"]
 
 #: Files of a Hugging Face model directory that hold weights: the export writes its own.
 _WEIGHT_FILE = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.ckpt|\.h5|\.msgpack|\.index\.json)$")
@@ -251,10 +251,14 @@ def export_checkpoint(
     console: Console | None = None,
     probe: Sequence[Pair] = (),
     extra_plugins: Sequence[tuple[str, Any]] = (),
+    adapter: bool = False,
 ) -> Exported:
     """Export a checkpoint of ``directory`` to the Hugging Face model directory ``to``
     (module doc). Signals are the caller's to route (the CLI's
     :class:`~rlcore.app.interrupts.SignalGuard`): an interrupt tears everything down.
+    ``adapter``: write the trained LoRA adapters as a peft adapter directory instead
+    (``adapter_model.safetensors``, ``adapter_config.json`` naming the base model), for a
+    policy that trained them (:class:`rlcore.handles.AdapterSource`).
 
     Raises:
         ConfigError: bad input, before anything started (no such checkpoint, ``to`` not
@@ -274,15 +278,23 @@ def export_checkpoint(
     _say_selected(console, selected)
     prepared = prepare_role(config, load_registry(config.plugins.allow, extra=extra_plugins), Role.POLICY)
     _check_format(prepared, selected)
+    if adapter:
+        _check_adapters(prepared)
     cancel = CancelToken()
     with tempfile.TemporaryDirectory(prefix="rlcore-export-") as work:
         with start_policy(prepared, Path(work), cancel, console) as policy:
-            weights, logprobs = _restore_and_capture(policy, prepared, selected, cancel, console, probe)
+            weights, logprobs, adapter_config = _restore_and_capture(
+                policy, prepared, selected, cancel, console, probe, adapter=adapter
+            )
         model_dir = _model_dir(config, cancel)
         t0 = time.monotonic()
         with console.status(f"writing {to}"):
             written: list[str] = []
-            publish_dir(to, lambda d: written.extend(write_model(d, weights, model_dir)), cancel=cancel)
+            if adapter:
+                write = lambda d: written.extend(write_adapter(d, weights, adapter_config, model_dir))  # noqa: E731
+            else:
+                write = lambda d: written.extend(write_model(d, weights, model_dir))  # noqa: E731
+            publish_dir(to, write, cancel=cancel)
     console.print(f"wrote {to} ({len(weights)} tensors, {_total_bytes(weights) / 2**20:.1f} MiB in "
                   f"{time.monotonic() - t0:.1f}s): {', '.join(written)}")
     return Exported(to, selected, written, logprobs)
@@ -309,20 +321,63 @@ def _check_format(prepared: PreparedRun, selected: Chosen) -> None:
 
 def _restore_and_capture(
     policy: Any, prepared: PreparedRun, selected: Chosen, cancel: CancelToken, console: Console,
-    probe: Sequence[Pair],
-) -> tuple[dict[str, Any], list[list[float]]]:
-    """Load the checkpoint into the started policy and take its weights (and the probe's
-    logprobs, when asked) before it is torn down."""
+    probe: Sequence[Pair], *, adapter: bool = False,
+) -> tuple[dict[str, Any], list[list[float]], dict[str, Any]]:
+    """Load the checkpoint into the started policy and take its weights, or its adapters
+    and their config with ``adapter`` (and the probe's logprobs, when asked) before it is
+    torn down."""
+    from rlcore.handles import AdapterSource
+
     t0 = time.monotonic()
     with console.status(f"loading the checkpoint of step {selected.step}"):
         policy.load_checkpoint(str(selected.found.path / POLICY_DIR))
     console.print(f"loaded the checkpoint of step {selected.step} in {time.monotonic() - t0:.1f}s")
     logprobs = [list(row) for row in policy.logprobs(list(probe))] if probe else []
     t0 = time.monotonic()
+    if adapter:
+        if not isinstance(policy, AdapterSource):
+            raise ConfigError(
+                f"policy backend '{prepared.config.policy.backend}' gives no adapters "
+                "(rlcore.handles.AdapterSource); export without --adapter for the merged model",
+                key="policy.backend",
+            )
+        with console.status("taking the adapters"):
+            tensors, adapter_config = policy.adapter_state()
+        console.print(f"took {len(tensors)} adapter tensors in {time.monotonic() - t0:.1f}s")
+        return dict(tensors), logprobs, dict(adapter_config)
     with console.status("taking the weights by Hugging Face name"):
         weights = capture_weights(policy, prepared, selected.step, cancel)
     console.print(f"took {len(weights)} weights in {time.monotonic() - t0:.1f}s")
-    return weights, logprobs
+    return weights, logprobs, {}
+
+
+def _check_adapters(prepared: PreparedRun) -> None:
+    """``--adapter`` only for a run whose policy trained adapters (refused before start)."""
+    from rlcore.lora import requested_lora
+
+    decl = prepared.declarations[Role.POLICY]
+    if not decl.trains_adapters or not requested_lora(prepared.config.policy.options):
+        raise ConfigError(
+            f"rlcore export --adapter: the checkpoint's run trained every weight (policy backend "
+            f"'{decl.name}', no policy.options.lora); export without --adapter for the model",
+            key="policy.options.lora",
+        )
+
+
+def write_adapter(
+    staging: Path, tensors: Mapping[str, Any], config: Mapping[str, Any], model_dir: Path
+) -> list[str]:
+    """Fill ``staging`` with a peft adapter directory: ``adapter_model.safetensors`` and
+    ``adapter_config.json`` whose ``base_model_name_or_path`` is ``model_dir`` (the model the
+    run started from); peft's ``PeftModel.from_pretrained(base, staging)`` loads it. Returns
+    the file names written."""
+    from safetensors.torch import save_file
+
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(staging / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    data = {**config, "base_model_name_or_path": str(Path(model_dir).resolve())}
+    (staging / "adapter_config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return sorted(p.name for p in staging.iterdir())
 
 
 def _model_dir(config: RunConfig, cancel: CancelToken) -> Path:

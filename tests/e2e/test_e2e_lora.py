@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,6 +76,40 @@ def test_the_export_is_the_merged_model(lora_run: Path, cache: Path, tmp_path: P
     moved = {n for n in base if not torch.equal(merged[n], base[n])}
     assert "lm_head.weight" in moved and "model.layers.0.self_attn.q_proj.weight" in moved
     assert all(n.endswith(("proj.weight", "lm_head.weight")) for n in moved), moved
+
+
+def test_the_adapter_export_loads_onto_the_base_with_peft_and_computes_the_merged_model(
+    lora_run: Path, cache: Path, tmp_path: Path
+) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rlcore.testing.reference import reference_logprobs
+
+    merged_dir, adapter_dir = tmp_path / "merged", tmp_path / "adapter"
+    for target, extra in ((merged_dir, ()), (adapter_dir, ("--adapter",))):
+        done = rlcore("export", str(lora_run), "--to", str(target), *extra)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    files = sorted(p.name for p in adapter_dir.iterdir() if not p.name.startswith("."))  # and the publish marker
+    assert files == ["adapter_config.json", "adapter_model.safetensors"]
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["lora_alpha"] == 16 and "lm_head" in config["target_modules"]
+    base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"], dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
+    batch = [([2, 5, 6], [7, 8, 9]), ([2, 11], [13, 14, 15, 16])]
+    want, got = reference_logprobs(merged, batch), reference_logprobs(adapted, batch)
+    assert max(abs(x - y) for r, q in zip(want, got, strict=True) for x, y in zip(r, q, strict=True)) < 1e-4
+
+
+def test_an_adapter_export_of_a_run_without_adapters_is_refused(quickstart: Any, tmp_path: Path) -> None:
+    done = rlcore("export", str(quickstart.dir), "--to", str(tmp_path / "a"), "--adapter", timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "the checkpoint's run trained every weight (policy backend 'fsdp', no policy.options.lora)" in (
+        done.stdout + done.stderr
+    )
+    assert not (tmp_path / "a").exists()
 
 
 def test_plan_says_the_refit_carries_merged_weights() -> None:

@@ -94,6 +94,19 @@ def adapter_modules(model: nn.Module) -> set[int]:
     return ids
 
 
+def saved_name(name: str) -> str:
+    """An adapter matrix's name in the model as peft saves it (the adapter's name dropped:
+    ``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``)."""
+    return name.replace(f".{ADAPTER}.", ".")
+
+
+def saved_config(model: Any) -> dict[str, Any]:
+    """peft's adapter config of the (FSDP-wrapped) model, as ``adapter_config.json`` holds it."""
+    peft_model = getattr(model, "module", model)
+    config = peft_model.peft_config[ADAPTER].to_dict()
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+
+
 def delta(layer: Any) -> Any:
     """The adapters' product for ``layer`` (``scale * B @ A``, as peft merges it), in the
     base weight's layout and dtype; needs the adapter matrices unsharded."""

@@ -65,6 +65,12 @@ class FSDPPolicy(GroupPolicy):
         parts = self.group.call("logprobs", put_rows(batch), what="logprobs")
         return [row for part in parts for row in part]
 
+    def adapter_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The trained LoRA adapters as peft saves them (tensors by name, adapter config):
+        :class:`rlcore.handles.AdapterSource`, for ``rlcore export --adapter``."""
+        self._check_open()
+        return tuple(self.group.call("adapter_state", what="adapter export")[0])  # type: ignore[return-value]
+
     # ------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, directory: str) -> None:

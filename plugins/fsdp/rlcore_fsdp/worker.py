@@ -454,6 +454,34 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
             for _ in stream:  # keep the ranks in lockstep whatever the consumer did
                 pass
 
+    def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Under ``options.lora``: the adapter matrices by the names peft saves them under
+        (``...q_proj.lora_A.weight``), CPU tensors, and peft's adapter config, on rank 0
+        (empty on the others). One FSDP unit gathered at a time. Collective."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        from rlcore_fsdp import adapters
+
+        self._require_model()
+        assert self.options is not None
+        if self.options.lora is None:
+            raise RuntimeError("adapter_state: this policy trains every weight (policy.options.lora is not set)")
+        module_names = {id(m): n for n, m in self.model.named_modules()}
+        wanted = adapters.adapter_modules(self.model)
+        tensors: dict[str, torch.Tensor] = {}
+        for unit, _ in self._layout:
+            flat = unit._handle.flat_param
+            unit_name = module_names[id(unit)]
+            prefix = hf_name(unit_name + ".") if unit_name else ""
+            with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=True):
+                if self.rank != 0:
+                    continue
+                for fqn, info in zip(flat._fqns, flat._param_infos, strict=True):
+                    if id(info.module) in wanted:
+                        full = getattr(info.module, info.param_name)
+                        tensors[adapters.saved_name(prefix + hf_name(fqn))] = full.detach().cpu().clone()
+        return (tensors, adapters.saved_config(self.model)) if self.rank == 0 else ({}, {})
+
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole stream collected into a dict on rank 0 (CPU; ``{}`` on other ranks).
         O(model) memory: for tests and small models. Collective."""
