@@ -234,7 +234,7 @@ class Cluster:
 
         from rlcore.runtime.join import job_env_vars, use_token_like_ray_cli
 
-        use_token_like_ray_cli()
+        use_token_like_ray_cli(address)
         job_vars = job_env_vars()
         own = {k: v for k, v in env_vars.items() if k not in job_vars}
         loopback = is_loopback(address)

@@ -159,11 +159,19 @@ def token_sources(environ: Mapping[str, str] | None = None) -> list[str]:
     return found
 
 
-def use_token_like_ray_cli() -> None:
+#: Addresses whose GCS answered without a token (:func:`check_join` found it so): their
+#: cluster runs without token authentication, and this driver must not turn it on.
+_NO_TOKEN: set[str] = set()
+
+
+def use_token_like_ray_cli(address: str | None = None) -> None:
     """Turn Ray's token authentication on in this process where Ray's CLI would: with
     ``RAY_AUTH_MODE`` unset and a token on this machine (``ray.init`` with an address never
-    does this by itself, so a driver of a ``ray start`` cluster was refused)."""
-    if os.environ.get("RAY_AUTH_MODE") is not None:
+    does this by itself, so a driver of a ``ray start`` cluster was refused), unless the
+    cluster at ``address`` answered without one (:func:`check_join`): a driver with token
+    authentication on refuses the calls of a GCS that runs without it, and every actor of
+    the run died before it started."""
+    if os.environ.get("RAY_AUTH_MODE") is not None or (address is not None and address in _NO_TOKEN):
         return
     try:
         from ray._private.authentication.authentication_token_setup import (
@@ -230,12 +238,48 @@ def check_join(address: str, timeout_s: float = ANSWER_TIMEOUT_S) -> ClusterFact
     if "://" in address:
         log.info("not probing %s: a Ray Client address", address)
         return None
-    address = resolve_address(address)
+    given, address = address, resolve_address(address)
     _check_listening(address)
-    use_token_like_ray_cli()
-    facts = _ask_gcs(address, timeout_s)
+    facts = _ask_as_the_cluster_expects(address, timeout_s)
+    if address in _NO_TOKEN:
+        _NO_TOKEN.add(given)  # the join names the cluster as the config did
     _check_versions(facts)
     return facts
+
+
+def _ask_as_the_cluster_expects(address: str, timeout_s: float) -> ClusterFacts:
+    """Ask without a token first (unless ``RAY_AUTH_MODE`` says, or a token is on already);
+    a GCS that answers runs without token authentication (remembered: the join then leaves
+    it off); one that refuses for want of a token is asked again with the machine's token,
+    as Ray's CLI would send it."""
+    if os.environ.get("RAY_AUTH_MODE") is not None or _token_on():
+        return _ask_gcs(address, timeout_s)
+    try:
+        facts = _ask_gcs(address, timeout_s, raw=True)
+    except Exception as err:  # noqa: BLE001 - an authentication refusal is retried, the rest explained
+        if not _is_auth_error(err):
+            raise _explain(address, err) from None
+        use_token_like_ray_cli()
+        return _ask_gcs(address, timeout_s)
+    _NO_TOKEN.add(address)
+    return facts
+
+
+def _token_on() -> bool:
+    """Whether this process already sends a token (an earlier join turned it on)."""
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:  # pragma: no cover - another Ray's layout
+        return False
+    return bool(is_token_auth_enabled())
+
+
+def _is_auth_error(err: BaseException) -> bool:
+    try:
+        from ray.exceptions import AuthenticationError
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(err, AuthenticationError)
 
 
 def _fail(address: str, cause: str) -> ConfigError:
@@ -257,9 +301,10 @@ def _check_listening(address: str) -> None:
         raise _fail(address, f"cannot connect: {err}") from None
 
 
-def _ask_gcs(address: str, timeout_s: float) -> ClusterFacts:
+def _ask_gcs(address: str, timeout_s: float, *, raw: bool = False) -> ClusterFacts:
     """The GCS's metadata and nodes, asked in a thread of its own: Ray's client blocks in C++
-    and cannot be interrupted, so a GCS that never answers is left to it after ``timeout_s``."""
+    and cannot be interrupted, so a GCS that never answers is left to it after ``timeout_s``.
+    ``raw``: the client's own error is raised (else explained in one line)."""
     box: dict[str, Any] = {}
 
     def ask() -> None:
@@ -281,6 +326,8 @@ def _ask_gcs(address: str, timeout_s: float) -> ClusterFacts:
                     "(is this a Ray head's GCS port?)")
     err = box.get("error")
     if err is not None:
+        if raw:
+            raise err
         raise _explain(address, err) from None
     return box["facts"]
 
