@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcore.app.logger_sinks import Sink, make_sinks
-from rlcore.app.records import MetricsWriter, write_atomic
+from rlcore.app.records import STALL_WARN_S, MetricsWriter, write_atomic
 from rlcore.config import RunConfig
 from rlcore.errors import RunDirError
 
@@ -208,7 +208,8 @@ class LoggedWriter(MetricsWriter):
     def __init__(
         self, path: str | Path, config: RunConfig, sinks: list[Sink] | None = None, resumed_after: int | None = None
     ) -> None:
-        super().__init__(path)
+        # A stalled disk is said within the run's own bound on silence (cluster.hang_timeout_s).
+        super().__init__(path, stall_warn_s=config.cluster.hang_timeout_s or STALL_WARN_S)
         sinks = make_sinks(config, self.path.parent, resumed_after) if sinks is None else sinks
         self.loggers = Loggers(sinks, self.path.parent, self._report) if sinks else None
 

@@ -41,6 +41,39 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+#: Seconds a write to the run directory may take before it is warned about.
+STALL_WARN_S = 30.0
+
+
+@contextlib.contextmanager
+def stall_watch(path: Path, what: str, after_s: float | None) -> Any:
+    """Warn, naming ``path``, when the block takes longer than ``after_s`` (a frozen or hung
+    filesystem blocks a write without an error; the run would stop with nothing said), and
+    again when it returns. The block goes on waiting: a disk that comes back loses nothing."""
+    if not after_s:
+        yield
+        return
+    t0 = time.monotonic()
+    warned = threading.Event()
+
+    def warn() -> None:
+        warned.set()
+        log.warning(
+            "%s %s has not returned for %.0f s: the disk under the run directory is stalled (a frozen "
+            "filesystem, a hung network mount?); the run waits for it", what, path, after_s,
+        )
+
+    timer = threading.Timer(after_s, warn)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        if warned.is_set():
+            log.warning("%s %s returned after %.1f s; the run goes on", what, path, time.monotonic() - t0)
+
+
 class MetricsWriter:
     """Appends one JSON object per line to ``metrics.jsonl``; thread-safe.
 
@@ -55,8 +88,11 @@ class MetricsWriter:
     opened again (``--resume``) and skipped by :func:`read_metrics`.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, stall_warn_s: float | None = STALL_WARN_S) -> None:
         self.path = Path(path)
+        #: A write or fsync still running after this many seconds is warned about (the disk
+        #: under the run directory is stalled); None: never.
+        self.stall_warn_s = stall_warn_s
         self._lock = threading.Lock()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -107,7 +143,8 @@ class MetricsWriter:
         with self._lock:
             if self._fd is None:
                 raise ValueError(f"{self.path}: write to a closed MetricsWriter")
-            self._append(self._fd, data)
+            with stall_watch(self.path, "a write to", self.stall_warn_s):
+                self._append(self._fd, data)
         return row
 
     def _append(self, fd: int, data: bytes) -> None:
@@ -140,7 +177,8 @@ class MetricsWriter:
             if self._fd is None:
                 return
             try:
-                os.fsync(self._fd)
+                with stall_watch(self.path, "an fsync of", self.stall_warn_s):
+                    os.fsync(self._fd)
             except OSError as err:
                 raise RunDirError.from_os_error(self.path, err) from err
 
