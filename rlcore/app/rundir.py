@@ -33,7 +33,7 @@ RUN_STATUS_FILE = "run.json"
 #: Everything a run writes into its directory (besides the temporary files of
 #: :func:`rlcore.app.records.write_atomic`, left only by a kill).
 RUN_FILES = (
-    RUN_STATUS_FILE, "config.yaml", "metrics.jsonl", "trace.json", "placement.json",
+    RUN_STATUS_FILE, "config.yaml", "metrics.jsonl", "samples.jsonl", "trace.json", "placement.json",
     "setup_timeline.png", "reward.png",
     # The loggers' (rlcore.app.loggers): their ids, and the stores under the run directory.
     "loggers.json", "tensorboard", "wandb", "mlflow",
@@ -251,11 +251,11 @@ def close_records(
         raise first
 
 
-def truncate_metrics(run_dir: Path, last_step: int) -> int:
-    """Drop the ``metrics.jsonl`` lines of steps after ``last_step`` (a run resumed from
-    that step's checkpoint does them again); the file is replaced whole. Returns how many
-    lines went."""
-    path = run_dir / "metrics.jsonl"
+def truncate_metrics(run_dir: Path, last_step: int, name: str = "metrics.jsonl") -> int:
+    """Drop the lines of steps after ``last_step`` from the run's ``name`` (``metrics.jsonl``,
+    ``samples.jsonl``: a run resumed from that step's checkpoint does them again); the file
+    is replaced whole. Returns how many lines went."""
+    path = run_dir / name
     try:
         lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     except FileNotFoundError:

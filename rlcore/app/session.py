@@ -260,6 +260,7 @@ def _prepared_run(config: RunConfig, opts: OpenOptions, console: Console, guard:
         status = RunStatus(run_dir, resume=opts.resume, steps_before=steps_before)  # first: a run's to replace
         if point is not None:
             truncate_metrics(run_dir, point.step)  # its later steps are done again
+            truncate_metrics(run_dir, point.step, "samples.jsonl")
         earlier = _earlier_steps(run_dir) if point is not None else []
         write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(config)))
     except BaseException:
