@@ -56,14 +56,16 @@ def test_a_bad_reward_is_refused_before_anything_starts(tmp_path: Path) -> None:
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
-def test_dynamic_sampling_trains_no_group_of_equal_rewards(tmp_path: Path) -> None:
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_dynamic_sampling_trains_no_group_of_equal_rewards(staleness: int, tmp_path: Path) -> None:
     """Two samples per prompt make groups of equal rewards common (both without a number):
     with grpo.dynamic_sampling none is trained on, and the dropped ones are replaced by
-    extra draws of the env, as the step's line says."""
+    extra draws of the env, as the step's line says; in the synchronous loop and in the one
+    that samples ahead (grpo.max_staleness 1)."""
     run_dir = tmp_path / "run"
     done = subprocess.run(
         [str(RLCORE), "run", EXAMPLE, "grpo.steps=3", "grpo.samples_per_prompt=2", "grpo.dynamic_sampling=true",
-         f"setup.cache_dir={tmp_path / 'cache'}", "--out", str(run_dir)],
+         f"grpo.max_staleness={staleness}", f"setup.cache_dir={tmp_path / 'cache'}", "--out", str(run_dir)],
         capture_output=True, text=True, cwd=REPO, timeout=840,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]

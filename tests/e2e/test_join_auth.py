@@ -44,8 +44,13 @@ def _home(tmp: Path, name: str) -> dict[str, str]:
     return env
 
 
-def _gcs_answers(env: dict[str, str], address: str) -> bool:
-    code = "import sys; from ray._raylet import GcsClient; GcsClient(address=sys.argv[1]).get_all_node_info(timeout=5)"
+def _node_up(env: dict[str, str], address: str) -> bool:
+    """Whether the head's node is alive with its CPUs (the GCS answers before its raylet registers)."""
+    code = (
+        "import sys; from ray._raylet import GcsClient; "
+        "nodes = GcsClient(address=sys.argv[1]).get_all_node_info(timeout=5).values(); "
+        "sys.exit(0 if any(n.state == 0 and n.resources_total.get('CPU', 0) > 0 for n in nodes) else 1)"
+    )
     done = subprocess.run([sys.executable, "-c", code, address], env=env, capture_output=True, timeout=60)
     return done.returncode == 0
 
@@ -66,7 +71,7 @@ def open_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, P
             env=env, stdout=out, stderr=subprocess.STDOUT,
         )
     try:
-        wait_for(lambda: proc.poll() is not None or _gcs_answers(env, address), timeout_s=180, step_s=1)
+        wait_for(lambda: proc.poll() is not None or _node_up(env, address), timeout_s=180, step_s=1)
         assert proc.poll() is None, log.read_text()
         yield address, tmp
     finally:
