@@ -259,14 +259,17 @@ def test_a_staged_save_writes_the_state_it_copied_while_the_policy_trains_on(pol
 
 @slow
 def test_a_staged_write_that_fails_is_raised_by_checkpoint_written_naming_the_path(policy: Any, tmp_path: Path) -> None:
-    target = tmp_path / "gone"
+    target = tmp_path / "blocked"
     target.mkdir()
-    policy.stage_checkpoint(str(target))  # the files go into a directory removed under the writer
-    shutil.rmtree(target)
+    # Each rank's shard file is taken by a directory of its name: the background write fails
+    # whenever it runs (removing the directory after staging raced a fast write).
+    for rank in (0, 1):
+        (target / f"__{rank}_0.distcp").mkdir()
+    policy.stage_checkpoint(str(target))
     import time
 
     deadline = time.monotonic() + 60
-    with pytest.raises((OSError, CheckpointError), match="gone"):
+    with pytest.raises((OSError, CheckpointError), match="blocked"):
         while not policy.checkpoint_written():
             assert time.monotonic() < deadline
             time.sleep(0.05)
