@@ -9,6 +9,7 @@ holding ``os.write`` and ``os.fsync`` of the writer, which is what a frozen disk
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,31 @@ from rlcore.app.records import MetricsWriter, read_metrics
 from rlcore.config import load_config
 
 
+class ReleaseOnWarning(logging.Handler):
+    """Sets ``release`` when the stall warning is logged."""
+
+    def __init__(self, release: threading.Event) -> None:
+        super().__init__(logging.WARNING)
+        self.event = release  # not "release": logging.Handler has a method of that name
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "has not returned" in record.getMessage():
+            self.event.set()
+
+
+class OsWith:
+    """The ``os`` module, one function replaced."""
+
+    def __init__(self, name: str, fn: Any) -> None:
+        self._name, self._fn = name, fn
+
+    def __getattr__(self, attr: str) -> Any:
+        return self._fn if attr == self._name else getattr(os, attr)
+
+
 def held(real: Any, release: threading.Event) -> Any:
     def call(*args: Any) -> Any:
-        release.wait(10)
+        release.wait(60)  # bounded: a stall that is never said fails the assertions below
         return real(*args)
 
     return call
@@ -35,11 +58,17 @@ def test_a_stalled_write_is_warned_about_and_waited_for(
 ) -> None:
     writer = MetricsWriter(tmp_path / "metrics.jsonl", stall_warn_s=0.2)
     release = threading.Event()
-    monkeypatch.setattr(records.os, call, held(getattr(records.os, call), release))
-    threading.Timer(1.0, release.set).start()
-    with caplog.at_level(logging.WARNING, logger="rlcore.app.records"):
-        writer.write({"a": 1}, step=1)
-        writer.sync()
+    # Only the writer's module sees the held call (logging and pytest write through os too).
+    monkeypatch.setattr(records, "os", OsWith(call, held(getattr(os, call), release)))
+    # The disk comes back once the stall has been said (no race with a clock).
+    releaser = ReleaseOnWarning(release)
+    logging.getLogger("rlcore.app.records").addHandler(releaser)
+    try:
+        with caplog.at_level(logging.WARNING, logger="rlcore.app.records"):
+            writer.write({"a": 1}, step=1)
+            writer.sync()
+    finally:
+        logging.getLogger("rlcore.app.records").removeHandler(releaser)
     messages = [r.getMessage() for r in caplog.records]
     stalled = [m for m in messages if "has not returned for 0 s" in m]
     assert stalled and str(tmp_path / "metrics.jsonl") in stalled[0] and "the run waits for it" in stalled[0]
