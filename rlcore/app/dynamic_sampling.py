@@ -12,6 +12,7 @@ zero: the step changes nothing, as without dynamic sampling).
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -43,11 +44,21 @@ class Drawn:
         }
 
 
+#: A group whose rewards' standard deviation is not above this carries no signal: GRPO gives
+#: every sample in it a zero advantage (:func:`rlcore.app.grpo.group_advantages`).
+SIGNAL_EPS = 1e-6
+
+
+def has_signal(rewards: Sequence[float], failed: Sequence[bool] | None = None, eps: float = SIGNAL_EPS) -> bool:
+    """Whether a group's rewards spread enough to give any advantage; failed samples do not count.
+    The one definition the advantages, dynamic sampling and ``reward/zero_variance_groups`` share."""
+    kept = [float(r) for r, f in zip(rewards, failed or [False] * len(rewards), strict=True) if not f]
+    return len(kept) > 1 and statistics.pstdev(kept) > eps
+
+
 def teaches(group: Sequence[Rollout]) -> bool:
-    """Whether the group's rewards differ (else every advantage in it is zero); samples
-    whose reward failed do not count."""
-    known = [float(r["reward"]) for r in group if r.get("reward") is not None and not r.get("failed")]
-    return len(known) > 1 and max(known) - min(known) > 1e-12
+    """Whether the group gets any nonzero advantage (:func:`has_signal` of its rewards)."""
+    return has_signal([r.get("reward") or 0.0 for r in group], [bool(r.get("failed")) or r.get("reward") is None for r in group])
 
 
 def draw_teaching_groups(

@@ -57,6 +57,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlcore.app.dynamic_sampling import has_signal
 from rlcore.app.refit_check import (  # the refit check's helpers, where they were before
     PROBE_TEXTS,
     check_divergence,
@@ -87,10 +88,12 @@ def group_advantages(
     out = []
     for i, group in enumerate(rewards):
         ok = [not f for f in failed[i]] if failed is not None else [True] * len(group)
+        if not has_signal(group, [not k for k in ok], eps):
+            out.append([0.0] * len(group))
+            continue
         kept = [r for r, k in zip(group, ok, strict=True) if k]
-        mean = statistics.fmean(kept) if kept else 0.0
-        std = statistics.pstdev(kept) if len(kept) > 1 else 0.0
-        out.append([(r - mean) / (std + eps) if std > eps and k else 0.0 for r, k in zip(group, ok, strict=True)])
+        mean, std = statistics.fmean(kept), statistics.pstdev(kept)
+        out.append([(r - mean) / (std + eps) if k else 0.0 for r, k in zip(group, ok, strict=True)])
     return out
 
 
@@ -166,7 +169,9 @@ def _step_metrics(
         "reward/exact": statistics.fmean(1.0 if r >= 1.0 else 0.0 for r in flat_rewards) if flat_rewards else math.nan,
         "reward/failed": sum(flags),
         # Groups whose rewards are all equal: zero advantage, nothing learned from them.
-        "reward/zero_variance_groups": sum(1 for g in rewards if g and max(g) - min(g) <= 1e-12),
+        "reward/zero_variance_groups": sum(
+            1 for i, g in enumerate(rewards) if g and not has_signal(g, failed[i] if failed else None)
+        ),
         "train/loss": train.get("loss"),
         "train/grad_norm": train.get("grad_norm"),
         "train/gen_vs_policy_mult_prob_error": gen_vs_policy,
