@@ -3,7 +3,8 @@
     python examples/loops/loo_reinforce.py [CONFIG] [key=value ...] --steps N [--out DIR]
 
 Each prompt's samples are each other's baseline: a sample's advantage is its reward less
-the mean reward of the prompt's other samples (RLOO), not normalised. Each refit is checked
+the mean reward of the prompt's other samples (RLOO), not normalised; the policy's step is
+rlcore's clipped policy-gradient loss on them (docs/library.md). Each refit is checked
 on the next step's own samples before it trains on them (no extra engine call), the last
 one on the probe batch. CONFIG defaults to examples/quickstart.yaml.
 """
@@ -56,11 +57,11 @@ def main(argv: list[str] | None = None) -> int:
                 report = s.refit(step)
                 reward = statistics.fmean(r["reward"] for r in rollouts)
                 s.record({
-                    "reward/mean": reward, "train/loss": stats["loss"], "train/grad_norm": stats["grad_norm"],
+                    "reward/mean": reward, **stats,  # train/loss, train/grad_norm... as rlcore run names them
                     "refit/token_mult_prob_error": err, "refit/checked_step": step - 1,
                     "refit/weight_sync_time_s": report.weight_sync_time_s,
                 }, step)
-                print(f"step {step:>3}  reward {reward:.3f}  loss {stats['loss']:+.4f}  "
+                print(f"step {step:>3}  reward {reward:.3f}  loss {stats['train/loss']:+.4f}  "
                       f"mult_prob_err {err:.4f} (refit {step - 1})", flush=True)
             err = s.check_refit(args.steps)  # the last refit: no step follows, so the probe batch
             s.record({"refit/token_mult_prob_error": err, "refit/checked_step": args.steps},

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                 stats = s.train(step, batch, [a for _, a in flat], old)
                 s.refit(step)
                 m = {"reward/mean": statistics.fmean(reward), "reward/first_turn": statistics.fmean(first),
-                     "turns/mean": len(flat) / len(turns), "train/loss": stats["loss"],
+                     "turns/mean": len(flat) / len(turns), **stats,  # train/loss, train/grad_norm...
                      "refit/token_mult_prob_error": err, "refit/checked_step": step - 1}
                 s.record(m, step)
                 print(f"step {step:>3}  reward {m['reward/mean']:.3f} (first turn {m['reward/first_turn']:.3f})"

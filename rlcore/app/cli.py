@@ -1,4 +1,4 @@
-"""The ``rlcore`` command line: ``plugins``, ``plan``, ``run``, ``export``, ``new-backend``.
+"""The ``rlcore`` command line: ``plugins``, ``plan``, ``run``, ``export``, ``samples``, ``new-backend``.
 
 Only this module prints. It imports the heavy parts (Ray, torch) only inside
 ``run``; ``rlcore plugins`` and ``rlcore plan`` stay light.
@@ -210,7 +210,10 @@ def build_plan_from_args(config_path: str | None, overrides: Sequence[str]) -> t
     return config, check_before_start(config, load_registry(config.plugins.allow))
 
 
-def render_plan(plan: Any, con: Console) -> None:
+def render_plan(plan: Any, con: Console, measured: dict[str, Any] | None = None) -> None:
+    """``rlcore plan``'s text; ``measured``: :func:`measured_critical_path`'s (``--measured``)."""
+    from rlcore.setup.plan import CRITICAL_PATH_BASIS
+
     table = Table(title="setup tasks")
     table.add_column("task")
     table.add_column("backend")
@@ -229,7 +232,19 @@ def render_plan(plan: Any, con: Console) -> None:
             con.print(f"  {w.task} waits for {w.kind} '{w.target}' from {w.producer}: {w.reason}")
     pairs = plan.overlapping_pairs()
     con.print("[bold]may overlap[/bold]: " + ("; ".join(f"{a} || {b}" for a, b in pairs) or "nothing"))
-    con.print("[bold]critical path[/bold]: " + " -> ".join(plan.critical_path))
+    hint = "" if measured is not None else "; --measured RUN_DIR times it with a run's setup"
+    con.print(f"[bold]critical path[/bold] ({CRITICAL_PATH_BASIS}{hint}): " + " -> ".join(plan.critical_path))
+    if measured is not None:
+        took = measured["durations_s"]
+        chain = " -> ".join(f"{n} {took.get(n, 0.0):.2f}s" for n in measured["critical_path"])
+        con.print(
+            f"[bold]critical path[/bold] (measured in {escape(measured['run_dir'])}): "
+            f"{chain} = {measured['critical_path_s']:.2f}s"
+        )
+        if measured["not_measured"]:
+            con.print(f"  not timed in that run (counted as 0 s): {', '.join(measured['not_measured'])}")
+        for note in measured["notes"]:
+            con.print(f"  [yellow]note[/yellow]: {escape(note)}")
     con.print(f"[bold]refit transport[/bold]: {plan.refit_transport}")
     for part in (plan.refit_content, plan.schedule):
         if part is not None:
@@ -243,20 +258,93 @@ def render_plan(plan: Any, con: Console) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    """``rlcore plan CONFIG [key=value ...] [--measured RUN_DIR] [--json]``: the setup plan
+    ``rlcore run`` would run, after every check it makes before it starts; nothing starts.
+
+    The tasks and why each waits for another, what may overlap, the refit transport and
+    content, the loop's schedule, the GPUs, the cluster and the checkpoints. The critical
+    path is structural: the longest chain of the plan's graph, each task counted once,
+    not timed. ``--measured RUN_DIR`` also weighs the plan's chains by the task times that
+    run measured (its ``metrics.jsonl``) and names the chain that took longest there.
+    """
     from rlcore.runtime.join import choose_cluster
 
     config, prepared = build_plan_from_args(args.config, args.overrides)
     plan, choice = prepared.plan, choose_cluster(config.cluster)
     checkpoints = checkpoint_plan(prepared)
+    measured = measured_critical_path(plan, Path(args.measured)) if args.measured is not None else None
     if args.json:
         cluster = {"address": choice.address, "attached": choice.attached, "why": choice.why}
-        print(json.dumps({**plan.to_dict(), "cluster": cluster, "checkpoints": checkpoints}, indent=2))
+        payload = {**plan.to_dict(), "measured_critical_path": measured, "cluster": cluster, "checkpoints": checkpoints}
+        print(json.dumps(payload, indent=2))
     else:
-        render_plan(plan, _console())
+        render_plan(plan, _console(), measured)
         _console().print(f"[bold]cluster[/bold]: {escape(choice.describe())}")
         if checkpoints is not None:
             _console().print(f"[bold]checkpoints[/bold]: {escape(checkpoints['describe'])}")
     return 0
+
+
+def measured_critical_path(plan: Any, run_dir: Path) -> dict[str, Any]:
+    """``rlcore plan --measured RUN_DIR``: the plan's longest chain over its edges, weighted
+    by the task times of ``run_dir``'s setup (the last setup line of its ``metrics.jsonl``,
+    as the run's own ``timing/setup/critical_path_s``). Tasks that run did not time count
+    as 0 s and are listed; a task whose backend in the run's ``config.yaml`` is not this
+    plan's is named in ``notes``.
+
+    Raises:
+        ConfigError: (key ``--measured``) no run directory, or no finished setup in it, or
+            none of the plan's tasks timed there.
+    """
+    from rlcore.app.records import read_metrics
+    from rlcore.setup.metrics import TOTAL_KEY, recorded_durations
+
+    where = f"--measured {run_dir}"
+    if not run_dir.is_dir():
+        raise ConfigError(f"{where}: no such run directory; give the directory of a run (its --out)", key="--measured")
+    try:
+        records = read_metrics(run_dir / "metrics.jsonl")
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{where}: cannot read its metrics.jsonl ({err}); give the directory of a run", key="--measured") from None
+    setup = next((r for r in reversed(records) if TOTAL_KEY in r), None)
+    if setup is None:
+        raise ConfigError(
+            f"{where}: its metrics.jsonl has no setup line ({TOTAL_KEY}): that run's setup never finished",
+            key="--measured",
+        )
+    durations = recorded_durations(setup, plan.names)
+    if not durations:
+        raise ConfigError(
+            f"{where}: that run timed none of this plan's tasks ({', '.join(plan.names)}); it ran another config",
+            key="--measured",
+        )
+    seconds, chain = plan.timed_critical_path(durations)
+    return {
+        "run_dir": str(run_dir),
+        "critical_path": chain,
+        "critical_path_s": seconds,
+        "durations_s": durations,
+        "not_measured": [n for n in plan.names if n not in durations],
+        "notes": _other_backends(plan, run_dir),
+    }
+
+
+def _other_backends(plan: Any, run_dir: Path) -> list[str]:
+    """One line per task whose backend in ``run_dir``'s ``config.yaml`` is not this plan's
+    (its times are another backend's); none when the file is missing or unreadable."""
+    import yaml
+
+    try:
+        ran = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return []
+    notes = []
+    for t in plan.tasks:
+        section = ran.get(t.role) if isinstance(ran, dict) else None
+        was = section.get("backend") if isinstance(section, dict) else None
+        if t.backend is not None and was is not None and was != t.backend:
+            notes.append(f"{t.name} ran backend '{was}' in {run_dir}; this config selects '{t.backend}'")
+    return notes
 
 
 def checkpoint_plan(prepared: Any) -> dict[str, Any] | None:
@@ -293,8 +381,14 @@ def checkpoint_plan(prepared: Any) -> dict[str, Any] | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """``rlcore run``: SIGINT/SIGTERM stop it cleanly (exit 130/143, one line saying what
-    was interrupted); a second signal, or 9 s of teardown, kills its processes at once."""
+    """``rlcore run [CONFIG] [key=value ...]``: set up the backends CONFIG selects, run the
+    GRPO loop, write a run directory (``metrics.jsonl``, ``trace.json``, ``run.json``...).
+    CONFIG defaults to the quickstart (``examples/quickstart.yaml``).
+
+    SIGINT/SIGTERM stop it cleanly (exit 130/143, one line saying what was interrupted);
+    a second signal, or 9 s of teardown, kills its processes at once. Exit 2: bad input,
+    refused before anything started; 3: the run failed once started.
+    """
     from rlcore.app.interrupts import (
         RunInterrupted,
         SignalGuard,
@@ -303,6 +397,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         signum_of,
     )
     from rlcore.app.run import run_job
+    from rlcore.app.runlog import routed_to_run_log
     from rlcore.config import DEFAULT_EXAMPLE, default_config_path
 
     out, resume = _resume_target(args)
@@ -314,7 +409,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     with SignalGuard():
         try:
-            run_dir = run_job(str(config_path), args.overrides, out=out, console=_console(), resume=resume)
+            with routed_to_run_log(_console()):  # other libraries' output: the run's run.log
+                run_dir = run_job(str(config_path), args.overrides, out=out, console=_console(), resume=resume)
         except RunInterrupted as err:
             left = end_leftovers()  # the CLI's process is the run: nothing of it may outlive it
             if left:
@@ -353,8 +449,12 @@ def _resume_target(args: argparse.Namespace) -> tuple[str | None, bool]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """``rlcore export DIR [--step N] --to HF_DIR``: SIGINT/SIGTERM tear it down as they do
-    ``rlcore run`` (exit 130/143), leaving nothing at HF_DIR."""
+    """``rlcore export DIR [--step N] --to HF_DIR [--adapter]``: write a run's checkpoint
+    (the newest that verifies, or step N's) as a Hugging Face model directory; with
+    ``--adapter``, a LoRA run's adapters as a peft adapter directory.
+
+    SIGINT/SIGTERM tear it down as they do ``rlcore run`` (exit 130/143), leaving nothing
+    at HF_DIR."""
     from rlcore.app.export import export_checkpoint
     from rlcore.app.interrupts import SignalGuard, end_leftovers, signal_name, signum_of
 
@@ -410,6 +510,10 @@ def _reward(value: object) -> str:
 
 
 def cmd_new_backend(args: argparse.Namespace) -> int:
+    """``rlcore new-backend NAME [--roles R,...] [--dir DIR]``: write the plugin package
+    ``rlcore-NAME`` (declaration, init hooks, an engine or env, rlcore's conformance suite
+    wired into its tests); ``pip install -e`` it and ``rlcore plugins`` lists it. An
+    existing directory is never overwritten. More: docs/writing-a-backend.md."""
     from rlcore.app.scaffold import write_backend_package
 
     path = write_backend_package(args.name, Path(args.dir), roles=args.roles)
@@ -432,6 +536,32 @@ def _split_overrides(values: list[str]) -> tuple[str | None, list[str]]:
     return config, overrides
 
 
+def plain_text(doc: str | None) -> str:
+    """A docstring as ``--help`` text: reStructuredText's ``literals`` and
+    :role:`targets` as `literals` and `targets` (the last part of a ``~`` target), each
+    paragraph filled to 79 columns."""
+    import inspect
+    import re
+    import textwrap
+
+    def target(m: re.Match[str]) -> str:
+        tilde, name = m.group(1), m.group(2)
+        return f"`{name.rsplit('.', 1)[-1] if tilde else name}`"
+
+    text = re.sub(r":[\w:.-]+:`(~?)([^`]*)`", target, inspect.cleandoc(doc or "")).replace("``", "`")
+    paragraphs = [" ".join(p.split()) for p in text.split("\n\n")]
+    return "\n\n".join(textwrap.fill(p, 79, break_on_hyphens=False) for p in paragraphs if p)
+
+
+def _command(sub: Any, name: str, func: Any, help: str) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` says its function's docstring, as plain text."""
+    p: argparse.ArgumentParser = sub.add_parser(
+        name, help=help, description=plain_text(func.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.set_defaults(func=func)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlcore",
@@ -441,18 +571,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("plugins", help="list installed backends and their declarations; NAME: one backend's options")
+    p = _command(sub, "plugins", cmd_plugins, "list installed backends and their declarations; NAME: one backend's options")
     p.add_argument("name", nargs="?", default=None, metavar="NAME", help="a backend: its declaration and options")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_plugins)
 
-    p = sub.add_parser("plan", help="print the setup plan of a config")
+    p = _command(sub, "plan", cmd_plan, "print the setup plan of a config")
     p.add_argument("config", help="YAML config")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument(
+        "--measured", default=None, metavar="RUN_DIR",
+        help="a finished run's directory: also the critical path by the task times that run measured",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("run", help="set up, run the GRPO loop, write a run directory")
+    p = _command(sub, "run", cmd_run, "set up, run the GRPO loop, write a run directory")
     p.add_argument(
         "args", nargs="*", metavar="[CONFIG] [key=value ...]",
         help="a YAML config (default: examples/quickstart.yaml) and key=value overrides, "
@@ -464,27 +596,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the run in DIR (or --out) from its last complete checkpoint; its config.yaml "
         "is the config unless CONFIG is given",
     )
-    p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory")
+    p = _command(sub, "export", cmd_export, "write a run's checkpoint as a Hugging Face model directory")
     p.add_argument("dir", metavar="DIR", help="run directory, its checkpoints directory, or one step-N checkpoint")
     p.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest that verifies)")
     p.add_argument("--to", required=True, metavar="HF_DIR", help="the model directory to write; must be new or empty")
     p.add_argument("--adapter", action="store_true",
                    help="a LoRA run: write its adapters as a peft adapter directory instead of the merged model")
-    p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("samples", help="print the newest samples a run wrote (its samples.jsonl)")
+    p = _command(sub, "samples", cmd_samples, "print the newest samples a run wrote (its samples.jsonl)")
     p.add_argument("dir", metavar="DIR", help="run directory")
     p.add_argument("-n", type=int, default=8, help="how many of the newest samples (0: all; default 8)")
     p.add_argument("--step", type=int, default=None, help="only this step's samples")
-    p.set_defaults(func=cmd_samples)
 
-    p = sub.add_parser("new-backend", help="write a ready backend plugin package")
+    p = _command(sub, "new-backend", cmd_new_backend, "write a ready backend plugin package")
     p.add_argument("name", help="backend name, e.g. mybackend")
     p.add_argument("--dir", default=".", help="parent directory of the new package")
     p.add_argument("--roles", default="generation", help="comma-separated roles it serves")
-    p.set_defaults(func=cmd_new_backend)
     return parser
 
 

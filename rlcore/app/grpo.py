@@ -172,8 +172,7 @@ def _step_metrics(
         "reward/zero_variance_groups": sum(
             1 for i, g in enumerate(rewards) if g and not has_signal(g, failed[i] if failed else None)
         ),
-        "train/loss": train.get("loss"),
-        "train/grad_norm": train.get("grad_norm"),
+        **train,  # Session.train's train/loss, train/grad_norm...: a library loop's names
         "train/gen_vs_policy_mult_prob_error": gen_vs_policy,
         "refit/weight_sync_time_s": report.weight_sync_time_s,
         "refit/bytes": report.bytes,

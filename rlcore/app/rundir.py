@@ -17,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from rlcore.app import runlog
 from rlcore.app.records import MetricsWriter, is_temp_file, write_atomic
 from rlcore.app.trace import TraceRecorder
 from rlcore.config import RunConfig
@@ -35,6 +36,8 @@ RUN_STATUS_FILE = "run.json"
 RUN_FILES = (
     RUN_STATUS_FILE, "config.yaml", "metrics.jsonl", "samples.jsonl", "trace.json", "placement.json",
     "setup_timeline.png", "reward.png",
+    # Other libraries' output, when the CLI routes it off the console (rlcore.app.runlog).
+    "run.log",
     # The loggers' (rlcore.app.loggers): their ids, and the stores under the run directory.
     "loggers.json", "tensorboard", "wandb", "mlflow",
 )
@@ -140,6 +143,8 @@ def make_run_dir(config: RunConfig, out: str | None, *, resume: bool = False) ->
     :func:`rlcore.setup.preflight.check_before_start` has checked that it can be written and
     that ``out`` is empty unless the run resumes, or holds only what a run that completed no
     step left: those files are removed here, so the new run starts from an empty directory.
+    Where ``rlcore run`` routes other libraries' output off the console, its ``run.log``
+    starts here (:func:`rlcore.app.runlog.attach`).
 
     Raises:
         RunDirError: the directory or a leftover could not be created or removed.
@@ -156,6 +161,7 @@ def make_run_dir(config: RunConfig, out: str | None, *, resume: bool = False) ->
                 shutil.rmtree(old)
             else:
                 old.unlink(missing_ok=True)
+        runlog.attach(path, resume=resume)
     except OSError as err:
         raise RunDirError.from_os_error(err.filename or path, err) from err
     return path

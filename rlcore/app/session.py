@@ -10,7 +10,7 @@
             batch = [(r["prompt_ids"], r["token_ids"]) for g in groups for r in g]
             advantages = ...                               # the algorithm's own
             old = s.policy.logprobs(batch)
-            stats = s.train(step, batch, advantages, old)  # one optimiser step
+            stats = s.train(step, batch, advantages, old)  # one step: {"train/loss": ...}
             s.refit(step)                                  # weights to the engine
             s.check_refit(step)                            # ...and checked there
             s.record({"reward/mean": ..., **stats}, step)  # a line of metrics.jsonl
@@ -36,6 +36,12 @@ handoff, a lost generation worker replaced and the call run again
 (``generation.on_worker_loss: replace``), training health, the refit check, records and
 trace spans. ``rlcore run``'s GRPO loop (:func:`rlcore.app.grpo.run_grpo_on`) uses nothing
 else.
+
+What a loop trains (``docs/library.md``): :meth:`Session.train` is one step of GRPO's clipped
+policy-gradient loss on the loop's own advantages (``docs/grpo.md`` for its options), and
+returns its metrics as ``rlcore run`` names them (``train/loss``, ``train/grad_norm``...).
+A loop checks its refits (:meth:`Session.check_refit`); a session that refits twice without
+ever checking one warns.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import logging
 import os
 import signal
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -117,6 +124,10 @@ if TYPE_CHECKING:
     from rlcore.setup.prepared import PreparedRun
 
 log = logging.getLogger(__name__)
+
+#: :meth:`Session.train` returns the policy's metrics under this prefix (``train/loss``), the
+#: names ``rlcore run`` writes them under.
+TRAIN_PREFIX = "train/"
 
 __all__ = ["ConfigLike", "Handoff", "OpenKeywords", "OpenOptions", "OverHandles", "Session", "open"]
 
@@ -447,6 +458,8 @@ class Session:
         self._deferring: SignalGuard | None = None  # holds SIGTERM back for a last checkpoint
         self._generation_epoch = 0  # generation recoveries so far (a rollout stream's losses are told apart by it)
         self._sampling: dict[int, dict[str, float]] = {}  # step -> its dynamic sampling's figures
+        self._checked = False  # check_refit was called (else the second refit warns, once)
+        self._unchecked: list[int] = []  # the first two refits' steps while nothing is checked
         self._refit, self._record, self._span, self._cancelled = given.refit, given.record, given.span, given.cancelled
         # Given handles take the place of the cached properties that build them from a run.
         handles = {
@@ -719,13 +732,25 @@ class Session:
     ) -> dict[str, float]:
         """One optimiser step of the policy (:meth:`rlcore.handles.PolicyHandle.train_step`:
         one advantage per pair, ``old_logprobs`` the policy's before the step, ``None`` for
-        on-policy); ``clip_eps`` and ``lr`` default to ``config.grpo``'s. Where the config
-        asks for more than the plain loss (``grpo.clip_eps_high``, ``grpo.loss_aggregation``,
+        on-policy); ``clip_eps`` and ``lr`` default to ``config.grpo``'s.
+
+        The loss is GRPO's clipped policy gradient, whatever the loop's algorithm (its
+        advantages are its own): ``-1/N * sum over the batch's N completion tokens of
+        min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)``, ``ratio =
+        exp(logprob - old_logprob)`` (1 without ``old_logprobs``: the REINFORCE gradient),
+        ``A`` the advantage of the token's pair; no KL or entropy term, then one AdamW step
+        at ``lr`` with the gradient clipped to the policy's ``max_grad_norm``
+        (``docs/library.md``; ``docs/grpo.md`` for the options). Where the config asks for
+        more than this plain loss (``grpo.clip_eps_high``, ``grpo.loss_aggregation``,
         ``grpo.rollout_correction``), the policy gets them as ``loss=``
         (:class:`rlcore.handles.LossOptions`); ``engine_logprobs``, the generation's sampling
         logprobs of the batch, are what a rollout correction weighs against (required then).
-        The policy gets the devices first. Returns the step's metrics (``loss``,
-        ``grad_norm``, ``clip_fraction``, ``tokens``, ``lr``).
+        The policy gets the devices first.
+
+        Returns the step's metrics under the names ``rlcore run`` writes them to
+        ``metrics.jsonl``: each of the policy's (at least ``loss``, ``grad_norm``,
+        ``clip_fraction``, ``tokens``, ``lr``) as ``train/<name>``: ``train/loss``,
+        ``train/grad_norm``...
 
         Raises:
             TrainingHealthError: a non-finite loss or gradient norm, naming the policy
@@ -748,7 +773,7 @@ class Session:
             **shaped,
         )
         check_train_health(out, backend=self.policy.backend, step=step)
-        return out
+        return {f"{TRAIN_PREFIX}{name}": value for name, value in out.items()}
 
     def check_mismatch(
         self,
@@ -785,12 +810,32 @@ class Session:
         ``step``) over the run's transport; the :class:`~rlcore.handles.RefitReport`
         (``weight_sync_time_s``, ``bytes``, ``transport``...). A generation worker lost
         during it is replaced and the refit run again. :attr:`weight_version` is then
-        ``step``."""
+        ``step``. Check each refit (:meth:`check_refit`): a session whose second refit
+        comes while it never called :meth:`check_refit` warns (``UserWarning``, once)."""
         self.wait_checkpoint()  # the policy's ranks take one call at a time
         report = self._retry(lambda: self._refit_once(step), step, "refit")
         self._check_versions(step)
         self.weight_version = step
+        self._warn_unchecked(step)
         return report  # type: ignore[no-any-return]
+
+    def _warn_unchecked(self, step: int) -> None:
+        """Warn once per session at the second refit when :meth:`check_refit` was never
+        called: nothing then tells a refit that left the engine on other weights from one
+        that did not (the loop would train on, its rewards flat)."""
+        if self._checked or len(self._unchecked) >= 2:
+            return
+        self._unchecked.append(step)
+        if len(self._unchecked) < 2:
+            return
+        warnings.warn(
+            f"this session refitted the weights of steps {self._unchecked[0]} and {step} and never checked a "
+            "refit: one that did not reach the generation, or reached it wrong, goes unnoticed. Call "
+            "Session.check_refit(step) after each refit (the probe batch), or check the last refit with the "
+            "next step's samples: check_refit(step - 1, generation_logprobs=..., policy_logprobs=...)",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _check_versions(self, step: int) -> None:
         """Every engine says it holds the weights of ``step`` (where the generation can say:
@@ -837,6 +882,7 @@ class Session:
         """
         if (generation_logprobs is None) != (policy_logprobs is None):
             raise ValueError("check_refit takes both generation_logprobs and policy_logprobs, or neither")
+        self._checked = True
         if generation_logprobs is None or policy_logprobs is None:
             self._turn("generation")
             err = self._retry(self._probe_error, step, "probe")

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 #: The setup task that makes the first weight sync (step 0).
 REFIT_TASK = "refit:initial"
+#: What :attr:`Plan.critical_path` is: the longest chain of the plan's graph, every task
+#: counted as 1, not timed (a run's measured one: :meth:`Plan.timed_critical_path`).
+CRITICAL_PATH_BASIS = "structural, from the declared order"
 
 
 def init_task(role: Role) -> str:
@@ -159,9 +162,10 @@ class RefitContent:
     """What every refit carries from the policy to the generation, and why.
 
     Attributes:
-        kind: ``weights`` (every weight as the policy trains it) or ``merged`` (a policy
+        kind: ``weights`` (every weight as the policy trains it), ``merged`` (a policy
             that trains LoRA adapters sends each adapted weight as base + the adapters'
-            product, under the base weight's name).
+            product, under the base weight's name) or ``adapters`` (the adapters alone, to
+            a generation that declares ``takes_adapters``).
         why: the reason, in words (``rlcore plan``).
     """
 
@@ -180,6 +184,9 @@ class Plan:
     tasks: tuple[Task, ...]
     edges: tuple[Edge, ...]
     waits: tuple[Wait, ...] = ()
+    #: The longest chain over edges and waits with every task counted as 1
+    #: (:data:`CRITICAL_PATH_BASIS`): which tasks the declarations put in a row, not which
+    #: take longest (:meth:`timed_critical_path` weighs a chain by measured times).
     critical_path: tuple[str, ...] = ()
     #: task name -> event names the core posts when that task finishes.
     posts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -271,6 +278,15 @@ class Plan:
         """Task names, each after the tasks it starts after; :class:`PlanError` on a cycle."""
         return topological_order(self.names, self.deps())
 
+    def timed_critical_path(self, durations: Mapping[str, float]) -> tuple[float, list[str]]:
+        """The longest chain over the plan's *edges* weighted by ``durations`` (seconds by
+        task; a task without one weighs 0): (its seconds, the chain). A run's
+        ``timing/setup/critical_path_s`` and ``rlcore plan --measured RUN_DIR``. In-init
+        waits are inside a task's duration, so no wait is an edge here; the structural
+        :attr:`critical_path` counts them, each task weighing 1."""
+        names = [n for n in self.names if n in durations] or list(durations)
+        return longest_path(names, self.deps(), durations)
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON form printed by ``rlcore plan --json``."""
         return {
@@ -289,6 +305,7 @@ class Plan:
                 for w in self.waits
             ],
             "critical_path": list(self.critical_path),
+            "critical_path_basis": CRITICAL_PATH_BASIS,
             "refit_transport": self.refit_transport,
             "posts": {k: list(v) for k, v in self.posts.items()},
             "artifacts_needed": {k: list(v) for k, v in self.consumed.items()},

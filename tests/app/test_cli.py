@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -203,14 +204,132 @@ def test_plugins_in_a_narrow_terminal_folds_names(monkeypatch, capsys) -> None:
     assert "…" not in out
 
 
-@pytest.mark.parametrize("command", [[], ["plugins"], ["plan"], ["run"], ["export"], ["new-backend"]])
-def test_help_is_plain_text(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    """``--help`` shows no reStructuredText (double backquotes, roles), and ``rlcore run``'s
-    says what CONFIG defaults to."""
-    with pytest.raises(SystemExit) as done:
+def _subcommands() -> list[str]:
+    """Every subcommand the parser has (a new one is in the help test without listing it)."""
+    import argparse
+
+    from rlcore.app.cli import build_parser
+
+    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return list(action.choices)
+
+
+def test_help_of_every_subcommand_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` shows no reStructuredText (double backquotes, roles), each subcommand's says
+    what it does (its docstring), and ``rlcore run``'s says what CONFIG defaults to."""
+    commands = _subcommands()
+    assert {"plugins", "plan", "run", "export", "samples", "new-backend"} <= set(commands)
+    for command in [[], *([c] for c in commands)]:
+        with pytest.raises(SystemExit) as done:
+            main([*command, "--help"])
+        assert done.value.code == 0, command
+        out = capsys.readouterr().out
+        assert "``" not in out and not re.search(r":\w+:`", out), (command, out)
+        if command:
+            # The description (the first line after the usage) starts with the command's own name.
+            assert f"`rlcore {command[0]}" in out, (command, out)
+    run_help = " ".join(_help(["run"]).split())
+    assert "default: examples/quickstart.yaml" in run_help
+    assert "CONFIG defaults to the quickstart (`examples/quickstart.yaml`)" in run_help
+    assert "structural" in _help(["plan"]) and "--measured RUN_DIR" in _help(["plan"])
+
+
+def _help(command: list[str]) -> str:
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), pytest.raises(SystemExit):
         main([*command, "--help"])
-    assert done.value.code == 0
+    return buf.getvalue()
+
+
+def test_plain_text_turns_restructuredtext_into_plain_text() -> None:
+    from rlcore.app.cli import plain_text
+
+    doc = """A :class:`~rlcore.app.session.Session` from :func:`rlcore.open`, ``quoted``.
+
+        A second   paragraph,
+        refilled."""
+    assert plain_text(doc) == "A `Session` from `rlcore.open`, `quoted`.\n\nA second paragraph, refilled."
+
+
+# ---------------------------------------------------------------- rlcore plan: the critical path
+
+
+def _run_dir(path: Path, durations: dict[str, float], backends: dict[str, str] | None = None) -> Path:
+    """A run directory as a run leaves it, as far as ``rlcore plan --measured`` reads it: the
+    setup's line of ``metrics.jsonl`` (written by the run's MetricsWriter, keys of
+    ``setup_metrics``), a step line after it, and ``config.yaml``."""
+    from rlcore.app.records import MetricsWriter
+    from rlcore.setup.metrics import TOTAL_KEY, task_key
+
+    path.mkdir()
+    with MetricsWriter(path / "metrics.jsonl") as w:
+        w.write({**{task_key(n): d for n, d in durations.items()}, TOTAL_KEY: max(durations.values()),
+                 "timing/setup/cluster_start_time_s": 4.0}, step=0)
+        w.write({"train/loss": 0.1, "reward/mean": 0.5}, step=1)
+    roles = backends or {"policy": "fsdp", "generation": "vllm", "env": "arithmetic"}
+    (path / "config.yaml").write_text("".join(f"{r}:\n  backend: {b}\n" for r, b in roles.items()))
+    return path
+
+
+def test_plan_says_its_critical_path_is_structural(capsys) -> None:
+    pytest.importorskip("rlcore_fsdp")
+    pytest.importorskip("rlcore_vllm")
+    quickstart = str(REPO / "examples" / "quickstart.yaml")
+    assert main(["plan", quickstart]) == 0
     out = capsys.readouterr().out
-    assert "``" not in out and ":class:" not in out and ":func:" not in out, out
-    if command == ["run"]:
-        assert "default: examples/quickstart.yaml" in " ".join(out.split())
+    assert "critical path (structural, from the declared order; --measured RUN_DIR times it" in out, out
+    assert out.count("critical path") == 1  # no measured one without --measured
+    assert main(["plan", quickstart, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["critical_path"] == ["init:policy", "refit:initial"]  # each task counts 1: the first chain
+    assert plan["critical_path_basis"] == "structural, from the declared order"
+    assert plan["measured_critical_path"] is None
+
+
+def test_plan_measured_in_a_run_dir_takes_the_chain_that_took_longest(capsys, tmp_path: Path) -> None:
+    """The structural path is init:policy's; the run measured init:generation as longer, so
+    the measured critical path is generation's, with the run's seconds."""
+    pytest.importorskip("rlcore_fsdp")
+    pytest.importorskip("rlcore_vllm")
+    quickstart = str(REPO / "examples" / "quickstart.yaml")
+    run = _run_dir(tmp_path / "run", {"init:policy": 7.5, "init:generation": 12.8, "init:env": 0.5, "refit:initial": 0.1})
+    assert main(["plan", quickstart, "--measured", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "critical path (structural, from the declared order): init:policy -> refit:initial\n" in out, out
+    assert f"critical path (measured in {run}): init:generation 12.80s -> refit:initial 0.10s = 12.90s" in out, out
+    assert "note" not in out and "not timed" not in out
+
+    assert main(["plan", quickstart, "--measured", str(run), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["critical_path"] == ["init:policy", "refit:initial"]
+    measured = plan["measured_critical_path"]
+    assert measured["run_dir"] == str(run) and measured["critical_path"] == ["init:generation", "refit:initial"]
+    assert measured["critical_path_s"] == pytest.approx(12.9)
+    assert measured["durations_s"]["init:policy"] == 7.5 and measured["not_measured"] == []
+
+    # A faster generation puts policy back on the measured path: the times decide, not the order.
+    fast = _run_dir(tmp_path / "fast", {"init:policy": 7.5, "init:generation": 3.0, "init:env": 0.5, "refit:initial": 0.1})
+    assert main(["plan", quickstart, "--measured", str(fast), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["measured_critical_path"]["critical_path"] == ["init:policy", "refit:initial"]
+
+
+def test_plan_measured_names_what_that_run_did_not_time_or_ran_elsewhere(capsys, tmp_path: Path) -> None:
+    pytest.importorskip("rlcore_fsdp")
+    pytest.importorskip("rlcore_vllm")
+    quickstart = str(REPO / "examples" / "quickstart.yaml")
+    run = _run_dir(tmp_path / "run", {"init:policy": 2.0, "refit:initial": 0.1}, {"policy": "megatron", "generation": "vllm"})
+    assert main(["plan", quickstart, "--measured", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "not timed in that run (counted as 0 s): init:generation, init:env" in out, out
+    assert f"note: init:policy ran backend 'megatron' in {run}; this config selects 'fsdp'" in out, out
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text('{"step": 1, "train/loss": 0.1}\n')
+    for where, words in ((tmp_path / "nowhere", "no such run directory"), (empty, "no setup line")):
+        assert main(["plan", quickstart, "--measured", str(where)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --measured {where}: ") and words in err, err

@@ -364,7 +364,8 @@ def test_a_config_yaml_the_disk_cannot_take_leaves_a_reusable_out(
     assert main(["run", QUICKSTART, "--out", str(run_dir)]) == EXIT_RUN_FAILED
     line = _one_error_line(capsys.readouterr().err)
     assert line.startswith(f"error: writing {run_dir / 'config.yaml'}: {NOSPACE}")
-    assert sorted(p.name for p in run_dir.iterdir()) == ["run.json"]  # no empty config.yaml
+    # No empty config.yaml (run.log: the CLI's log of other libraries' output, rlcore.app.runlog).
+    assert sorted(p.name for p in run_dir.iterdir()) == ["run.json", "run.log"]
     disk.room.clear()
     FakeCluster.fail = "the cluster is down (test)"
     assert main(["run", QUICKSTART, "--out", str(run_dir)]) == EXIT_RUN_FAILED  # not refused
@@ -394,7 +395,9 @@ def test_a_run_that_failed_in_setup_leaves_its_records_and_a_reusable_out(
     for _ in range(2):  # the second is not refused as "not empty"
         assert main(["run", QUICKSTART, "--out", str(run_dir)]) == EXIT_RUN_FAILED
         assert _one_error_line(capsys.readouterr().err) == "error: the cluster is down (test)"
-        assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "metrics.jsonl", "run.json", "trace.json"]
+        assert sorted(p.name for p in run_dir.iterdir()) == [
+            "config.yaml", "metrics.jsonl", "run.json", "run.log", "trace.json",
+        ]
         assert json.loads((run_dir / "run.json").read_text())["steps_done"] == 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import signal
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,10 @@ from omegaconf import OmegaConf
 from test_grpo import CharTokenizer, Model, Sevens, Sleeper
 
 import rlcore
+from rlcore.app.grpo import run_grpo
 from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.health import TrainingHealthError
+from rlcore.app.refit_check import probe_batch
 from rlcore.app.session import Handoff, Session, _load
 from rlcore.config import GRPOConfig, RefitConfig, RunConfig
 from rlcore.errors import ConfigError, DivergenceError, ProtocolError, WorkerLost
@@ -150,6 +153,70 @@ def test_train_stops_a_non_finite_step_naming_backend_and_step() -> None:
     with pytest.raises(TrainingHealthError) as info:
         session(policy=Exploding(0.5)).train(7, [([1], [2])], [1.0])
     assert (info.value.backend, info.value.step, info.value.metric) == ("pol", 7, "loss")
+
+
+class FullStats(Model):
+    """A policy that returns every metric the contract names."""
+
+    def train_step(self, *a: Any, **kw: Any) -> dict[str, float]:
+        return {"loss": 0.25, "grad_norm": 1.5, "clip_fraction": 0.125, "tokens": 12.0, "lr": kw["lr"]}
+
+
+@pytest.mark.parametrize("refit_check", ["sampled", "probe"])
+def test_train_names_its_metrics_as_rlcore_run_writes_them(refit_check: str) -> None:
+    """A library loop's ``s.record({..., **stats})`` and ``rlcore run``'s ``metrics.jsonl``
+    name the train step alike (``train/loss``, not ``loss``), with the same values; and
+    ``rlcore run``'s loop, which checks every refit, never warns of an unchecked one."""
+    stats = session(policy=FullStats(0.5)).train(1, [([1], [2])], [1.0])
+    assert stats == {
+        "train/loss": 0.25, "train/grad_norm": 1.5, "train/clip_fraction": 0.125, "train/tokens": 12.0,
+        "train/lr": 0.005,
+    }
+    tok, lines = CharTokenizer(), []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_grpo(
+            cfg=GRPOConfig(steps=3, prompts_per_step=1, samples_per_prompt=2), tokenizer=tok,
+            policy=GuardedPolicy(FullStats(0.5), "pol"), generation=GuardedGeneration(Model(0.5), "gen", eos_ids={3}),
+            env=GuardedEnv(Sevens(), "sevens"), refit=lambda step: RefitReport(step, "disk", 1, 1, 0.01),
+            probe=probe_batch(tok, 1), on_step=lines.append, refit_check=refit_check,
+        )
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    for line in lines:
+        assert {k: line.get(k) for k in stats} == stats, line
+        assert not [k for k in line if k in ("loss", "grad_norm")], line
+
+
+def test_refits_without_ever_a_check_warn_once_per_session() -> None:
+    s = session()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s.refit(1)
+        assert caught == []  # one refit is no pattern yet
+        for step in (2, 3, 4):
+            s.refit(step)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    warned = caught[0]
+    assert warned.category is UserWarning and warned.filename == __file__  # at the loop's refit call
+    assert "refitted the weights of steps 1 and 2 and never checked a refit" in str(warned.message)
+    assert "Session.check_refit(step)" in str(warned.message)
+
+    for first in ("probe", "sampled"):  # a loop that checks, either way, is never warned
+        checked = session()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            if first == "sampled":  # step 1 checks refit:initial on its samples, before refit(1)
+                checked.check_refit(0, generation_logprobs=[[-0.5]], policy_logprobs=[[-0.5]], sampled_by=1)
+            for step in (1, 2, 3):
+                checked.refit(step)
+                if first == "probe":
+                    checked.check_refit(step)
+    again = session()  # once per session, not once per process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again.refit(1)
+        again.refit(2)
+    assert len(caught) == 1
 
 
 def test_a_lost_generation_worker_is_replaced_and_the_call_runs_again() -> None:

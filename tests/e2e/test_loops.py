@@ -55,6 +55,9 @@ def _check_run(run_dir: Path, steps: int) -> list[dict[str, Any]]:
     lines = [r for r in records if "reward/mean" in r]
     assert [r["step"] for r in lines] == list(range(1, steps + 1)), records
     assert all(math.isfinite(r["reward/mean"]) and math.isfinite(r["train/loss"]) for r in lines), lines
+    # Session.train's metrics, recorded as the loop got them: rlcore run's names, every one.
+    train = {"train/loss", "train/grad_norm", "train/clip_fraction", "train/tokens", "train/lr"}
+    assert all(train <= set(r) and not {"loss", "grad_norm"} & set(r) for r in lines), lines
     checked = {r["refit/checked_step"]: r["refit/token_mult_prob_error"] for r in records if "refit/checked_step" in r}
     assert sorted(checked) == list(range(steps + 1)), records  # refit:initial, every step's
     assert all(1.0 <= e < 1.05 for e in checked.values()), checked
