@@ -15,6 +15,7 @@ from rlcore.errors import CancelToken, Deadline
 
 if TYPE_CHECKING:
     from rlcore.config import RunConfig
+    from rlcore.lora import LoraOptions
     from rlcore.setup.events import EventBoard
 
 _KEY_RE = re.compile(r"[^A-Za-z0-9_.\-]+")
@@ -52,6 +53,12 @@ class InitContext:
         devices: the run's GPU bundles (:class:`rlcore.config.placement.DeviceGroup`), reserved
             by the core on a cluster with GPUs; ``None`` elsewhere. Read through
             :attr:`placement`, which puts each rank in its bundle.
+        adapters: (generation, contract 2.6) the LoRA adapters every refit will carry in
+            place of weights (refit content ``adapters``: the policy trains them and this
+            backend declares ``takes_adapters``): start the engines from the base weights of
+            the checkpoint (even where ``generation.refit_fed`` is set: adapters apply on
+            top of the base) and able to serve adapters of this rank and these targets.
+            ``None``: refits carry weights.
     """
 
     role: Role
@@ -67,6 +74,7 @@ class InitContext:
     needed_artifacts: frozenset[str] | None = None
     network: Network = field(default_factory=Network)
     devices: DeviceGroup | None = None
+    adapters: LoraOptions | None = None
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("rlcore.backend"))
 
     @property
@@ -140,6 +148,11 @@ class RefitContext:
         deadline: deadline of the whole refit.
         config: the run config.
         cache_dir: where the disk transport publishes.
+        content: what the refit carries (the plan's ``refit content``): ``weights``,
+            ``merged`` (base + adapters' product, as weights) or ``adapters`` (the policy's
+            LoRA adapters alone, to a generation that declares ``takes_adapters``; the
+            core's refit then calls :class:`rlcore.handles.AdapterSource` and
+            :class:`rlcore.handles.AdapterReceiver` instead of streaming weights).
         sessions: the run's open refit channels (a
             :class:`rlcore.refit.sessions.RefitSessions`, not named here: the refit
             imports this module): a channel is opened at the first refit of a pair and
@@ -156,3 +169,4 @@ class RefitContext:
     config: RunConfig
     cache_dir: Path
     sessions: Any
+    content: str = "weights"

@@ -28,7 +28,7 @@ from rlcore.errors import DeclarationError
 #: declared); a major version may change or remove. A plugin declares the version it
 #: was written against (:attr:`BackendDeclaration.contract_version`) and loads when
 #: its major equals the core's and its minor is not newer.
-CONTRACT_VERSION = "2.5"
+CONTRACT_VERSION = "2.6"
 _VERSION_RE = re.compile(r"^(\d+)\.(\d+)$")
 
 #: What each major version changed that a plugin of the major before must change, and how.
@@ -340,6 +340,12 @@ class BackendDeclaration:
             exports merged weights (base + the adapters' product, under the base
             weights' names) to refit and ``rlcore export``. The core refuses
             ``policy.options.lora`` for a policy that does not declare it.
+        takes_adapters: (generation) it serves a policy's LoRA adapters in place of merged
+            weights (contract 2.6): its handle implements
+            :class:`rlcore.handles.AdapterReceiver`, its engines start from the base
+            weights of ``model.path`` able to serve adapters of the run's rank and targets
+            (:attr:`rlcore.context.InitContext.adapters`), and each refit then carries the
+            adapters alone. Without it, a policy that trains adapters sends merged weights.
         memory_handoff: (policy, generation) its handles implement
             :class:`rlcore.handles.MemoryHandoff` (``sleep``/``wake``): with
             ``placement.colocated`` the loop has it give device memory back while the
@@ -372,6 +378,7 @@ class BackendDeclaration:
     max_staleness: int = 0
     checkpoint: CheckpointSupport | None = None
     trains_adapters: bool = False
+    takes_adapters: bool = False
     loss_options: frozenset[str] = frozenset()
     extra_draws: bool = False
     contract_version: str = CONTRACT_VERSION
@@ -477,6 +484,7 @@ class BackendDeclaration:
                 }
             ),
             "trains_adapters": self.trains_adapters,
+            "takes_adapters": self.takes_adapters,
             "loss_options": sorted(self.loss_options),
             "extra_draws": self.extra_draws,
             "contract_version": self.contract_version,

@@ -415,6 +415,23 @@ class AdapterSource(Protocol):
 
 
 @runtime_checkable
+class AdapterReceiver(Protocol):
+    """A generation that serves a policy's LoRA adapters in place (``takes_adapters``,
+    contract 2.6): every refit of such a run hands it the adapters alone
+    (:class:`AdapterSource`'s ``adapter_state()``), never weights; its engines started from
+    the checkpoint's base weights (:attr:`rlcore.context.InitContext.adapters`)."""
+
+    def load_adapter(self, tensors: Any, config: dict[str, Any], step: int) -> list[Any]:
+        """Every engine serves the adapter ``tensors`` (peft's names, CPU tensors, or a Ray
+        reference to them) with peft's adapter ``config`` from now on, as the weights of
+        ``step`` (its :class:`WeightVersioned` version); Ray refs (or values) that resolve
+        when every engine has loaded. Requests in flight go on with the new adapter or wait
+        for it, as the engine's in-flight landing says; a failure leaves the engine refusing
+        to sample until a refit succeeds."""
+        ...
+
+
+@runtime_checkable
 class ResumableEnv(Protocol):
     """An env handle with state a resumed run must get back (optional, contract 2.2): a
     position in a dataset, a curriculum. An env that picks its prompts from the step alone

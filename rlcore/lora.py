@@ -9,6 +9,9 @@ so every such backend reads the same keys. With it set, the backend:
 * exports merged weights wherever it exports (refit, ``rlcore export``): each adapted
   weight is the base weight plus the adapters' product, under the base weight's name, so
   every generation backend and every transport take them as any refit;
+* gives the adapters alone (:class:`rlcore.handles.AdapterSource`), which the refit carries
+  instead to a generation that serves them in place (``takes_adapters``, contract 2.6:
+  :mod:`rlcore.refit.adapters`);
 * checkpoints and resumes the adapters and their optimizer state like any training state.
 
 The core refuses ``policy.options.lora`` for a policy that does not declare it, before
@@ -26,6 +29,9 @@ from rlcore.errors import ConfigError
 
 #: ``target_modules`` entry that means every linear layer but the output head (peft's own term).
 ALL_LINEAR = "all-linear"
+#: How an adapter refit travels (:attr:`rlcore.handles.RefitReport.transport`, refit content
+#: ``adapters``): the driver hands the tensors to the engines through Ray's object store.
+ADAPTER_TRANSPORT = "object_store"
 
 
 @dataclass
@@ -57,9 +63,17 @@ class LoraOptions:
 def requested_lora(options: Any) -> bool:
     """Whether a role's options (its mapping from the config, or its resolved dataclass)
     ask for adapters: a ``lora`` entry that is set."""
-    if isinstance(options, Mapping):
-        return options.get("lora") is not None
-    return getattr(options, "lora", None) is not None
+    raw = options.get("lora") if isinstance(options, Mapping) else getattr(options, "lora", None)
+    return raw is not None
+
+
+def lora_options(options: Any) -> LoraOptions | None:
+    """The :class:`LoraOptions` a role's options ask for (its resolved dataclass's ``lora``
+    field, or the ``lora`` entry of a plain mapping), or None."""
+    raw = options.get("lora") if isinstance(options, Mapping) else getattr(options, "lora", None)
+    if raw is None or isinstance(raw, LoraOptions):
+        return raw
+    return LoraOptions(**dict(raw))
 
 
 def check_lora_request(options: Any, *, backend: str, trains_adapters: bool) -> None:

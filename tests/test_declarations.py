@@ -44,12 +44,13 @@ def problems(decl: BackendDeclaration) -> str:
     return str(info.value)
 
 
-def test_contract_2_1_to_2_5_add_fields_a_2_0_plugin_still_loads_without() -> None:
-    assert CONTRACT_VERSION == "2.5"
-    assert contract_compatible("2.0") and contract_compatible("2.4") and not contract_compatible("2.6")
+def test_contract_2_1_to_2_6_add_fields_a_2_0_plugin_still_loads_without() -> None:
+    assert CONTRACT_VERSION == "2.6"
+    assert contract_compatible("2.0") and contract_compatible("2.5") and not contract_compatible("2.7")
     plain = policy()
     assert plain.max_staleness == 0 and plain.inflight_refit == () and plain.checkpoint is None
     assert plain.trains_adapters is False and plain.to_dict()["trains_adapters"] is False
+    assert plain.takes_adapters is False and plain.to_dict()["takes_adapters"] is False
     assert plain.loss_options == frozenset() and plain.to_dict()["loss_options"] == []
     assert CheckpointSupport("torch-dcp").staged is False  # 2.2's declaration saves as it did
     assert plain.refit_landing({}) == BETWEEN_CALLS

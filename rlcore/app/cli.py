@@ -23,6 +23,7 @@ from rich.table import Table
 
 from rlcore.declarations import Role
 from rlcore.errors import BackendNotFoundError, ConfigError, PlanError, RlcoreError
+from rlcore.lora import ADAPTER_TRANSPORT
 
 if TYPE_CHECKING:
     from rlcore.declarations import BackendDeclaration
@@ -245,7 +246,10 @@ def render_plan(plan: Any, con: Console, measured: dict[str, Any] | None = None)
             con.print(f"  not timed in that run (counted as 0 s): {', '.join(measured['not_measured'])}")
         for note in measured["notes"]:
             con.print(f"  [yellow]note[/yellow]: {escape(note)}")
-    con.print(f"[bold]refit transport[/bold]: {plan.refit_transport}")
+    transport = str(plan.refit_transport)
+    if plan.refit_content is not None and plan.refit_content.kind == "adapters":
+        transport = f"{ADAPTER_TRANSPORT} (the adapters, in memory; {transport} is not used)"
+    con.print(f"[bold]refit transport[/bold]: {transport}")
     for part in (plan.refit_content, plan.schedule):
         if part is not None:
             head, _, rest = part.describe().partition(": ")
@@ -616,7 +620,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_command_line(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``rlcore ARGS`` parsed as :func:`main` runs it, nothing run (``args.config`` and
+    ``args.overrides`` for ``run`` and ``plan``); a bad command line exits 2 with argparse's
+    message, as the command does."""
     parser = build_parser()
     # Overrides may come after options (`rlcore run --out D a=1`): argparse's
     # subcommands can't intermix positionals, so collect the leftovers here.
@@ -631,6 +638,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.overrides = list(args.overrides) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_command_line(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

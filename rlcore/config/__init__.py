@@ -149,6 +149,8 @@ class RoleConfig:
 WORKER_LOSS_ACTIONS = ("abort", "replace")
 #: Values of ``refit.check``.
 REFIT_CHECKS = ("sampled", "probe")
+#: Values of ``refit.adapters``.
+REFIT_ADAPTERS = ("auto", "merged")
 #: ``grpo.on_mismatch``: what a step above ``grpo.max_mismatch`` does (:mod:`rlcore.app.mismatch`).
 MISMATCH_ACTIONS = ("warn", "stop")
 #: Values of ``grpo.loss_aggregation`` (:class:`rlcore.handles.LossOptions`).
@@ -267,6 +269,11 @@ class RefitConfig:
     #: the policy's of the same tokens; the last step's refit with the probe after the
     #: loop); ``probe`` runs the probe batch through both after every refit (costlier).
     check: str = "sampled"
+    #: Where the policy trains LoRA adapters (``policy.options.lora``): ``auto`` refits the
+    #: adapters alone to a generation that takes them in place (``takes_adapters``) and
+    #: merged weights to any other; ``merged`` always sends merged weights (base + the
+    #: adapters' product). ``rlcore plan`` says which a run gets.
+    adapters: str = "auto"
 
 
 @dataclass
@@ -659,6 +666,13 @@ def _check_choices(cfg: RunConfig) -> None:
             f"{list(REFIT_CHECKS)} (sampled: the next step's sampling logprobs; probe: the probe "
             "batch after every refit)",
             key="refit.check",
+        )
+    if cfg.refit.adapters not in REFIT_ADAPTERS:
+        raise ConfigError(
+            f"config key 'refit.adapters' is {cfg.refit.adapters!r}; expected one of "
+            f"{list(REFIT_ADAPTERS)} (auto: the adapters alone where the generation takes them; "
+            "merged: merged weights always)",
+            key="refit.adapters",
         )
     if cfg.grpo.on_mismatch not in MISMATCH_ACTIONS:
         raise ConfigError(

@@ -28,7 +28,12 @@ def _labels(handle: Any, side: str, n: int) -> list[str]:
 
 
 def refit(policy: Any, generation: Any, ctx: RefitContext) -> RefitReport:
-    """Copy the policy's weights into the generation engine over ``ctx.transport``."""
+    """Copy the policy's weights into the generation engine over ``ctx.transport`` (its
+    adapters alone where the refit carries adapters: :mod:`rlcore.refit.adapters`)."""
+    if ctx.content == "adapters":
+        from rlcore.refit.adapters import refit_adapters
+
+        return refit_adapters(policy, generation, ctx)
     for handle, proto, side in ((policy, RefitSender, "policy"), (generation, RefitReceiver, "generation")):
         if not isinstance(handle, proto):
             raise RefitError(

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from rlcore.handles import Endpoint, Pair, Sample, SamplingParams
+from rlcore.runtime.adapter_files import AdapterDirs
 from rlcore.runtime.addresses import free_port, server_host
 from rlcore.runtime.batches import shard_range
 from rlcore.runtime.group_handle import GroupHandle
@@ -151,6 +152,12 @@ class GroupGeneration(GroupHandle):
         beside a generate or logprobs call it is running; any other waits for it to end."""
         return [self.refit_side(a, "receive_weights").remote(spec, step, buckets) for a in self._actors()]
 
+    def load_adapter(self, tensors: Any, config: dict[str, Any], step: int) -> list[Any]:
+        """Every engine serves the LoRA adapter ``tensors`` from now on, as the weights of
+        ``step`` (:class:`rlcore.handles.AdapterReceiver`: refit content ``adapters``); Ray
+        refs. A refit-side call, as :meth:`receive_weights`."""
+        return [self.refit_side(a, "load_adapter").remote(tensors, config, step) for a in self._actors()]
+
     def refit_side(self, actor: Any, method: str) -> Any:
         """``actor``'s ``method`` as a refit-side call: on the engines' refit thread
         (:attr:`rlcore.runtime.worker_group.WorkerGroup.refit_group`) when they take refits in
@@ -254,6 +261,9 @@ class EngineReceiver:
     def receive_weights(self, spec: Any, step: int, buckets: list[list[Any]]) -> list[Any]:
         return [self.handle.refit_side(a, "receive_weights").remote(spec, step, buckets) for a in self._engines()]
 
+    def load_adapter(self, tensors: Any, config: dict[str, Any], step: int) -> list[Any]:
+        return [self.handle.refit_side(a, "load_adapter").remote(tensors, config, step) for a in self._engines()]
+
 
 @dataclass(frozen=True)
 class EngineArgs:
@@ -263,6 +273,9 @@ class EngineArgs:
         model_dir: Hugging Face checkpoint directory.
         dtype: ``float32``, ``bfloat16`` or ``float16``.
         refit_fed: start with dummy weights; the first refit brings real ones.
+        adapters: the :class:`rlcore.lora.LoraOptions` of the adapters every refit brings
+            (:attr:`rlcore.context.InitContext.adapters`): the engine starts from the
+            checkpoint's base weights able to serve them; None: refits bring weights.
         options: the backend's options (``port``, ``served_model_name`` where it serves).
         log_dir: where the engine's server writes its log.
         seed: the engine's seed.
@@ -283,6 +296,7 @@ class EngineArgs:
     network: Any = None
     cuda: bool | None = None
     specs_cache: str | None = None
+    adapters: Any = None
 
 
 @dataclass(frozen=True)
@@ -374,12 +388,14 @@ def _engine_group(ctx: InitContext, engines: Engines) -> WorkerGroup:
     args = EngineArgs(
         str(engines.model_dir),
         dtype=ctx.config.model.dtype,
-        refit_fed=bool(section.refit_fed),
+        # Adapters apply on top of the base weights, which no adapter refit brings.
+        refit_fed=bool(section.refit_fed) and ctx.adapters is None,
         options=engines.options,
         log_dir=engines.log_dir,
         network=ctx.network,
         cuda=cuda,
         specs_cache=str(ctx.cache_dir),
+        adapters=ctx.adapters,
     )
     return WorkerGroup(
         engines.worker_class,
@@ -446,6 +462,9 @@ class EngineWorker(DistributedWorker):
         self.network = args.network
         self.cuda = args.cuda
         self.specs_cache = args.specs_cache
+        self.adapters = args.adapters
+        #: Where adapter refits are written for the engine to load (:meth:`load_adapter`).
+        self.adapter_dirs = AdapterDirs(prefix=f"rlcore-adapter-{rank}-")
         self.server: Any = None
         #: Why the engine's weights cannot be trusted (a refit failed half-way), or None.
         self.stale: str | None = None
@@ -536,6 +555,32 @@ class EngineWorker(DistributedWorker):
 
     # ----------------------------------------------------------------- refit
 
+    def load_adapter(self, tensors: dict[str, Any], config: dict[str, Any], step: int) -> float:
+        """Serve the LoRA adapter ``tensors`` (by peft's names) with peft's adapter ``config``
+        as the weights of ``step`` (refit content ``adapters``); returns seconds taken.
+
+        Written as a peft directory (:class:`rlcore.runtime.adapter_files.AdapterDirs`),
+        then loaded by the subclass's ``_load_adapter(path, step)``, which makes its engine
+        serve it from the next token on. A failure leaves the engine refusing to sample
+        until a refit succeeds, as a weight refit's does.
+        """
+        if self.adapters is None:
+            raise RuntimeError(
+                f"{self.engine} worker {self.rank} was started without adapters (EngineArgs.adapters), "
+                f"so it cannot serve the adapter refit of step {step}"
+            )
+        t0 = time.monotonic()
+        path = self.adapter_dirs.write(step, tensors, config)
+        self.stale = f"adapter refit step {step} did not complete"
+        self._load_adapter(path, step)
+        self.stale = None
+        self.loaded_version = step
+        self.adapter_dirs.keep_only(path)
+        return time.monotonic() - t0
+
+    def _load_adapter(self, path: Path, step: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not serve adapters (no _load_adapter)")
+
     @contextlib.contextmanager
     def _held_for_refit(self, routes: PauseRoutes, step: int, timeout_s: float) -> Iterator[None]:
         """Hold :attr:`server`'s requests in flight while the body loads refit ``step``
@@ -598,7 +643,9 @@ class EngineWorker(DistributedWorker):
         }
 
     def _stop_server(self) -> None:
-        """Stop :attr:`server`'s process group, if one runs. Idempotent."""
+        """Stop :attr:`server`'s process group, if one runs, and remove the adapter
+        directories it read. Idempotent."""
+        self.adapter_dirs.remove()
         if self.server is not None:
             self.server.stop()
             self.server = None

@@ -158,7 +158,8 @@ class GuardedServer:
     def request(
         self, path: str, body: dict[str, Any] | None = None, *, timeout_s: float = 300.0
     ) -> Any:
-        """POST JSON ``body`` to ``path`` (GET when it is None); the decoded JSON answer.
+        """POST JSON ``body`` to ``path`` (GET when it is None); the decoded JSON answer (its
+        text where it is not JSON).
 
         Raises :class:`ServerError` with the server's message on an HTTP error, and
         naming the exit code and the log's end when the server is gone.
@@ -187,7 +188,12 @@ class GuardedServer:
                     f"during {path}; end of its log {self.log_path}:\n{self.log_tail()}"
                 ) from None
             raise ServerError(f"{self.what} {self.base}: {method} {path} failed: {err}") from None
-        return json.loads(raw) if raw else None
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:  # a route that answers in words (vLLM's /v1/load_lora_adapter)
+            return raw.decode(errors="replace")
 
     def post(self, path: str, body: dict[str, Any] | None = None, *, timeout_s: float = 300.0) -> Any:
         """POST ``body`` (an empty JSON object when None) to ``path``: see :meth:`request`."""

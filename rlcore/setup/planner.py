@@ -565,16 +565,26 @@ def check_adapters(config: RunConfig, declarations: Mapping[Role, BackendDeclara
 
 
 def _refit_content(p: _Planning) -> RefitContent:
-    """Full weights, or merged ones where the policy trains adapters (no generation backend
-    takes adapters in place under contract 2.4)."""
+    """Full weights; where the policy trains adapters, the adapters alone if the generation
+    takes them in place (contract 2.6) and ``refit.adapters`` allows, else merged weights."""
     adapted = [g for g in p.policy if g.declaration.trains_adapters and requested_lora(g.view["options"])]
     if not adapted:
         return RefitContent("weights", "the policy trains every weight")
+    policy, gen = adapted[0].declaration.name, p.gen.declaration
     rank = adapted[0].view["options"]["lora"].get("rank", "?")
+    trains = f"policy '{policy}' trains LoRA adapters (rank {rank})"
+    if gen.takes_adapters and p.config.refit.adapters == "auto":
+        return RefitContent(
+            "adapters",
+            f"{trains} and generation '{gen.name}' serves them in place: each refit carries the "
+            "adapters alone, the engines load the base weights from the checkpoint",
+        )
+    why = (
+        "refit.adapters=merged" if gen.takes_adapters
+        else f"generation '{gen.name}' loads full weights (no takes_adapters)"
+    )
     return RefitContent(
-        "merged",
-        f"policy '{adapted[0].declaration.name}' trains LoRA adapters (rank {rank}) and sends each "
-        f"adapted weight merged, base + adapters, as generation '{p.gen.declaration.name}' loads full weights",
+        "merged", f"{trains} and sends each adapted weight merged, base + adapters, as {why}"
     )
 
 

@@ -41,6 +41,7 @@ from rlcore.context import InitContext, RefitContext
 from rlcore.declarations import ENDPOINT_EVENT, Role
 from rlcore.errors import CancelToken, Deadline, PluginError, RefitError
 from rlcore.hookspecs import hookimpl
+from rlcore.lora import lora_options
 from rlcore.refit.sessions import RefitSessions
 from rlcore.setup.events import EventBoard
 from rlcore.setup.executor import ExecutionResult, TaskRun, TaskSpec, call_bounded, execute
@@ -107,6 +108,7 @@ class SetupResult:
                 cancel=cancel,
                 sessions=self.refit_sessions,
                 deadline=deadline,
+                content=content_of(self.plan),
             ),
         )
 
@@ -135,7 +137,10 @@ class SetupResult:
         receiver = handle.replace_engine(rank, deadline=Deadline(self.config.setup.deadline_s, "replacing an engine"))
         t1 = time.monotonic()
         # Its own sessions: the one-engine channel is used once, never by the next refit.
-        ctx = refit_context(self.config, step=step, transport=self.transport, cancel=cancel, sessions=RefitSessions())
+        ctx = refit_context(
+            self.config, step=step, transport=self.transport, cancel=cancel, sessions=RefitSessions(),
+            content=content_of(self.plan),
+        )
         report = _refit_once(self.config, self.registry, self.plugins, {**self.handles, Role.GENERATION.value: receiver}, ctx)
         return report, t1 - t0, time.monotonic() - t1
 
@@ -189,11 +194,13 @@ def refit_context(
     cancel: CancelToken,
     sessions: RefitSessions,
     deadline: Deadline | None = None,
+    content: str = "weights",
 ) -> RefitContext:
     """The :class:`RefitContext` of one weight sync (``refit:initial`` is step 0).
 
     Its deadline is the sooner of ``deadline`` and ``refit.timeout_s`` from now;
-    ``sessions`` are the refit channels of the run (opened once, reused).
+    ``sessions`` are the refit channels of the run (opened once, reused); ``content`` is
+    what it carries (:func:`content_of` the plan).
     """
     base = deadline or Deadline.never(f"refit step {step}")
     return RefitContext(
@@ -206,7 +213,13 @@ def refit_context(
         config=config,
         cache_dir=cache_dir(config),
         sessions=sessions,
+        content=content,
     )
+
+
+def content_of(plan: Plan) -> str:
+    """What the plan's refits carry (:class:`rlcore.setup.plan.RefitContent`'s kind)."""
+    return plan.refit_content.kind if plan.refit_content is not None else "weights"
 
 
 def _refit_once(
@@ -327,7 +340,14 @@ class _SetupRun:
             needed_artifacts=frozenset(self.plan.consumed.get(init_task_name(role), ())),
             network=self.network,
             devices=self.devices,
+            adapters=self.adapters() if role is Role.GENERATION else None,
         )
+
+    def adapters(self) -> Any:
+        """The policy's :class:`rlcore.lora.LoraOptions` where the refits carry adapters."""
+        if content_of(self.plan) != "adapters":
+            return None
+        return lora_options(self.options[Role.POLICY])
 
     def call_init(self, role: Role, ctx: InitContext) -> Any:
         """Call the selected backend's init hook for ``role``; its handle."""
@@ -366,7 +386,7 @@ class _SetupRun:
         """``refit:initial``: the first weight sync (step 0) over the run's channels."""
         ctx = refit_context(
             self.config, step=0, transport=self.transport, cancel=task.cancel,
-            sessions=self.sessions, deadline=task.deadline,
+            sessions=self.sessions, deadline=task.deadline, content=content_of(self.plan),
         )
         return _refit_once(self.config, self.registry, self.plugins, self.handles, ctx)
 

@@ -482,8 +482,10 @@ class Harness:
         cancel: CancelToken | None = None,
         deadline: Deadline | None = None,
         board: EventBoard | None = None,
+        adapters: Any = None,
     ) -> InitContext:
-        """An InitContext built as ``rlcore.setup.runner.run_setup`` builds it."""
+        """An InitContext built as ``rlcore.setup.runner.run_setup`` builds it (``adapters``:
+        its :attr:`~rlcore.context.InitContext.adapters`)."""
         info = self.serving(role)
         if info is None or info.declaration is None:
             raise NotApplicable(f"no plugin of this test serves role '{role}'")
@@ -506,6 +508,7 @@ class Harness:
             events=board or (self.board if cancel is self.cancel else EventBoard(cancel)),
             publish_hook=self.registry.hook("rlcore_publish", [info]),
             log=logging.getLogger(f"rlcore.backend.{decl.name}"),
+            adapters=adapters,
         )
 
     # -- needs --------------------------------------------------------------------------
@@ -595,11 +598,13 @@ class Harness:
             self.started.append(Started(role, handle))
         return handle
 
-    def start(self, role: Role, config: RunConfig, *, provider: bool = False) -> Any:
-        """:meth:`init` with needs satisfied first, bounded by ``init_timeout_s``."""
+    def start(self, role: Role, config: RunConfig, *, provider: bool = False, adapters: Any = None) -> Any:
+        """:meth:`init` with needs satisfied first, bounded by ``init_timeout_s`` (``adapters``:
+        the context's :attr:`~rlcore.context.InitContext.adapters`)."""
         self.satisfy_needs(role, config, board=self.board)
+        ctx = self.context(role, config, adapters=adapters) if adapters is not None else None
         outcome = call_bounded(
-            lambda: self.init(role, config), self.init_timeout_s, f"init:{role.value}"
+            lambda: self.init(role, config, ctx), self.init_timeout_s, f"init:{role.value}"
         )
         if outcome.timed_out:
             raise ConformanceFailure(

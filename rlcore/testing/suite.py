@@ -381,12 +381,12 @@ class BackendConformance:
             pytest.skip(f"not claimed: backend '{h.declaration.name}' does not serve {role}")
         return r
 
-    def _start(self, h: Harness, role: Role, config: Any) -> Any:
+    def _start(self, h: Harness, role: Role, config: Any, adapters: Any = None) -> Any:
         info = h.serving(role)
         if info is not None and info.plugin is not h.plugin.obj:
             self._ensure_ray()  # the peer runs in Ray actors
         try:
-            return h.start(role, config)
+            return h.start(role, config, adapters=adapters)
         except NotApplicable as err:
             pytest.skip(str(err))
         except ConformanceFailure as err:
@@ -1144,6 +1144,52 @@ class BackendConformance:
             _fail(str(err))
         finally:
             harness.shutdown(policy, what="policy handle")
+
+    def test_serves_adapters(self, harness: Harness) -> None:
+        """A generation that declares ``takes_adapters`` (contract 2.6), started with
+        :attr:`~rlcore.context.InitContext.adapters` (rank 4 on attention, MLP and the output
+        head): it computes with the checkpoint's base weights before any refit, and after
+        each adapter refit (the core's, from :class:`rlcore.testing.adapters.PeftAdapters`)
+        with base + those adapters, reporting that refit's step as its weight version."""
+        from rlcore.config import cache_dir
+        from rlcore.handles import AdapterReceiver, WeightVersioned
+        from rlcore.models.tiny import ensure_model
+        from rlcore.refit.adapters import refit_adapters
+        from rlcore.refit.sessions import RefitSessions
+        from rlcore.setup.runner import refit_context
+        from rlcore.testing.adapters import CHECKED, PeftAdapters
+
+        decl = harness.declaration
+        self._role_or_skip(harness, Role.GENERATION.value)
+        if not decl.takes_adapters:
+            pytest.skip(f"not claimed: backend '{decl.name}' does not declare takes_adapters")
+        config = harness.config("model.dtype=float32")
+        source = PeftAdapters(ensure_model(config.model, cache_dir(config)))
+        gen = self._start(harness, Role.GENERATION, config, adapters=CHECKED)
+        who = f"generation backend '{decl.name}'"
+        batch = [(list(p), list(c)) for p, c in self.probe_batch]
+        try:
+            if not isinstance(gen, AdapterReceiver):
+                _fail(f"{who} declares takes_adapters but its handle ({type(gen).__name__}) does not "
+                      "implement rlcore.handles.AdapterReceiver (load_adapter)")
+            checks = [("before any adapter refit (the checkpoint's base weights)", 0, None)]
+            checks += [(f"after the adapter refit of step {step}", step, step) for step in (1, 2)]
+            for when, step, seed in checks:
+                if seed is not None:
+                    source.set_adapters(seed)
+                    ctx = refit_context(
+                        config, step=step, transport="disk", cancel=harness.cancel,
+                        sessions=RefitSessions(), content="adapters",
+                    )
+                    refit_adapters(source, gen, ctx)
+                err = _mult_err(gen.logprobs(batch), source.logprobs(batch, base=seed is None))
+                if err > self.max_token_mult_prob_error:
+                    _fail(f"{who} {when}: its logprobs differ from peft's with the same base and adapters "
+                          f"(token_mult_prob_error {err:.6f}, max {self.max_token_mult_prob_error:g})")
+                if isinstance(gen, WeightVersioned) and set(gen.weight_versions()) != {step}:
+                    _fail(f"{who} {when}: reports weight versions {gen.weight_versions()}, not {step}")
+        finally:
+            harness.shutdown(gen, what="generation handle")
 
     def _check_checkpoints(
         self, harness: Harness, claimed: bool, declared: str, protocol: type, check: Any, tmp_path: Path

@@ -1,6 +1,6 @@
 """End to end: examples/lora.yaml (the quickstart training LoRA adapters, issue 45) on CPU:
-the reward rises, every refit carries the merged weights and is checked, ``rlcore plan``
-says what the refit carries, ``rlcore export`` writes the merged model, and a policy
+the reward rises, every refit carries the adapters alone to vLLM (which serves them in place)
+and is checked, ``rlcore plan`` says what the refit carries, ``rlcore export`` writes the merged model, and a policy
 backend that does not train adapters is refused in one line before anything starts."""
 
 from __future__ import annotations
@@ -48,16 +48,25 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Path:
     return run_dir
 
 
-def test_the_adapters_train_and_every_merged_refit_checks(lora_run: Path) -> None:
+def test_the_adapters_train_and_every_adapter_refit_checks(lora_run: Path, tmp_path: Path) -> None:
     steps = [r for r in read_metrics(lora_run / "metrics.jsonl") if "reward/mean" in r]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     rewards = [r["reward/mean"] for r in steps]
     first, last = statistics.fmean(rewards[:4]), statistics.fmean(rewards[-4:])
     assert last > first + 0.1, rewards
-    # The merged weights the engine samples with are the policy's: the sampled tokens'
-    # probabilities agree as closely as with full weights.
+    # vLLM samples with base + the adapters it was handed: the sampled tokens' probabilities
+    # agree with the policy's as closely as with full weights.
     errors = [r["train/gen_vs_policy_mult_prob_error"] for r in steps]
     assert max(errors) < 1.001, errors
+    # Each refit carried the adapters alone: their bytes, as peft saves them.
+    done = rlcore("export", str(lora_run), "--to", str(tmp_path / "a"), "--adapter", timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "a" / "adapter_model.safetensors"), "pt") as f:
+        adapter_bytes = sum(f.get_tensor(k).numel() * 4 for k in f.keys())  # noqa: SIM118
+    assert {r["refit/transport"] for r in steps} == {"object_store"}
+    assert {r["refit/bytes"] for r in steps} == {adapter_bytes}
 
 
 def test_the_export_is_the_merged_model(lora_run: Path, cache: Path, tmp_path: Path) -> None:
@@ -112,11 +121,12 @@ def test_an_adapter_export_of_a_run_without_adapters_is_refused(quickstart: Any,
     assert not (tmp_path / "a").exists()
 
 
-def test_plan_says_the_refit_carries_merged_weights() -> None:
-    done = rlcore("plan", EXAMPLE, "--json", timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    content = json.loads(done.stdout)["refit_content"]
-    assert content["kind"] == "merged" and "'fsdp' trains LoRA adapters (rank 8)" in content["why"]
+def test_plan_says_the_refit_carries_the_adapters_or_merged_weights_when_asked() -> None:
+    for extra, kind in (((), "adapters"), (("refit.adapters=merged",), "merged")):
+        done = rlcore("plan", EXAMPLE, *extra, "--json", timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        content = json.loads(done.stdout)["refit_content"]
+        assert content["kind"] == kind and "'fsdp' trains LoRA adapters (rank 8)" in content["why"]
 
 
 def test_a_policy_that_trains_no_adapters_is_refused_in_one_line(tmp_path: Path) -> None:

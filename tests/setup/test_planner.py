@@ -413,7 +413,7 @@ class AdapterOptions:
     lora: LoraOptions | None = None
 
 
-def test_lora_needs_a_policy_that_trains_adapters_and_the_plan_says_the_refit_is_merged() -> None:
+def test_lora_needs_a_policy_that_trains_adapters_and_the_plan_says_what_the_refit_carries() -> None:
     adapting = BackendDeclaration(
         name="adapting", roles={P}, send_transports={"disk"}, trains_adapters=True, options=AdapterOptions
     )
@@ -423,6 +423,15 @@ def test_lora_needs_a_policy_that_trains_adapters_and_the_plan_says_the_refit_is
     assert merged is not None and merged.kind == "merged"
     assert "'adapting' trains LoRA adapters (rank 4)" in merged.why and "'vllm' loads full weights" in merged.why
     assert plan_for(adapting, vllm, None, "policy.options.lora.rank=4").to_dict()["refit_content"]["kind"] == "merged"
+    # A generation that serves adapters in place gets them alone, unless refit.adapters=merged.
+    serving = BackendDeclaration(
+        name="serving", roles={G}, receive_transports={"disk"}, refit_fed=True, takes_adapters=True
+    )
+    alone = plan_for(adapting, serving, None, "policy.options.lora.rank=4").refit_content
+    assert alone is not None and alone.kind == "adapters" and "'serving' serves them in place" in alone.why
+    asked = plan_for(adapting, serving, None, "policy.options.lora.rank=4", "refit.adapters=merged").refit_content
+    assert asked is not None and asked.kind == "merged" and "refit.adapters=merged" in asked.why
+    assert plan_for(adapting, serving).refit_content.kind == "weights"  # type: ignore[union-attr]
     # A policy that does not declare it is refused before its options are read, naming both.
     with pytest.raises(ConfigError, match="policy backend 'fsdp' does not train adapters") as info:
         plan_for(fsdp, vllm, None, "policy.options.lora.rank=4")

@@ -43,7 +43,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
         overlap=OverlapSafety(non_colocated=True, colocated=True),
         options=ArithmeticOptions,
         extra_draws=True,  # sample_extra_prompts: dynamic sampling's other prompts
-        contract_version="2.5",
+        contract_version="2.6",
         description="verifiable a+b= task with partial-credit rewards (pure Python)",
     )
 

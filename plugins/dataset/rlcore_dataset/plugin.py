@@ -16,7 +16,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
         overlap=OverlapSafety(non_colocated=True, colocated=True),
         options=DatasetOptions,
         extra_draws=True,  # dynamic sampling's draws take the next rows of the stream
-        contract_version="2.5",
+        contract_version="2.6",
         description="your prompts (JSONL/JSON/Parquet/datasets) scored by your Python reward functions",
     )
 

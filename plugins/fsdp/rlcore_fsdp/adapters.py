@@ -18,8 +18,9 @@ when the options ask for adapters.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from torch import nn
@@ -111,6 +112,36 @@ def delta(layer: Any) -> Any:
     """The adapters' product for ``layer`` (``scale * B @ A``, as peft merges it), in the
     base weight's layout and dtype; needs the adapter matrices unsharded."""
     return layer.get_delta_weight(ADAPTER)
+
+
+class Part(NamedTuple):
+    """The piece of one adapter matrix a rank's FSDP shard holds: ``values`` are its
+    flattened elements from ``start`` on, of the matrix ``name`` of ``shape``."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    values: Any
+
+
+def assemble(parts: list[Part]) -> dict[str, Any]:
+    """Every adapter matrix whole from the ranks' :class:`Part` s; a matrix whose parts do
+    not cover it exactly is a :class:`RuntimeError` naming it."""
+    import torch
+
+    whole: dict[str, Any] = {}
+    covered: dict[str, int] = {}
+    for part in sorted(parts, key=lambda p: (p.name, p.start)):
+        if part.name not in whole:
+            whole[part.name] = torch.empty(math.prod(part.shape), dtype=part.values.dtype)
+            covered[part.name] = 0
+        whole[part.name][part.start : part.start + part.values.numel()] = part.values
+        covered[part.name] += part.values.numel()
+    shapes = {p.name: p.shape for p in parts}
+    short = [n for n, c in covered.items() if c != math.prod(shapes[n])]
+    if short:
+        raise RuntimeError(f"the ranks' shards cover adapter matrices {short[:3]} only in part")
+    return {n: t.view(shapes[n]) for n, t in whole.items()}
 
 
 def trainable(model: nn.Module) -> Iterator[Any]:

@@ -68,7 +68,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
         trains_adapters=True,
         # Its train_step is rlcore.runtime.losses.PolicyGradientWorker's: every LossOptions feature.
         loss_options={"clip_eps_high", "aggregation", "correction"},
-        contract_version="2.5",
+        contract_version="2.6",
         description=(
             "Hugging Face causal LM trained with PyTorch FSDP (FSDP1, full shard, gloo on "
             "CPU / NCCL on CUDA); streams HF-named weights one FSDP unit at a time"

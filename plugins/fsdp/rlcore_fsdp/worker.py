@@ -457,8 +457,10 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
     def adapter_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Under ``options.lora``: the adapter matrices by the names peft saves them under
         (``...q_proj.lora_A.weight``), CPU tensors, and peft's adapter config, on rank 0
-        (empty on the others). One FSDP unit gathered at a time. Collective."""
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        (empty on the others). Collective, and moves the adapters' bytes only: each rank
+        sends rank 0 the parts of them its shards hold (:func:`rlcore_fsdp.adapters.assemble`),
+        where gathering the FSDP units would move the frozen base weights beside them."""
+        import torch.distributed as dist
 
         from rlcore_fsdp import adapters
 
@@ -468,19 +470,28 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
             raise RuntimeError("adapter_state: this policy trains every weight (policy.options.lora is not set)")
         module_names = {id(m): n for n, m in self.model.named_modules()}
         wanted = adapters.adapter_modules(self.model)
-        tensors: dict[str, torch.Tensor] = {}
+        local: list[adapters.Part] = []
         for unit, _ in self._layout:
             flat = unit._handle.flat_param
+            # The rank's own shard (full precision); before FSDP's lazy init (no forward yet)
+            # the flat parameter's data is that shard.
+            local_shard = getattr(flat, "_local_shard", flat.data)
             unit_name = module_names[id(unit)]
             prefix = hf_name(unit_name + ".") if unit_name else ""
-            with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=True):
-                if self.rank != 0:
-                    continue
-                for fqn, info in zip(flat._fqns, flat._param_infos, strict=True):
-                    if id(info.module) in wanted:
-                        full = getattr(info.module, info.param_name)
-                        tensors[adapters.saved_name(prefix + hf_name(fqn))] = full.detach().cpu().clone()
-        return (tensors, adapters.saved_config(self.model)) if self.rank == 0 else ({}, {})
+            shards = zip(flat._fqns, flat._param_infos, flat._shard_param_infos, flat._shapes, strict=True)
+            for fqn, info, shard, shape in shards:
+                if id(info.module) in wanted and shard.in_shard:
+                    values = local_shard[shard.offset_in_shard : shard.offset_in_shard + shard.numel_in_shard]
+                    name = adapters.saved_name(prefix + hf_name(fqn))
+                    local.append(adapters.Part(name, tuple(shape), shard.intra_param_start_idx, values.detach().cpu().clone()))
+        parts: list[Any] = [None] * self.world_size
+        if self.world_size > 1:
+            dist.gather_object(local, parts if self.rank == 0 else None, dst=0)
+        else:
+            parts = [local]
+        if self.rank != 0:
+            return {}, {}
+        return adapters.assemble([p for rank_parts in parts for p in rank_parts]), adapters.saved_config(self.model)
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole stream collected into a dict on rank 0 (CPU; ``{}`` on other ranks).

@@ -85,7 +85,7 @@ def test_declares_checkpoints() -> None:
     from rlcore_fsdp.handle import FSDPPolicy
 
     d = validate_declaration(rlcore_declare_backend(), plugin="fsdp", distribution="rlcore-fsdp")
-    assert d.contract_version == "2.5" and d.trains_adapters
+    assert d.contract_version == "2.6" and d.trains_adapters
     assert d.checkpoint is not None and d.checkpoint.overlap
     assert (d.checkpoint.format, d.checkpoint.version) == (checkpoint.FORMAT, checkpoint.VERSION)
     assert issubclass(FSDPPolicy, Checkpointable)

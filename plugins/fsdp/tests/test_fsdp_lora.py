@@ -181,3 +181,20 @@ def test_two_sharded_ranks_train_adapters_only_and_resume_exactly(lora_policy: A
     lora_policy.load_checkpoint(str(tmp_path))
     assert all(torch.equal(a, b) for a, b in zip(weights().values(), moved.values(), strict=True))
     assert step(GRPO_BATCH[::-1], [-a for a in GRPO_ADVANTAGES[::-1]]) == after  # adapters' moments too
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_two_sharded_ranks_give_the_whole_adapters_from_their_shards(lora_policy: Any) -> None:
+    """adapter_state sends only the adapters' pieces each rank's shards hold (no FSDP
+    gather): what rank 0 assembles is every adapter matrix, equal to the whole model's."""
+    from rlcore_fsdp import adapters
+
+    old = lora_policy.logprobs(GRPO_BATCH)
+    lora_policy.train_step(GRPO_BATCH, GRPO_ADVANTAGES, old, clip_eps=CLIP_EPS, lr=5e-2)  # B no longer zero
+    tensors, config = lora_policy.adapter_state()
+    whole = lora_policy.group.call("reference_state_dict")[0]
+    want = {adapters.saved_name(n): t for n, t in whole.items() if ".lora_" in n}
+    assert sorted(tensors) == sorted(want) and config["r"] == 4
+    assert all(torch.equal(tensors[n], want[n]) for n in want)
+    assert any(torch.count_nonzero(t) for n, t in tensors.items() if ".lora_B." in n)

@@ -112,7 +112,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
         checkpoint=CheckpointSupport(format=train_state.FORMAT, version=train_state.FORMAT_VERSION, overlap=True),
         # Its train_step is rlcore.runtime.losses.PolicyGradientWorker's: every LossOptions feature.
         loss_options={"clip_eps_high", "aggregation", "correction"},
-        contract_version="2.5",
+        contract_version="2.6",
         options=MegatronOptions,
         description=(
             "megatron-core GPTModel (local layer spec, tensor parallel over gloo/NCCL) as "

@@ -35,7 +35,7 @@ def test_declaration_is_valid_and_says_what_the_brief_says() -> None:
     assert decl.openai_endpoint and "serve_openai" in (decl.option_names() or [])
     # Training checkpoints (contract 2.2): the save only reads state, so it may overlap sampling.
     assert decl.checkpoint == CheckpointSupport("megatron-dist-ckpt", "1", overlap=True)
-    assert decl.contract_version == "2.5"
+    assert decl.contract_version == "2.6"
 
 
 def test_options_are_checked_against_the_dataclass() -> None:

@@ -40,7 +40,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
             ),
         ),
         options=NemoGymOptions,
-        contract_version="2.5",
+        contract_version="2.6",
         description=DESCRIPTION,
     )
 

@@ -47,7 +47,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
         # SGLang reports each finished request's weight_versions spans.
         inflight_refit=(InflightRefit(RefitLanding.PAUSE, token_versions=True),),
         options=SGLangOptions,
-        contract_version="2.5",
+        contract_version="2.6",
         description=DESCRIPTION,
     )
 

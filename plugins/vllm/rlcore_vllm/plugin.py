@@ -56,7 +56,9 @@ def rlcore_declare_backend() -> BackendDeclaration:
                 RefitLanding.BETWEEN_STEPS, token_versions=True, when=(Condition("options.serve_openai", False),)
             ),
         ),
-        contract_version="2.5",
+        # LoRA adapters served in place through vLLM's own LoRA support (rlcore_vllm.adapters).
+        takes_adapters=True,
+        contract_version="2.6",
         options=VLLMOptions,
         description=DESCRIPTION,
     )

@@ -36,6 +36,7 @@ from rlcore.runtime.generation_group import (
     label_version,
     versions_from_spans,
 )
+from rlcore_vllm import adapters
 from rlcore_vllm.stepped import StepGate
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,9 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
     #: Drives the in-process engine's step loop (:class:`rlcore_vllm.stepped.StepGate`):
     #: every call into ``llm`` from the refit thread goes through it.
     gate: Any = None
+    #: The adapter every request names (``LoRARequest``; server mode: by its name), once an
+    #: adapter refit loaded one (:mod:`rlcore_vllm.adapters`); None: the weights alone.
+    lora: Any = None
 
     def __init__(self, rank: int, world_size: int, args: EngineArgs, *, log_level: str = "WARNING") -> None:
         super().__init__(rank, world_size, args)
@@ -167,6 +171,7 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
         }
         if self.refit_fed:
             args["load_format"] = "dummy"
+        args.update(adapters.engine_args(self.adapters))
         if self._on_cuda():
             args["gpu_memory_utilization"] = o.gpu_memory_utilization
         else:
@@ -221,13 +226,18 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
 
         o = self.options
         args = self._engine_args()
-        argv = ["--model", args.pop("model"), "--served-model-name", o.served_model_name]
+        # With adapters the served name is the adapter's (what clients of the endpoint get).
+        served = o.served_model_name + (adapters.BASE_SUFFIX if self.adapters is not None else "")
+        argv = ["--model", args.pop("model"), "--served-model-name", served]
         argv += ["--weight-transfer-config", json.dumps({"backend": BACKEND})]
-        if args.pop("enforce_eager"):
-            argv.append("--enforce-eager")
+        for flag in ("enforce_eager", "enable_lora"):
+            if args.pop(flag, False):
+                argv.append("--" + flag.replace("_", "-"))
         for key, value in args.items():
             argv += ["--" + key.replace("_", "-"), str(value)]
         env = {"VLLM_SERVER_DEV_MODE": "1"}
+        if self.adapters is not None:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter
         if self._uncompiled():
             env["TORCHDYNAMO_DISABLE"] = "1"
         allow = os.environ.get("VLLM_PLUGINS")
@@ -264,7 +274,7 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
         """
         if self.server is not None:
             return engine_http.generate(
-                self.server, Completions(self.options.served_model_name), prompt_ids, params, seeds,
+                self.server, Completions(self._served_name()), prompt_ids, params, seeds,
                 timeout_s=self.options.call_timeout_s,
             )
         from vllm import SamplingParams as VLLMSampling
@@ -281,21 +291,27 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
             for s in seeds
         ]
         outputs = self.llm.generate(
-            [{"prompt_token_ids": list(p)} for p in prompt_ids], sampling, use_tqdm=False
+            [{"prompt_token_ids": list(p)} for p in prompt_ids], sampling, use_tqdm=False, lora_request=self.lora
         )
         return [[_sample(c) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outputs]
 
     def _logprobs(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
+        if self.adapters is not None and len(batch) > 1:
+            # vLLM 0.32's LoRA logits processor indexes prompt logprobs by request, not by
+            # token: two requests in one engine step fail (CPU) or mix rows. One at a time,
+            # a request's rows share its one index. Only the refit's probe batch comes here.
+            return [row for pair in batch for row in self._logprobs([pair])]
         if self.server is not None:
             return engine_http.logprobs(
-                self.server, Completions(self.options.served_model_name), batch,
+                self.server, Completions(self._served_name()), batch,
                 timeout_s=self.options.call_timeout_s,
             )
         from vllm import SamplingParams as VLLMSampling
 
         sampling = VLLMSampling(max_tokens=1, prompt_logprobs=0, detokenize=False)
         outputs = self.llm.generate(
-            [{"prompt_token_ids": list(p) + list(c)} for p, c in batch], sampling, use_tqdm=False
+            [{"prompt_token_ids": list(p) + list(c)} for p, c in batch], sampling, use_tqdm=False,
+            lora_request=self.lora,
         )
         result = []
         for (prompt, completion), o in zip(batch, outputs, strict=True):
@@ -383,6 +399,42 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
             raise
         if not self.llm.reset_prefix_cache(reset_running_requests=True):
             log.warning("vLLM worker %d: prefix cache not reset after refit step %d", self.rank, step)
+
+    def _served_name(self) -> str:
+        """The model requests to the server name: the adapter's once one is loaded (the
+        endpoint's name: its readers come after the first refit), else the base's."""
+        name = self.options.served_model_name
+        return name if self.adapters is None or self.lora is not None else name + adapters.BASE_SUFFIX
+
+    def _load_adapter(self, path: Path, step: int) -> None:
+        """Serve the adapter in ``path`` in place of the one loaded (vLLM's in-place
+        reload), labelled ``step-<step>``; as a weight refit, beside a generate in flight:
+        server mode holds its requests (:data:`PAUSE`), in-process it loads between two
+        engine steps and the running requests are recomputed with the new adapter."""
+        version, name = f"step-{step}", self.options.served_model_name
+        if self.server is not None:
+            s, timeout = self.server, self.options.call_timeout_s
+            with self._held_for_refit(PAUSE, step, timeout):
+                s.post(
+                    "/v1/load_lora_adapter",
+                    {"lora_name": name, "lora_path": str(path), "load_inplace": True},
+                    timeout_s=timeout,
+                )
+                s.post("/update_weight_version", {"new_version": version}, timeout_s=timeout)
+        else:
+            self.gate.run(lambda: self._adapter_between_steps(adapters.request(name, str(path), reload=True), step))
+        self.lora = adapters.request(name, str(path))
+
+    def _adapter_between_steps(self, request: Any, step: int) -> None:
+        try:
+            self.llm.llm_engine.add_lora(request)
+            self.llm.llm_engine.set_weight_version(f"step-{step}")
+        except BaseException:
+            self.refit_aborts += 1
+            self.gate.abort_all()
+            raise
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
+            log.warning("vLLM worker %d: prefix cache not reset after adapter refit step %d", self.rank, step)
 
     # ------------------------------------------------------------- lifecycle
 
