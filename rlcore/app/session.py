@@ -23,9 +23,10 @@ with the setup's line, ``placement.json``), the cluster (embedded, or joined: by
 run directory is written, :mod:`rlcore.runtime.join`), the overlapped setup and the first refit. Leaving the ``with`` block
 (or :meth:`Session.close`) tears it all down as ``rlcore run`` does: backends shut down
 last started first, the embedded cluster stopped with every process of it, ``trace.json``,
-``setup_timeline.png``, ``reward.png`` and the reward's trend written, ``run.json`` marked
-finished or failed; nothing of the run is left running or registered in the process, so a
-second :func:`open` (a notebook) starts afresh. SIGINT or SIGTERM in the main thread stop it
+``setup_timeline.png``, ``reward.png`` (also of a run that failed, up to its last step)
+and the reward's trend written, ``run.json`` marked finished or failed; nothing of the run
+is left running or registered in the process, so a second :func:`open` (a notebook) starts
+afresh. SIGINT or SIGTERM in the main thread stop it
 as they stop ``rlcore run`` (:mod:`rlcore.app.interrupts`): the loop is interrupted where
 it waits, the teardown is bounded, :class:`~rlcore.app.interrupts.RunInterrupted` says what
 was interrupted. A failed refit check leaves the block with the diagnosis of whose bug it is
@@ -1094,6 +1095,8 @@ class Session:
                     self.now = "teardown"
             except BaseException as err:
                 failure = err
+            if exc is not None and not isinstance(exc, KeyboardInterrupt):
+                run.plot_failed()  # the steps before the failure: reward.png, as a finished run has
             if isinstance(failure, KeyboardInterrupt) and not isinstance(failure, RunInterrupted):
                 failure = run.stop_interrupted(failure)
                 failure.__suppress_context__ = True
@@ -1257,13 +1260,29 @@ class _Run:
         """After a loop that finished: ``reward.png`` and the reward's trend (of the steps
         recorded with a reward), then the setup timeline joined."""
         if self.history:
-            plot_reward(self.history, self.run_dir / "reward.png", title=f"{self.config.name}: reward")
+            self._plot_reward()
             trend = reward_trend(self.history)
             if trend is not None:
                 self.writer.write(trend, step=self.history[-1]["step"])
                 self.console.print(trend_line(trend))
         if self.plot is not None:
             self.plot.result()
+
+    def plot_failed(self) -> None:
+        """After a loop that failed (not one interrupted: its teardown is bounded):
+        ``reward.png`` of the steps it recorded, if any. A plot that cannot be written is
+        logged, never raised: the run's own failure is what it ends with."""
+        if not self.history:
+            return
+        try:
+            self._plot_reward(failed=True)
+        except Exception as err:  # noqa: BLE001 - reported, the failure it follows is raised
+            log.warning("reward.png of the failed run not written: %s", err)
+
+    def _plot_reward(self, *, failed: bool = False) -> None:
+        last = self.history[-1]["step"]
+        title = f"{self.config.name}: reward" + (f" (failed after step {last})" if failed else "")
+        plot_reward(self.history, self.run_dir / "reward.png", title=title)
 
     def finish(self, failure: BaseException | None) -> None:
         """Shut everything down and close the records, whatever the run ended with; the

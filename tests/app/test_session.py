@@ -23,7 +23,7 @@ from rlcore.app.grpo import run_grpo
 from rlcore.app.guards import GuardedEnv, GuardedGeneration, GuardedPolicy
 from rlcore.app.health import TrainingHealthError
 from rlcore.app.refit_check import probe_batch
-from rlcore.app.session import Handoff, Session, _load
+from rlcore.app.session import Handoff, Session, _load, _Run
 from rlcore.config import GRPOConfig, RefitConfig, RunConfig
 from rlcore.errors import ConfigError, DivergenceError, ProtocolError, WorkerLost
 from rlcore.handles import RefitReport, SamplingParams
@@ -278,3 +278,42 @@ def test_open_keywords_type_every_option() -> None:
     assert set(OpenKeywords.__annotations__) == {f.name for f in dataclasses.fields(OpenOptions)}
     with pytest.raises(TypeError, match="outt"):
         rlcore.open(QUICKSTART, outt="/tmp/x")
+
+
+# ---------------------------------------------------------------- the end of a run
+
+
+def _ended_run(run_dir: Path, steps: int) -> tuple[Session, _Run, list[BaseException | None]]:
+    """A session over a run that recorded ``steps`` steps with a reward (no cluster: the
+    run's teardown is recorded, not done)."""
+    run = _Run.__new__(_Run)  # the state _end and the plots read, nothing started
+    run.config, run.run_dir = RunConfig(name="ended"), run_dir
+    run.history = [{"step": i, "time": 100.0 + i, "reward/mean": 0.1 * i} for i in range(1, steps + 1)]
+    finished: list[BaseException | None] = []
+    run.finish = finished.append  # type: ignore[method-assign]
+    s = Session(config=run.config)
+    s._run = run
+    return s, run, finished
+
+
+def test_a_failed_run_writes_reward_png_of_its_steps(tmp_path: Path) -> None:
+    s, _, finished = _ended_run(tmp_path, steps=3)
+    err = RuntimeError("step 4 failed")
+    s.__exit__(RuntimeError, err, None)  # the with block raised: the failure stays the run's
+    assert finished == [err]
+    png = tmp_path / "reward.png"
+    assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_failed_run_ends_with_its_own_error_when_reward_png_cannot_be_written(tmp_path: Path) -> None:
+    s, _, finished = _ended_run(tmp_path / "gone" / "run", steps=2)  # no such directory
+    err = RuntimeError("step 3 failed")
+    s.__exit__(RuntimeError, err, None)
+    assert finished == [err]  # not the plot's error
+    assert not (tmp_path / "gone").exists()
+
+
+def test_a_run_that_failed_before_any_step_writes_no_reward_png(tmp_path: Path) -> None:
+    s, _, finished = _ended_run(tmp_path, steps=0)
+    s.__exit__(RuntimeError, RuntimeError("step 1 failed"), None)
+    assert len(finished) == 1 and not (tmp_path / "reward.png").exists()

@@ -75,3 +75,48 @@ def test_dynamic_sampling_trains_no_group_of_equal_rewards(staleness: int, tmp_p
     assert sum(r["sampling/dropped_groups"] for r in steps) > 0
     assert all(r["sampling/extra_draws"] >= (r["sampling/dropped_groups"] > 0) for r in steps)
     assert all(r["generate/prompt_tokens"] > 0 for r in steps)
+
+
+FAILS_AT_STEP_3 = '''\
+import os
+
+COUNT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calls")
+
+
+def parse_answer(text):
+    return int("not a number: " + text)
+
+
+def correct(completions, answer, **kw):
+    with open(COUNT, "a+") as f:  # one byte per call: steps 1 and 2 are 16 calls (8 groups each)
+        f.write("x")
+        f.seek(0)
+        calls = len(f.read())
+    if calls > 16:
+        return [float(parse_answer(c)) for c in completions]
+    return [0.5 for _ in completions]
+'''
+
+
+def test_a_reward_that_raises_at_step_3_shows_its_frames_and_the_plot_of_steps_1_and_2(tmp_path: Path) -> None:
+    """The console's error names the user's file and lines (not rlcore's reward process), and
+    the failed run still writes reward.png of the steps it finished."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(FAILS_AT_STEP_3)
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [str(RLCORE), "run", EXAMPLE, "grpo.steps=4", f"env.options.reward={reward}:correct",
+         f"setup.cache_dir={tmp_path / 'cache'}", "--out", str(run_dir)],
+        capture_output=True, text=True, cwd=REPO, timeout=840,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 3, out[-3000:]
+    error = out[out.index("error: reward function 'correct'"):]
+    assert "raised ValueError: invalid literal for int()" in error.splitlines()[0]
+    lines = FAILS_AT_STEP_3.splitlines()
+    for fn, text in (("correct", "parse_answer(c)"), ("parse_answer", 'int("not a number')):
+        line = next(i for i, s in enumerate(lines) if text in s) + 1
+        assert f'File "{reward}", line {line}, in {fn}' in error, error
+    assert "rlcore_dataset" not in error and "site-packages" not in error, error
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r] == [1, 2]
+    assert (run_dir / "reward.png").stat().st_size > 1000

@@ -40,7 +40,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         not _gym_installed(),
-        reason="the NeMo Gym venv (.venv-gym) is not installed: run install.sh",
+        reason="the NeMo Gym venv (.venv-gym) is not installed: run bash install.sh --all",
     ),
 ]
 

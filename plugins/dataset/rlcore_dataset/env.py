@@ -42,6 +42,8 @@ class DatasetEnv(PromptAndScoreEnv):
         origins: list[str] | None = None,
     ) -> None:
         self.options, self.rows, self.specs, self.pool = options, rows, specs, pool
+        #: The reward tracebacks a warning has shown (under ``skip``: each once per run).
+        self.traces_shown: set[str] = set()
         #: Where each row is in env.options.data, for messages (``prompts.jsonl line 22``).
         self.origins = origins or [f"row {i} (counted from 0)" for i in range(len(rows))]
         self.sampler = EpochSampler(len(rows), seed=options.seed, shuffle=options.shuffle)
@@ -84,15 +86,17 @@ class DatasetEnv(PromptAndScoreEnv):
             GroupInput(p.row, p.prompt, p.columns, list(c), self.origins[p.row])
             for p, c in zip(prompts, completions, strict=True)
         ]
-        return score_groups(self.pool, self.specs, groups, on_error=self.options.on_reward_error)
+        return score_groups(
+            self.pool, self.specs, groups, on_error=self.options.on_reward_error, shown=self.traces_shown
+        )
 
     def score(self, prompts: Sequence[DataPrompt], completions: Sequence[Sequence[str]]) -> list[list[float]]:
         """One reward per completion; a failed one raises :class:`RewardError` whatever
         ``on_reward_error`` says (a plain score has no way to mark a sample failed)."""
         out = self.score_detailed(prompts, completions)
         for g in out:
-            if reason := next((f for f in g.failed if f is not None), None):
-                raise RewardError(reason)
+            if error := g.error():
+                raise RewardError(error)
         return [g.rewards for g in out]
 
     def collect_rollouts(self, request: RolloutRequest) -> list[list[Rollout]]:

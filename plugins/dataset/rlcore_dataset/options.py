@@ -38,7 +38,8 @@ class DatasetOptions:
     reward: Any = None
     #: One weight per reward function (default: 1.0 each); the reward is the weighted sum.
     reward_weights: list[float] | None = None
-    #: Bound on one reward call; a call past it is killed with its process, which restarts.
+    #: Bound on one reward call; a call past it is killed with its process (the next call
+    #: starts a fresh one).
     reward_timeout_s: float = bounded(60.0, gt=0)
     #: A reward call that raises, hangs, returns the wrong count or a non-finite value:
     #: ``fail`` ends the step naming the function and the row; ``skip`` records its samples

@@ -3,10 +3,11 @@
 A :class:`RewardPool` owns ``workers`` :class:`RewardProcess` children (``spawn``ed: the
 driver runs Ray and threads, which ``fork`` would copy half-way), each with the reward
 functions loaded once. A call runs in one free process; a call past its timeout gets its
-process (and the process group it leads: whatever the function started) killed, and a
-fresh one started in its place, so a hung reward is ended, not abandoned. A call that
-raises, or a process that dies, is an :class:`Outcome` with the reason; the caller
-decides what it means (:mod:`rlcore_dataset.scoring`).
+process (and the process group it leads: whatever the function started) killed, so a hung
+reward is ended, not abandoned, and the next call that process slot serves starts a fresh
+one first (a run that ends on the timeout starts none). A call that raises (with the
+traceback frames of the user's own code), or a process that dies, is an :class:`Outcome`
+with the reason; the caller decides what it means (:mod:`rlcore_dataset.scoring`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import queue
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
+import traceback
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +33,8 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05
 #: What a process gets to exit after it is asked to before it is killed.
 EXIT_GRACE_S = 2.0
+#: The most frames of a raising reward function's own code an error shows (the innermost).
+MAX_USER_FRAMES = 8
 
 
 @dataclass(frozen=True)
@@ -42,10 +47,12 @@ class Call:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What a call gave: ``scores`` (one per completion, not yet checked), or ``error``."""
+    """What a call gave: ``scores`` (one per completion, not yet checked), or ``error``;
+    for a function that raised, ``trace``: its own frames (:func:`user_frames`), or ``""``."""
 
     scores: list[float] | None = None
     error: str | None = None
+    trace: str = ""
 
 
 class RewardProcessError(RuntimeError):
@@ -82,9 +89,36 @@ def _serve(specs: Sequence[str]) -> None:
         try:
             out = rewards.call(fns[call.fn], call.arguments)
         except BaseException as err:  # noqa: BLE001 - the user's function: any failure is reported
-            send(("error", f"raised {type(err).__name__}: {err}"))
+            send(("error", (f"raised {type(err).__name__}: {err}", user_frames(err.__traceback__))))
             continue
         send(_as_floats(out))
+
+
+def _dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Where code that is not the user's lives: rlcore's and this plugin's, then the
+    standard library's and installed packages' (each ending in a separator)."""
+    import rlcore
+
+    paths = sysconfig.get_paths()
+    ours = {os.path.dirname(rlcore.__file__), os.path.dirname(__file__)}
+    libraries = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    return tuple(_as_dir(d) for d in ours), tuple(_as_dir(d) for d in libraries)
+
+
+def _as_dir(path: str) -> str:
+    return os.path.join(os.path.realpath(path), "")
+
+
+def user_frames(tb: Any, *, limit: int = MAX_USER_FRAMES) -> str:
+    """The frames of ``tb`` in the user's own code (outside rlcore, the standard library
+    and installed packages), the innermost ``limit``, as Python prints them (``File
+    "reward.py", line 7, in correct`` and its source line); for a function that lives in an
+    installed package, its frames outside rlcore. ``""`` when there are none."""
+    ours, libraries = _dirs()
+    frames = [(f, os.path.realpath(f.filename)) for f in traceback.extract_tb(tb) if not f.filename.startswith("<")]
+    user = [f for f, path in frames if not path.startswith(ours + libraries)]
+    user = user or [f for f, path in frames if not path.startswith(ours)]
+    return "".join(traceback.format_list(user[-limit:])).rstrip("\n")
 
 
 def _as_floats(out: Any) -> tuple[str, Any]:
@@ -111,6 +145,8 @@ class RewardProcess:
         self._recv: Any = None
         self.restarts = 0
         self.closed = False
+        #: Killed after a call (a timeout, or it died): the next call starts a fresh one first.
+        self.stopped = False
 
     def start(self) -> None:
         """Start the child and wait until its functions are loaded."""
@@ -133,10 +169,16 @@ class RewardProcess:
             raise RewardProcessError(f"reward process {self.index} failed to start: {why}")
 
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
+        """The running process's id; None before it starts and once it is killed."""
+        return self.proc.pid if self.proc is not None and not self.stopped else None
 
     def call(self, call: Call, timeout_s: float) -> Outcome:
-        """Run ``call``; past ``timeout_s`` the process is killed and started again."""
+        """Run ``call``; past ``timeout_s`` the process is killed (the next call starts a
+        fresh one: :meth:`_restart`)."""
+        if self.stopped:
+            if self.closed:
+                return Outcome(error="the reward pool was closed")
+            self._restart()
         try:
             self._send.send(call)
         except (BrokenPipeError, OSError):
@@ -144,24 +186,31 @@ class RewardProcess:
         reply = self._wait(timeout_s)
         if reply is None:
             self.kill()
-            self._restart()
-            return Outcome(error=f"timed out after {timeout_s:g} s (its process was killed and restarted)")
+            self.stopped = True
+            return Outcome(
+                error=f"timed out after {timeout_s:g} s (env.options.reward_timeout_s): the call did not "
+                "return in time, so its process and what it started were killed"
+            )
         kind, value = reply
         if kind == "gone":
             return self._lost("exited during the call")
-        return Outcome(scores=value) if kind == "ok" else Outcome(error=value)
+        if kind == "ok":
+            return Outcome(scores=value)
+        error, trace = value if isinstance(value, tuple) else (value, "")
+        return Outcome(error=error, trace=trace)
 
     def _lost(self, what: str) -> Outcome:
         self.kill()  # reaps it: the exit code is known after
         code = self.proc.returncode if self.proc is not None else None
-        self._restart()
-        return Outcome(error=f"its process {what} (exit code {code}; restarted)")
+        self.stopped = True
+        return Outcome(error=f"its process {what} (exit code {code})")
 
     def _restart(self) -> None:
-        if self.closed:  # the pool is shutting down: a call cut short by it starts nothing
-            return
+        """A fresh process in place of the one killed after an earlier call (started when a
+        call needs it, not at the kill: a run that ends on that call starts none)."""
         self.restarts += 1
         self.start()
+        self.stopped = False
 
     def _wait(self, timeout_s: float) -> tuple[str, Any] | None:
         """The child's next message, ``("gone", None)`` when it died, or None when nothing

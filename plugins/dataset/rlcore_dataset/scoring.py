@@ -5,7 +5,8 @@ A call scores one group (the completions of one prompt), so a group-level functi
 that ranks or compares the group's completions) sees exactly one whole group. What a
 failure means is ``env.options.on_reward_error``'s: ``fail`` raises :class:`RewardError`
 naming the function and the row; ``skip`` returns the failure beside the scores, for the
-env to mark its samples failed.
+env to mark its samples failed. A function that raised is shown with its own traceback
+frames (file, line), under the error or the first warning that names it.
 """
 
 from __future__ import annotations
@@ -49,16 +50,33 @@ class GroupInput:
 
 @dataclass
 class GroupScores:
-    """One group's rewards, and why each sample failed (None: scored)."""
+    """One group's rewards, and why each sample failed (None: scored); ``trace``: the
+    traceback of the user's code under the first failure that raised (``""``: none)."""
 
     rewards: list[float]
     failed: list[str | None]
+    trace: str = ""
+
+    def error(self) -> str | None:
+        """The first failure with its traceback (:func:`with_trace`), or None."""
+        first = next((f for f in self.failed if f is not None), None)
+        return None if first is None else with_trace(first, self.trace)
+
+
+def with_trace(message: str, trace: str) -> str:
+    """``message`` and, below it, the user's traceback frames (``""``: none)."""
+    if not trace:
+        return message
+    return f"{message}\nthe reward function's traceback, its own code (most recent call last):\n{trace}"
 
 
 def score_groups(
-    pool: RewardPool, specs: Sequence[RewardSpec], groups: Sequence[GroupInput], *, on_error: str
+    pool: RewardPool, specs: Sequence[RewardSpec], groups: Sequence[GroupInput], *, on_error: str,
+    shown: set[str] | None = None,
 ) -> list[GroupScores]:
-    """Every group scored by every function (all calls at once, across the pool)."""
+    """Every group scored by every function (all calls at once, across the pool). A
+    traceback is shown with the warning once per ``shown`` (the tracebacks shown so far, kept
+    by the caller across steps; None: always)."""
     calls = [Call(spec.spec, g.arguments()) for g in groups for spec in specs]
     outcomes = pool.run(calls)
     out = []
@@ -68,18 +86,24 @@ def score_groups(
         for f, spec in enumerate(specs):
             _add(scores, spec, g, outcomes[gi * len(specs) + f], on_error)
         out.append(scores)
-    _warn_once(out)
+    _warn_once(out, shown)
     return out
 
 
-def _warn_once(scored: Sequence[GroupScores]) -> None:
-    """One warning for every sample left out of a call's groups, not one per sample."""
+def _warn_once(scored: Sequence[GroupScores], shown: set[str] | None) -> None:
+    """One warning for every sample left out of a call's groups, not one per sample; the
+    traceback of the first, unless ``shown`` has it."""
     reasons = [f for g in scored for f in g.failed if f is not None]
     if reasons:
         more = f" ({len(reasons) - 1} more like it in these groups)" if len(reasons) > 1 else ""
+        trace = next(g.trace for g in scored if any(f is not None for f in g.failed))
+        if shown is not None and trace in shown:
+            trace = ""  # shown with an earlier warning
+        elif shown is not None:
+            shown.add(trace)
         log.warning(
-            "%d sample(s) left out of their group's advantage (env.options.on_reward_error=skip): %s%s",
-            len(reasons), reasons[0], more,
+            "%d sample(s) left out of their group's advantage (env.options.on_reward_error=skip): %s",
+            len(reasons), with_trace(reasons[0] + more, trace),
         )
 
 
@@ -99,7 +123,11 @@ def _add(scores: GroupScores, spec: RewardSpec, g: GroupInput, got: Outcome, on_
                 failed[j] = f"{where}: returned {s} for completion {j}, not a finite float"
     if failed and on_error == "fail":
         first = next(iter(failed.values()))
-        raise RewardError(f"{first} (env.options.on_reward_error=skip leaves such samples out instead)")
+        raise RewardError(
+            with_trace(f"{first} (env.options.on_reward_error=skip leaves such samples out instead)", got.trace)
+        )
+    if failed and not any(scores.failed):
+        scores.trace = got.trace
     for j in range(n):
         if j in failed:
             if scores.failed[j] is None:

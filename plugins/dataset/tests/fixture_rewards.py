@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 
@@ -55,3 +56,11 @@ def no_completions(texts):
 
 def dies(completions, **kwargs):
     os._exit(3)
+
+
+def _parse(text):
+    return json.loads(text)  # raises inside the standard library: only this line is the user's
+
+
+def raises_in_helper(completions, **kwargs):
+    return [float(_parse(c)) for c in completions]

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 PACKAGE_DIR = Path(__file__).resolve().parent
 LAUNCHER = PACKAGE_DIR / "launcher.py"
 SITE_DIR = PACKAGE_DIR / "_gym_site"
-INSTALL_HINT = "bash install.sh (it makes .venv-gym), or see plugins/nemo_gym/README.md"
+INSTALL_HINT = "bash install.sh --gym (it makes .venv-gym), or see plugins/nemo_gym/README.md"
 
 
 class GymError(RlcoreError):

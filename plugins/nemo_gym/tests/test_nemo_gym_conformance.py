@@ -18,7 +18,7 @@ from rlcore.testing import BackendConformance
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        gym_python() is None, reason="the NeMo Gym venv (.venv-gym) is not installed: run install.sh"
+        gym_python() is None, reason="the NeMo Gym venv (.venv-gym) is not installed: run bash install.sh --all"
     ),
 ]
 

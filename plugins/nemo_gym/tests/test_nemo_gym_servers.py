@@ -31,7 +31,7 @@ from rlcore_nemo_gym.handle import NemoGymEnv, start_env
 from rlcore_nemo_gym.servers import GymError, GymServers
 
 pytestmark = pytest.mark.skipif(
-    gym_python() is None, reason="the NeMo Gym venv (.venv-gym) is not installed: run install.sh"
+    gym_python() is None, reason="the NeMo Gym venv (.venv-gym) is not installed: run bash install.sh --all"
 )
 
 ENV = "bunsenbench_chemistry_mcq"

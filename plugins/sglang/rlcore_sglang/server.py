@@ -28,7 +28,7 @@ HOST = "127.0.0.1"
 PACKAGE_DIR = Path(__file__).resolve().parent
 #: Put first on the server's PYTHONPATH: its sitecustomize runs in every server process.
 SITE_DIR = PACKAGE_DIR / "site"
-INSTALL_HINT = "bash install.sh (it makes .venv-sglang), or see plugins/sglang/README.md"
+INSTALL_HINT = "bash install.sh --sglang (it makes .venv-sglang; --all makes every venv), or see plugins/sglang/README.md"
 
 
 def find_sglang_python(option: str | None) -> Path:
