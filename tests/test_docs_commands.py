@@ -28,6 +28,7 @@ import glob
 import importlib.util
 import re
 import shlex
+import os
 import subprocess
 import sys
 import tomllib
@@ -187,6 +188,26 @@ def _check_rlcore(args: list[str]) -> None:
         _check_config(parsed.config, parsed.overrides)
 
 
+#: Subcommands that answer in seconds and start nothing: run as pasted, not only parsed.
+CHEAP = ("plan", "plugins")
+
+
+def _cheap(command: Command, args: list[str]) -> bool:
+    """A command the test runs: ``--help``, or ``plan``/``plugins`` with no placeholder and
+    no cluster to reach."""
+    if any(PLACEHOLDER.search(w) for w in command.words) or any("cluster.address" in a for a in args):
+        return False
+    return "--help" in args or (bool(args) and args[0] in CHEAP)
+
+
+def _run_as_pasted(command: Command, args: list[str]) -> None:
+    """``rlcore ARGS`` in a fresh shell after the README's set-up and activation: the venv's
+    ``bin`` first on ``PATH``, from the repository's root; it must exit 0."""
+    env = {**os.environ, "PATH": f"{_venv_bin()}{os.pathsep}{os.environ.get('PATH', '')}"}
+    done = subprocess.run(["rlcore", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, f"{command}: exit {done.returncode}\n{(done.stdout + done.stderr)[-2000:]}"
+
+
 def _load_module(path: Path) -> Any:
     spec = importlib.util.spec_from_file_location(f"doc_example_{path.stem}", path)
     assert spec is not None and spec.loader is not None
@@ -248,6 +269,8 @@ def test_each_command_of_the_docs_works_as_written(command: Command) -> None:
         program = "python" if name.startswith("python") else name
     if program == "rlcore":
         _check_rlcore(args)
+        if _cheap(command, args):
+            _run_as_pasted(command, args)
     elif program == "python" and args[:2] == ["-m", "pytest"]:
         _check_pytest(args[2:])
     elif program == "python" and args:
