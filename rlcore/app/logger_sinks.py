@@ -31,9 +31,29 @@ class Sink(Protocol):
         """Log one metrics line's values at ``step`` (``wall_time``: epoch seconds)."""
         ...
 
+    def samples(self, lines: list[dict[str, Any]], step: int) -> None:
+        """Log a step's decoded samples (``samples.jsonl``'s lines: ``prompt``,
+        ``completion``, ``reward``, ``weight_version``) as the logger shows text."""
+        ...
+
     def close(self, outcome: str) -> None:
         """Flush and close; ``outcome`` is ``finished``, ``failed`` or ``interrupted``."""
         ...
+
+
+#: The columns of a step's samples in every logger (``samples.jsonl``'s keys).
+SAMPLE_COLUMNS = ("prompt", "completion", "reward", "weight_version")
+
+
+def samples_markdown(lines: list[dict[str, Any]]) -> str:
+    """A step's samples as a Markdown table (TensorBoard's text plugin renders it)."""
+
+    def cell(value: Any) -> str:
+        return str(value).replace("|", "\\|").replace("\n", "<br>")
+
+    rows = ["| " + " | ".join(SAMPLE_COLUMNS) + " |", "|" + "---|" * len(SAMPLE_COLUMNS)]
+    rows += ["| " + " | ".join(cell(line.get(c)) for c in SAMPLE_COLUMNS) + " |" for line in lines]
+    return "\n".join(rows)
 
 
 class TensorBoardSink:
@@ -60,6 +80,9 @@ class TensorBoardSink:
     def log(self, values: dict[str, float], step: int, wall_time: float) -> None:
         for key, value in values.items():
             self._writer.add_scalar(key, value, global_step=step, walltime=wall_time)
+
+    def samples(self, lines: list[dict[str, Any]], step: int) -> None:
+        self._writer.add_text("samples", samples_markdown(lines), global_step=step)
 
     def close(self, outcome: str) -> None:
         if self._writer is not None:
@@ -98,6 +121,12 @@ class WandbSink:
 
     def log(self, values: dict[str, float], step: int, wall_time: float) -> None:
         self._run.log({"step": step, **values})
+
+    def samples(self, lines: list[dict[str, Any]], step: int) -> None:
+        import wandb
+
+        table = wandb.Table(columns=list(SAMPLE_COLUMNS), data=[[line.get(c) for c in SAMPLE_COLUMNS] for line in lines])
+        self._run.log({"step": step, "samples": table})
 
     def close(self, outcome: str) -> None:
         import wandb
@@ -163,6 +192,10 @@ class MLflowSink:
         metrics = [Metric(key, value, ms, step) for key, value in values.items()]
         for i in range(0, len(metrics), self._BATCH):
             self._client.log_batch(self._run_id, metrics=metrics[i : i + self._BATCH])
+
+    def samples(self, lines: list[dict[str, Any]], step: int) -> None:
+        text = "".join(json.dumps(line) + "\n" for line in lines)
+        self._client.log_text(self._run_id, text, f"samples/step-{step:06d}.jsonl")
 
     def close(self, outcome: str) -> None:
         if self._client is not None and self._run_id is not None:

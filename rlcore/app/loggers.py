@@ -108,6 +108,11 @@ class Loggers:
         if self._deadline is None:
             self._queue.put(("line", dict(row)))
 
+    def samples(self, lines: list[dict[str, Any]], step: int) -> None:
+        """Queue a step's decoded samples (``samples.jsonl``'s lines) for the loggers that show text."""
+        if self._deadline is None and lines:
+            self._queue.put(("samples", (step, [dict(line) for line in lines])))
+
     def end(self, failure: BaseException | None = None, timeout: float | None = None) -> None:
         """Start closing: what is queued is logged, then every logger is closed with the
         run's outcome, on the loggers' thread, while the caller goes on (the run's teardown).
@@ -152,6 +157,9 @@ class Loggers:
                     except Exception as err:  # closing is best effort: the run has ended
                         log.warning("%s: closing failed: %s: %s", sink.key, type(err).__name__, err)
                 return
+            if kind == "samples":
+                self._samples(*item)
+                continue
             step = item.get("step")
             if isinstance(step, int):
                 self._last_step = step
@@ -163,6 +171,13 @@ class Loggers:
                     sink.log(values, self._last_step, float(item.get("time", 0.0)))
                 except Exception as err:
                     self._drop(sink, err, "logging")
+
+    def _samples(self, step: int, lines: list[dict[str, Any]]) -> None:
+        for sink in list(self.sinks):
+            try:
+                sink.samples(lines, step)
+            except Exception as err:
+                self._drop(sink, err, "logging samples")
 
     def _open(self) -> None:
         saved = self._saved()
@@ -218,6 +233,11 @@ class LoggedWriter(MetricsWriter):
         if self.loggers is not None:
             self.loggers.log(row)
         return row
+
+    def samples(self, lines: list[dict[str, Any]], step: int) -> None:
+        """A step's decoded samples to the loggers (``samples.jsonl`` is written by its own writer)."""
+        if self.loggers is not None:
+            self.loggers.samples(lines, step)
 
     def _report(self, record: dict[str, Any], step: int | None) -> None:
         MetricsWriter.write(self, record, step=step)  # not to the loggers: it is about them

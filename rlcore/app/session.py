@@ -622,7 +622,8 @@ class Session:
     def record_samples(self, step: int, groups: Sequence[Sequence[Rollout]], version: int | None = None) -> None:
         """Write a few of ``step``'s samples, decoded, to the run directory's ``samples.jsonl``
         (every ``logging.samples_every`` steps, ``logging.samples_per_step`` of them;
-        :mod:`rlcore.app.samples`); ``version``: the weights they were sampled with (default:
+        :mod:`rlcore.app.samples`) and to the loggers that show text (``logging.*``);
+        ``version``: the weights they were sampled with (default:
         the generation's now). Nothing without a run directory.
 
         Raises:
@@ -632,7 +633,10 @@ class Session:
         if self.run_dir is None or not due(step, logging_cfg.samples_every):
             return
         version = self.weight_version if version is None else version
-        write_samples(self.run_dir, sample_lines(step, groups, self.tokenizer, version, logging_cfg.samples_per_step))
+        lines = sample_lines(step, groups, self.tokenizer, version, logging_cfg.samples_per_step)
+        write_samples(self.run_dir, lines)
+        if self._run is not None:
+            self._run.writer.samples(lines, step)  # and to the loggers that show text
 
     def sampling_metrics(self, step: int) -> dict[str, float]:
         """What dynamic sampling did for ``step``'s rollouts (``sampling/dropped_groups``,

@@ -133,7 +133,8 @@ def read_wandb(run_dir: Path) -> tuple[Series, list[Any]]:
             continue
         row = {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item}
         for key, value in row.items():
-            if key != "step" and not key.startswith("_"):
+            # Numbers only: a step's samples are a table (test_each_logger_shows_the_samples...).
+            if key != "step" and not key.startswith("_") and isinstance(value, int | float):
                 series[key].append((row["step"], float(value)))
     return dict(series), records
 
@@ -200,6 +201,40 @@ def test_every_logger_holds_what_metrics_jsonl_holds_step_for_step(tmp_path: Pat
     config = next(r.run.config for r in records if r.WhichOneof("record_type") == "run")
     grpo = next(json.loads(u.value_json) for u in config.update if u.key == "grpo")
     assert grpo["steps"] == RunConfig().grpo.steps
+
+
+def test_each_logger_shows_the_samples_of_a_step_as_text(tmp_path: Path) -> None:
+    lines = [
+        {"step": 2, "prompt": "2+2=", "completion": "4|x", "reward": 1.0, "weight_version": 1},
+        {"step": 2, "prompt": "3+1=", "completion": "5", "reward": 0.0, "weight_version": 1},
+    ]
+    writer = LoggedWriter(tmp_path / "metrics.jsonl", all_on())
+    write_a_run(writer)
+    writer.samples(lines, 2)
+    end(writer)
+    assert writer.loggers is not None and writer.loggers.dropped == {}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    acc.Reload()
+    [event] = acc.Tensors("samples/text_summary")
+    text = event.tensor_proto.string_val[0].decode()
+    assert event.step == 2 and "| 2+2= | 4\\|x | 1.0 | 1 |" in text and "3+1=" in text
+    _, records = read_wandb(tmp_path)
+    logged = [
+        {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in r.history.item}
+        for r in records if r.WhichOneof("record_type") == "history"
+    ]
+    [table] = [row for row in logged if any(k.startswith("samples") for k in row)]
+    fields = {k.removeprefix("samples/"): v for k, v in table.items() if k.startswith("samples")}
+    flat = fields.get("samples", fields)  # one item holding the table's JSON, or one per field
+    assert table["step"] == 2 and flat["_type"] == "table-file" and flat["nrows"] == 2
+    _, run = read_mlflow(tmp_path)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=json.loads((tmp_path / LOGGERS_FILE).read_text())["logging.mlflow"]["tracking_uri"])
+    local = client.download_artifacts(run.info.run_id, "samples/step-000002.jsonl", str(tmp_path))
+    assert [json.loads(x) for x in Path(local).read_text().splitlines()] == lines
 
 
 def test_resume_logs_into_the_same_logger_runs(tmp_path: Path) -> None:
