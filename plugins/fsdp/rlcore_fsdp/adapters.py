@@ -95,6 +95,11 @@ def adapter_modules(model: nn.Module) -> set[int]:
     return ids
 
 
+def is_adapter(name: str) -> bool:
+    """Whether a parameter (or state-dict key) of the peft-wrapped model is an adapter matrix."""
+    return any(f".{part}." in name for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"))
+
+
 def saved_name(name: str) -> str:
     """An adapter matrix's name in the model as peft saves it (the adapter's name dropped:
     ``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``)."""

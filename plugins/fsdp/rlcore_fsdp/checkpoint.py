@@ -25,6 +25,12 @@ DCP's thread, whose collectives run on a gloo group of their own beside the trai
 NCCL. The RNG states and the description are small and written before :func:`stage`
 returns. :func:`written` only asks whether that thread is done.
 
+Under ``policy.options.lora`` the model part holds the adapters alone (``adapters_only`` in the
+description, with ``base_model``: the checkpoint directory the frozen base weights come from
+and a fingerprint of it): the base never changes while adapters train, so a resume takes it
+from the model the run starts from, and a checkpoint of a 1 B model with rank-16 adapters is
+megabytes, not gigabytes. A resume on another base is refused, naming both.
+
 Functions here run inside a rank (torch imported lazily); :func:`save`, :func:`stage` and
 :func:`load` are collective: every rank calls them with the same directory.
 """
@@ -73,7 +79,7 @@ def save(worker: FSDPWorker, directory: str) -> dict[str, Any]:
 
     t0 = time.monotonic()
     path = Path(directory)
-    state = _sharded_state(worker, with_optimizer=bool(worker.optimizer.state))
+    state = _sharded_state(worker, with_optimizer=bool(worker.optimizer.state), adapters_only=trains_adapters(worker))
     try:
         with _quiet():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=False))
@@ -107,7 +113,7 @@ def stage(worker: FSDPWorker, directory: str) -> dict[str, float]:
         raise CheckpointError(f"fsdp checkpoint {directory}: the staged save into {pending.path} is still being written")
     t0 = time.monotonic()
     path = Path(directory)
-    state = _sharded_state(worker, with_optimizer=bool(worker.optimizer.state))
+    state = _sharded_state(worker, with_optimizer=bool(worker.optimizer.state), adapters_only=trains_adapters(worker))
     try:
         with _quiet():
             future = dcp.async_save(
@@ -211,17 +217,41 @@ def _write_rank_files(worker: FSDPWorker, path: Path) -> None:
         _write_meta(path / META_FILE, worker, optimizer=bool(worker.optimizer.state))
 
 
-def _sharded_state(worker: FSDPWorker, *, with_optimizer: bool) -> dict[str, Any]:
+def _sharded_state(worker: FSDPWorker, *, with_optimizer: bool, adapters_only: bool = False) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}`` as FSDP1's sharded state dicts (ShardedTensors, not
-    DTensors; plain tensors at world size 1, where FSDP runs NO_SHARD). The tensors share
+    DTensors; plain tensors at world size 1, where FSDP runs NO_SHARD); ``adapters_only``:
+    the model's adapter matrices alone (the optimizer holds nothing else). The tensors share
     storage with the live shards: DCP reads from them on save and writes into them on load."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+    from rlcore_fsdp import adapters
+
     with _sharded(worker):
-        state: dict[str, Any] = {"model": worker.model.state_dict()}
+        model = worker.model.state_dict()
+        if adapters_only:
+            model = {k: v for k, v in model.items() if adapters.is_adapter(k)}
+        state: dict[str, Any] = {"model": model}
         if with_optimizer:
             state["optim"] = FSDP.optim_state_dict(worker.model, worker.optimizer)
     return state
+
+
+def trains_adapters(worker: FSDPWorker) -> bool:
+    """Whether ``worker`` trains adapters (its saves then hold them alone)."""
+    return worker.options is not None and worker.options.lora is not None
+
+
+def base_model(model_dir: str) -> dict[str, str]:
+    """The base model an adapters-only checkpoint is written on: its directory and a
+    fingerprint of its ``config.json`` and weight files' names and sizes (read, not hashed
+    whole: a 70 B model's weights are not read again to save a few megabytes)."""
+    import hashlib
+
+    path = Path(model_dir)
+    digest = hashlib.sha256((path / "config.json").read_bytes() if (path / "config.json").is_file() else b"")
+    for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        digest.update(f"{f.name}:{f.stat().st_size}".encode())
+    return {"path": str(path.resolve()), "fingerprint": digest.hexdigest()[:16]}
 
 
 def _write_rng(path: Path) -> None:
@@ -240,6 +270,9 @@ def _write_meta(path: Path, worker: FSDPWorker, *, optimizer: bool) -> None:
         "optimizer": optimizer,
         # What trains: the adapters' options under policy.options.lora (None: every weight).
         "lora": dataclasses.asdict(worker.options.lora) if worker.options and worker.options.lora else None,
+        # Adapters alone, on top of this base (absent: every weight is in the files).
+        "adapters_only": trains_adapters(worker),
+        "base_model": base_model(worker.model_dir) if trains_adapters(worker) else None,
         "torch": torch.__version__,
         "weights": [[s.name, list(s.shape), s.dtype] for s in worker.weight_specs()],
     }
@@ -307,25 +340,56 @@ def load(worker: FSDPWorker, directory: str, meta: dict[str, Any]) -> dict[str, 
     path = Path(directory)
     _check_dcp_files(path)
     rng = _agreed(worker, lambda: _read_rng(path / rng_file(worker.rank % int(meta["world_size"]))))
+    only = bool(meta.get("adapters_only"))
+    if only:
+        _check_base(worker, directory, meta)
     worker.reset_optimizer()
     with_optimizer = bool(meta["optimizer"])
     if with_optimizer:
         _init_optimizer_state(worker)
-    state = _sharded_state(worker, with_optimizer=with_optimizer)
+    state = _sharded_state(worker, with_optimizer=with_optimizer, adapters_only=only)
     try:
         with _quiet():
             dcp.load(state, storage_reader=dcp.FileSystemReader(path))
     except dcp.api.CheckpointException as err:
         files = ", ".join(sorted(str(f) for f in path.glob("*.distcp")))
         raise _first_failure(err, f"fsdp checkpoint {path}: cannot read its shards ({files})") from None
-    with _sharded(worker):
-        worker.model.load_state_dict(state["model"])
+    with _sharded(worker), _base_not_in_files(only):
+        # Adapters only: the frozen base stays as the run loaded it from its model.
+        worker.model.load_state_dict(state["model"], strict=not only)
         if with_optimizer:
             worker.optimizer.load_state_dict(
                 FSDP.optim_state_dict_to_load(worker.model, worker.optimizer, state["optim"])
             )
     rng_states.restore(rng)
     return {"seconds": time.monotonic() - t0}
+
+
+def _check_base(worker: FSDPWorker, directory: str, meta: dict[str, Any]) -> None:
+    """An adapters-only checkpoint loads only on the base it was written on."""
+    saved, running = meta.get("base_model") or {}, base_model(worker.model_dir)
+    if saved.get("fingerprint") != running["fingerprint"]:
+        raise CheckpointError(
+            f"fsdp checkpoint {directory} holds LoRA adapters trained on the base model {saved.get('path')} "
+            f"(fingerprint {saved.get('fingerprint')}); the running policy's base is {running['path']} "
+            f"(fingerprint {running['fingerprint']}): resume with model.path the run was started with"
+        )
+
+
+@contextlib.contextmanager
+def _base_not_in_files(only: bool) -> Iterator[None]:
+    """FSDP1's sharded load logs a warning for every weight a partial state dict leaves out:
+    with adapters only, every base weight, as meant."""
+    import logging
+
+    fsdp_log = logging.getLogger("torch.distributed.fsdp._state_dict_utils")
+    level = fsdp_log.level
+    if only:
+        fsdp_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        fsdp_log.setLevel(level)
 
 
 def _check_dcp_files(path: Path) -> None:

@@ -132,6 +132,7 @@ class FSDPWorker(PolicyGradientWorker, RefitSenderWorker, DistributedWorker):
 
         hf_logging.disable_progress_bar()  # no per-rank progress bars in the driver's log
         self.options = options
+        self.model_dir = model_dir  # the base an adapters-only checkpoint is written on
         self._set_up_device(options, device)
 
         t0 = time.monotonic()

@@ -174,6 +174,15 @@ def test_two_sharded_ranks_train_adapters_only_and_resume_exactly(lora_policy: A
 
     meta = checkpoint.read_meta(str(tmp_path))
     assert meta["lora"]["rank"] == 4
+    # The adapters alone (and their AdamW moments): the base comes from the model at resume.
+    assert meta["adapters_only"] and meta["base_model"]["fingerprint"]
+    import torch.distributed.checkpoint as dcp
+
+    from rlcore_fsdp import adapters
+
+    saved = dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert model_keys and all(adapters.is_adapter(k) for k in model_keys), model_keys
     with pytest.raises(CheckpointError, match=r"written with policy\.options\.lora=\{'rank': 4"):
         checkpoint.check_compatible(str(tmp_path), meta, lora_policy.weight_specs(), None)
     after = step(GRPO_BATCH[::-1], [-a for a in GRPO_ADVANTAGES[::-1]])
@@ -181,6 +190,13 @@ def test_two_sharded_ranks_train_adapters_only_and_resume_exactly(lora_policy: A
     lora_policy.load_checkpoint(str(tmp_path))
     assert all(torch.equal(a, b) for a, b in zip(weights().values(), moved.values(), strict=True))
     assert step(GRPO_BATCH[::-1], [-a for a in GRPO_ADVANTAGES[::-1]]) == after  # adapters' moments too
+    # On another base it is refused, naming both.
+    import json
+
+    other = {**meta, "base_model": {"path": "/elsewhere", "fingerprint": "0" * 16}}
+    (tmp_path / checkpoint.META_FILE).write_text(json.dumps(other))
+    with pytest.raises(Exception, match=r"trained on the base model /elsewhere \(fingerprint 0+\); the running"):
+        lora_policy.load_checkpoint(str(tmp_path))
 
 
 @pytest.mark.slow
@@ -198,3 +214,21 @@ def test_two_sharded_ranks_give_the_whole_adapters_from_their_shards(lora_policy
     assert sorted(tensors) == sorted(want) and config["r"] == 4
     assert all(torch.equal(tensors[n], want[n]) for n in want)
     assert any(torch.count_nonzero(t) for n, t in tensors.items() if ".lora_B." in n)
+
+
+def test_one_rank_saves_the_adapters_alone_and_resumes_exactly(lora_worker: FSDPWorker, tmp_path: Path) -> None:
+    """At world size 1 (FSDP's NO_SHARD) too: the files hold the adapters and their moments,
+    the load leaves the base as loaded and the next step gives what it gave after the save."""
+    from rlcore_fsdp import adapters, checkpoint
+
+    lora_worker.train_step(GRPO_BATCH, GRPO_ADVANTAGES, None, CLIP_EPS, 5e-2)  # moments exist
+    lora_worker.save_checkpoint(str(tmp_path))
+    saved = named(lora_worker)
+    first = lora_worker.train_step(GRPO_BATCH[::-1], GRPO_ADVANTAGES[::-1], None, CLIP_EPS, 5e-2)
+    lora_worker.load_checkpoint(str(tmp_path), checkpoint.read_meta(str(tmp_path)))
+    assert all(torch.equal(saved[n], t) for n, t in named(lora_worker).items())
+    assert lora_worker.train_step(GRPO_BATCH[::-1], GRPO_ADVANTAGES[::-1], None, CLIP_EPS, 5e-2) == first
+    import torch.distributed.checkpoint as dcp
+
+    keys = [k for k in dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata if k.startswith("model.")]
+    assert keys and all(adapters.is_adapter(k) for k in keys)
