@@ -19,8 +19,10 @@ Ray and Python, and what its alive nodes offer. Every failure is one
 :class:`~rlcore.errors.ConfigError` line naming the address and the cause.
 
 A loopback address stays loopback: Ray would rewrite ``127.0.0.1`` to the host's outward
-address, where a single-host cluster (its nodes started with
-``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``) does not listen (:func:`single_host`).
+address, where a single-host cluster (its head started with
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``) does not listen (:func:`single_host`). The other
+nodes of such a cluster Ray's CLI cannot start; ``python -m rlcore.runtime.join ARGS`` does
+(:func:`start_loopback_node`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import logging
 import os
 import platform
 import socket
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -139,6 +142,37 @@ def single_host() -> Iterator[None]:
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def start_loopback_node(argv: list[str]) -> None:
+    """``ray start ARGV`` for a node that joins a head on loopback: a cluster of several
+    nodes on one host (``python -m rlcore.runtime.join ARGV``; docs/ray-cluster.md).
+
+    Ray's CLI cannot start one. A head started with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
+    (Ray's single-host switch) listens on 127.0.0.1 only; with that switch on, ``ray start
+    --address`` refuses any node but a head ("Multi-node Ray clusters are not supported on
+    Windows and OSX"), and with it off, Ray rewrites 127.0.0.1 (the head's address and the
+    node's own) to the host's outward address, where nothing listens: the node waits for
+    ever. Ray's GCS and raylet bind loopback only for a node address of exactly 127.0.0.1,
+    so another loopback address does not help either. Here the node may join, and a
+    loopback address is kept as given (any other is resolved as Ray does). Exits with the
+    CLI's exit code (with ``--block``: once the node has stopped).
+    """
+    from ray._private import ray_constants, services
+    from ray.scripts.scripts import main as ray_main
+
+    from rlcore.runtime.addresses import is_loopback as is_loopback_host
+
+    resolve = services.resolve_ip_for_localhost
+
+    def keep_loopback(host: str) -> str:
+        return host if is_loopback_host(host) else resolve(host)
+
+    # Both are read when called: the CLI's refusal of a worker node, and the rewrite.
+    ray_constants.ENABLE_RAY_CLUSTER = True
+    services.resolve_ip_for_localhost = keep_loopback
+    sys.argv = ["ray", "start", *argv]
+    ray_main()
 
 
 # ---------------------------------------------------------------- the token
@@ -373,3 +407,7 @@ def _check_versions(facts: ClusterFacts) -> None:
         raise _fail(facts.address, f"it runs Ray {facts.ray_version} on Python {facts.python_version}, this "
                     f"driver Ray {here_ray} on Python {here_py}; run rlcore with the cluster's Ray and "
                     "Python (the image its nodes run)")
+
+
+if __name__ == "__main__":
+    start_loopback_node(sys.argv[1:])

@@ -9,12 +9,23 @@ job's runtime environment, as the role's actors will be) that imports the plugin
 and reads the distributions' versions there; every difference is one
 :class:`~rlcore.errors.ConfigError` line naming the node, the role, the backend, its
 distribution and both versions.
+
+The versions are those each node has installed, read without the driver's directories:
+Ray puts the driver's working directory and its script's directory first on every
+worker's ``sys.path``, so a driver run from a checkout had each node read the checkout's
+``rlcore.egg-info`` (where that path exists, as on the driver's own host or a shared
+file system) instead of its own install, and a node of another version passed. Both
+sides leave these directories out (:func:`driver_dirs`); the imports are tried as the
+role's actors will make them, with ``sys.path`` as Ray leaves it.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
+import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
@@ -55,9 +66,29 @@ def needs(prepared: PreparedRun) -> list[Needed]:
     return out
 
 
-def installed(modules: list[str], distributions: list[str]) -> dict[str, Any]:
+def driver_dirs() -> list[str]:
+    """The directories Ray puts first on every worker's ``sys.path`` for this driver: its
+    working directory and its script's directory (Ray's job config ``py_driver_sys_path``)."""
+    return sorted({os.path.abspath(os.curdir), os.path.dirname(os.path.realpath(sys.argv[0]))})
+
+
+def installed_versions(distributions: Iterable[str], leave_out: Iterable[str] = ()) -> dict[str, str | None]:
+    """Each distribution's version (``None``: not installed) as this process's ``sys.path``
+    has it, without the directories ``leave_out`` (and this process's working directory,
+    where ``sys.path`` names it as ``''``)."""
+    skip = {os.path.realpath(d) for d in leave_out}
+    path = [p for p in sys.path if p and os.path.realpath(p) not in skip]
+    versions: dict[str, str | None] = {}
+    for dist in distributions:
+        found = next(iter(metadata.distributions(name=dist, path=path)), None)
+        versions[dist] = found.version if found is not None else None
+    return versions
+
+
+def installed(modules: list[str], distributions: list[str], leave_out: list[str] | None = None) -> dict[str, Any]:
     """What this process's Python has (run on each node): each module's import error (or
-    ``None``), each distribution's version (or ``None``)."""
+    ``None``), each distribution's version (or ``None``) read without the directories
+    ``leave_out`` (the driver's: :func:`driver_dirs`)."""
     errors: dict[str, str | None] = {}
     for name in modules:
         try:
@@ -65,13 +96,7 @@ def installed(modules: list[str], distributions: list[str]) -> dict[str, Any]:
             errors[name] = None
         except Exception as err:  # any failure to import is the answer
             errors[name] = f"{type(err).__name__}: {err}".splitlines()[0]
-    versions: dict[str, str | None] = {}
-    for dist in distributions:
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            versions[dist] = None
-    return {"errors": errors, "versions": versions}
+    return {"errors": errors, "versions": installed_versions(distributions, leave_out or ())}
 
 
 def check_nodes(prepared: PreparedRun, where: str, timeout_s: float = NODE_CHECK_TIMEOUT_S) -> None:
@@ -101,14 +126,15 @@ def check_nodes(prepared: PreparedRun, where: str, timeout_s: float = NODE_CHECK
         for n in nodes:
             if placement.matches(n.get("Resources", {}), n.get("Labels", {})):
                 per_node.setdefault(n["NodeID"], []).append(need)
-    here = _driver_versions(wanted)
+    leave_out = driver_dirs()
+    here = installed_versions([CORE_DISTRIBUTION, *(n.distribution for n in wanted if n.distribution)], leave_out)
     ask = ray.remote(num_cpus=0, max_retries=0)(installed)
     refs = {}
     with RAY_GATE.call("asking the nodes what they have installed"):
         for node_id, needed in per_node.items():
             strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
             refs[node_id] = ask.options(scheduling_strategy=strategy, name="rlcore-node-check").remote(
-                sorted({n.module for n in needed}), sorted(here)
+                sorted({n.module for n in needed}), sorted(here), leave_out
             )
     deadline = Deadline(timeout_s, "checking the cluster's nodes")
     address = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in nodes}
@@ -125,16 +151,6 @@ def check_nodes(prepared: PreparedRun, where: str, timeout_s: float = NODE_CHECK
             ) from None
         _compare(node, where, per_node[node_id], here, answer)
     log.info("checked %d node(s): each has the backends of its roles at the driver's versions", len(refs))
-
-
-def _driver_versions(wanted: list[Needed]) -> dict[str, str | None]:
-    versions: dict[str, str | None] = {}
-    for dist in [CORE_DISTRIBUTION, *(n.distribution for n in wanted if n.distribution)]:
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            versions[dist] = None
-    return versions
 
 
 def _compare(node: str, where: str, needed: list[Needed], here: dict[str, str | None], answer: dict[str, Any]) -> None:

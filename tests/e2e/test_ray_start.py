@@ -1,7 +1,8 @@
 """rlcore on a Ray cluster started the way operators start one (issue 32).
 
 One head and one worker node run as Ray's own ``ray start --block`` processes on
-127.0.0.1 (Ray's single-host switch, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``), each with
+127.0.0.1 (Ray's single-host switch, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``; the worker
+nodes through ``python -m rlcore.runtime.join``, as docs/ray-cluster.md says), each with
 its own custom resource, with Ray's token authentication on: the token is made by
 ``ray get-auth-token --generate`` in a home directory of the test's own, so the head
 turns token authentication on by itself, as it does on an operator's machine where a
@@ -74,29 +75,16 @@ def _listening_beyond_loopback(head: Head) -> list[tuple[str, str, int]]:
     return out
 
 
-#: ``ray start`` of a worker node on loopback. Ray's CLI refuses a second node while its
-#: single-host switch is on, and with it off rewrites the head's 127.0.0.1 to this host's
-#: outward address, where a single-host head does not listen: the CLI runs as it is,
-#: with the rewrite of a loopback address left out (the node's own address is given).
-_WORKER_START = """
-import sys
-import time
-from ray._private import services
-services.resolve_ip_for_localhost = lambda host: host
-from ray.scripts.scripts import main
-sys.argv[0] = "ray"
-sys.exit(main())
-"""
-
-
 def _start(args: list[str], env: dict[str, str], log: Path, *, worker: bool = False) -> subprocess.Popen[bytes]:
-    cli = [sys.executable, "-c", _WORKER_START] if worker else [str(RAY)]
+    # A worker node beside a head on loopback: Ray's CLI refuses it or moves it off
+    # loopback; `python -m rlcore.runtime.join` is `ray start` without either (docs/ray-cluster.md).
+    cli = [sys.executable, "-m", "rlcore.runtime.join"] if worker else [str(RAY), "start"]
     if worker:
         # A worker node's `ray start` turns token authentication on only when told to
         # (unlike the head's, it does not look for a token by itself).
-        env = {**env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_AUTH_MODE": "token"}
+        env = {**env, "RAY_AUTH_MODE": "token"}
     with log.open("wb") as out:
-        return subprocess.Popen([*cli, "start", "--block", *args], env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen([*cli, "--block", *args], env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -128,6 +116,19 @@ def _nodes_alive(env: dict[str, str], address: str, count: int) -> bool:
         capture_output=True, text=True, timeout=60,
     )
     return out.returncode == 0 and out.stdout.strip().endswith(str(count))
+
+
+def _alive(env: dict[str, str], address: str) -> int:
+    """How many nodes of the cluster are alive."""
+    code = (
+        "import sys; from ray._raylet import GcsClient; "
+        "print(sum(1 for n in GcsClient(address=sys.argv[1]).get_all_node_info(timeout=5).values() if n.state == 0))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, address], env={**env, "RAY_AUTH_MODE": "token"},
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    return int(out.stdout.strip().splitlines()[-1])
 
 
 def _up(proc: subprocess.Popen[bytes], env: dict[str, str], address: str, nodes: int) -> bool:
@@ -176,12 +177,14 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
         shutil.rmtree(ray_dir, ignore_errors=True)
 
 
-def _rlcore(head: Head, tmp: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _rlcore(
+    head: Head, tmp: Path, *overrides: str, env: dict[str, str] | None = None, cwd: Path = REPO
+) -> subprocess.CompletedProcess[str]:
     argv = [
         str(RLCORE), "run", str(REPO / "examples" / "quickstart.yaml"), "grpo.steps=1",
         f"setup.cache_dir={tmp / 'cache'}", *overrides, "--out", str(tmp / "run"),
     ]
-    return subprocess.run(argv, env=env or head.env, capture_output=True, text=True, cwd=REPO, timeout=500)
+    return subprocess.run(argv, env=env or head.env, capture_output=True, text=True, cwd=cwd, timeout=500)
 
 
 def _flat(proc: subprocess.CompletedProcess[str]) -> str:
@@ -372,3 +375,45 @@ def test_a_node_without_the_roles_backend_is_refused_naming_node_backend_and_ver
 ) -> None:
     proc = _rlcore(head, tmp_path, f"cluster.address={head.address}", *overrides)
     _refused(proc, tmp_path / "run", head.address, f"node {node_b[:12]} (127.0.0.1)", *expected)
+
+
+@pytest.fixture
+def node_c(head: Head, tmp_path: Path) -> Iterator[str]:
+    """A worker node (resource node_c) whose installed rlcore is another version (0.0.1)
+    than the driver's; stopped at the end of its test."""
+    site = tmp_path / "site"
+    dist = site / "rlcore-0.0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: rlcore\nVersion: 0.0.1\n")
+    env = {**head.env, "PYTHONPATH": f"{site}:{head.env.get('PYTHONPATH', '')}"}
+    args = ["--address", head.address, "--num-cpus", "2", "--resources", '{"node_c": 1}',
+            "--node-ip-address", LOOPBACK, "--temp-dir", str(head.ray_dir / "c"), "--disable-usage-stats"]
+    nodes = _alive(head.env, head.address) + 1
+    proc = _start(args, env, head.tmp / "c.log", worker=True)
+    try:
+        assert _up(proc, head.env, head.address, nodes), (head.tmp / "c.log").read_text()
+        yield _node_of(head, "node_c")
+    finally:
+        _stop([proc])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_node_with_another_rlcore_is_refused_when_the_driver_runs_from_a_checkout(
+    head: Head, node_c: str, tmp_path: Path
+) -> None:
+    # The driver runs from a checkout whose metadata says the driver's version: Ray puts the
+    # driver's working directory first on every worker's sys.path, and node c read it there
+    # instead of its own install (issue 48): it passed.
+    from importlib import metadata
+
+    version = metadata.version("rlcore")
+    checkout = tmp_path / "checkout"
+    (checkout / "rlcore.egg-info").mkdir(parents=True)
+    (checkout / "rlcore.egg-info" / "PKG-INFO").write_text(f"Metadata-Version: 2.1\nName: rlcore\nVersion: {version}\n")
+    proc = _rlcore(
+        head, tmp_path, f"cluster.address={head.address}", "placement.nodes.policy.resources={node_c: 0.01}",
+        "placement.nodes.generation.resources={node_a: 0.01}", "placement.nodes.env.resources={node_a: 0.01}",
+        cwd=checkout,
+    )
+    _refused(proc, tmp_path / "run", head.address, f"node {node_c[:12]} (127.0.0.1) has rlcore 0.0.1, the driver {version}")
