@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import os
 import re
 import shlex
-import os
 import subprocess
 import sys
 import tomllib
