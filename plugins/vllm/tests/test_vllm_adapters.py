@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import ray
-from vllm_helpers import PROMPTS, init_context, make_config, max_abs_diff
+from vllm_helpers import PROMPTS, in_flight, init_context, make_config, max_abs_diff
 
 from rlcore.errors import CancelToken
 from rlcore.handles import AdapterReceiver
@@ -40,7 +40,7 @@ def setup(
     config = make_config(tiny_model, tmp / "cache", workers=1, serve_openai=request.param == "server")
     ctx = dataclasses.replace(init_context(config, tmp / "run"), adapters=LORA)
     gen = rlcore_init_generation(ctx)
-    yield {"gen": gen, "config": config, "source": PeftAdapters(tiny_model)}
+    yield {"gen": gen, "config": config, "source": PeftAdapters(tiny_model), "mode": request.param}
     gen.shutdown()
 
 
@@ -93,3 +93,31 @@ def test_only_the_loaded_adapter_stays_on_disk(setup: dict[str, Any]) -> None:
         return sorted(p.name for p in worker.adapter_dirs.root.iterdir())
 
     assert ray.get(setup["gen"].group.actors[0].__ray_call__.remote(dirs)) == [f"step-{step}"]
+
+
+def test_an_adapter_refit_lands_between_two_steps_of_a_generate_in_flight(setup: dict[str, Any]) -> None:
+    """In-process, the adapter refit waits for no call either: it loads between two engine
+    steps of a generate in flight, whose tokens up to the landing are the old adapter's and
+    the rest the new one's, as vLLM's weight-version spans say."""
+    if setup["mode"] != "in-process":
+        pytest.skip("server mode holds its requests through the load (PAUSE): the in-process landing is tested")
+    gen, source = setup["gen"], setup["source"]
+    source.set_adapters(7)
+    old_step = adapter_refit(setup).step
+    source.set_adapters(8)
+    tokens = 200
+    running = in_flight(gen, tokens)
+    new_step = adapter_refit(setup).step
+    outs = ray.get(running, timeout=300)
+    after = source.logprobs([(PROMPTS[0], ids) for ids, _, _ in outs])
+    source.set_adapters(7)
+    before = source.logprobs([(PROMPTS[0], ids) for ids, _, _ in outs])
+    landings = []
+    for (ids, lps, spans), old, new in zip(outs, before, after, strict=True):
+        assert len(ids) == len(lps) == tokens
+        landed = spans[0][2] if len(spans) == 2 else 0
+        landings.append(landed)
+        assert spans == [(f"step-{old_step}", 0, landed), (f"step-{new_step}", landed, tokens)][2 - len(spans):]
+        assert landed == 0 or max_abs_diff([lps[:landed]], [old[:landed]]) < TOL
+        assert max_abs_diff([lps[landed:]], [new[landed:]]) < TOL
+    assert max(landings) > 0

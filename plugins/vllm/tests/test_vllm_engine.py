@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import ray
-from vllm_helpers import PROMPTS, engine_busy, init_context, long_greedy, make_config, max_abs_diff
+from vllm_helpers import PROMPTS, in_flight, init_context, make_config, max_abs_diff
 
 from rlcore.errors import CancelToken, RefitError, WorkerError
 from rlcore.handles import SamplingParams
@@ -20,7 +20,6 @@ from rlcore.refit.channels import ChannelSpec
 from rlcore.refit.sessions import RefitSessions
 from rlcore.refit.specs import TensorSpec, plan_buckets
 from rlcore.refit.sync import refit
-from rlcore.runtime.worker_group import REFIT_GROUP
 from rlcore.setup.runner import refit_context
 from rlcore_vllm.plugin import rlcore_init_generation
 
@@ -224,16 +223,6 @@ def test_failed_refit_blocks_generation_until_a_good_one(
     assert max_abs_diff(gen.logprobs(PROBE), policy.logprobs(PROBE)) < TOL
 
 
-def _in_flight(gen: Any, tokens: int, copies: int = 8) -> Any:
-    """Long greedy completions on engine 0's default thread (a generate of its own), in
-    flight once this returns: its step gate has seen the requests (no sleep, no timing)."""
-    engine = gen.group.actors[0]
-    running = engine.__ray_call__.remote(long_greedy, PROMPTS[0], tokens, copies)
-    busy = engine.__ray_call__.options(concurrency_group=REFIT_GROUP)
-    for _ in range(10_000):
-        if ray.get(busy.remote(engine_busy), timeout=120):
-            return running
-    raise AssertionError("the requests never reached the engine")
 
 
 def test_a_refit_lands_between_two_steps_of_a_generate_in_flight(setup: dict[str, Any], policy: Any) -> None:
@@ -246,7 +235,7 @@ def test_a_refit_lands_between_two_steps_of_a_generate_in_flight(setup: dict[str
     old_step = do_refit(policy, gen, config, "collective").step
     policy.perturb(6)  # sent by the next refit
     tokens = 400
-    running = _in_flight(gen, tokens)
+    running = in_flight(gen, tokens)
     new_step = do_refit(policy, gen, config, "collective").step
     outs = ray.get(running, timeout=300)
     print("weight versions of the requests in flight:", [spans for _, _, spans in outs])
@@ -273,7 +262,7 @@ def test_a_refit_that_fails_between_steps_aborts_the_call_in_flight(
     gen, config = setup["gen"], setup["config"]
     spec = ChannelSpec("shared_memory", "never-in-flight", 1 + gen.refit_ranks, root=str(tmp_path), timeout_s=1.0)
     ray.get(gen.open_refit_channel(spec))
-    running = _in_flight(gen, 400)
+    running = in_flight(gen, 400)
     with pytest.raises(ray.exceptions.RayTaskError, match="gave up waiting for artifact"):
         ray.get(gen.receive_weights(spec, 321, plan_buckets(gen.weight_specs(), 2**20)))
     with pytest.raises(ray.exceptions.RayTaskError, match="a refit failed half-way during this call"):

@@ -147,13 +147,16 @@ def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
 def long_greedy(worker: Any, prompt: list[int], tokens: int, copies: int) -> list[tuple[list[int], list[float], list[tuple[str, int, int]]]]:
     """Run on an in-process VLLMWorker's actor (``__ray_call__``): ``copies`` greedy
     completions of ``prompt`` that ignore EOS, as a generate of the worker's own would run
-    (through the worker's step gate); each ``(token ids, logprobs, weight version spans)``.
-    A refit that fails half-way during it makes it raise, as the worker's generate does."""
+    (through the worker's step gate, with its adapter where one is loaded); each
+    ``(token ids, logprobs, weight version spans)``. A refit that fails half-way during it
+    makes it raise, as the worker's generate does."""
     from vllm import SamplingParams as VLLMSampling
 
     params = VLLMSampling(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0, detokenize=False)
     with worker._not_cut_by_refit():
-        outs = worker.llm.generate([{"prompt_token_ids": prompt}] * copies, params, use_tqdm=False)
+        outs = worker.llm.generate(
+            [{"prompt_token_ids": prompt}] * copies, params, use_tqdm=False, lora_request=worker.lora
+        )
     return [
         (list(c.token_ids), [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs, strict=True)],
          [(s.version, s.start, s.end) for s in c.weight_versions or []])
@@ -165,3 +168,17 @@ def engine_busy(worker: Any) -> int:
     """Run on an in-process VLLMWorker's actor, on its refit thread: the requests its engine
     holds, read between two steps (through the step gate, as a refit would)."""
     return int(worker.gate.run(worker.llm.llm_engine.get_num_unfinished_requests))
+
+
+def in_flight(gen: Any, tokens: int, copies: int = 8) -> Any:
+    """Long greedy completions on engine 0's default thread (a generate of its own), in
+    flight once this returns: its step gate has seen the requests (no sleep, no timing)."""
+    from rlcore.runtime.worker_group import REFIT_GROUP
+
+    engine = gen.group.actors[0]
+    running = engine.__ray_call__.remote(long_greedy, PROMPTS[0], tokens, copies)
+    busy = engine.__ray_call__.options(concurrency_group=REFIT_GROUP)
+    for _ in range(10_000):
+        if ray.get(busy.remote(engine_busy), timeout=120):
+            return running
+    raise AssertionError("the requests never reached the engine")
