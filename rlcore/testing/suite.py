@@ -1081,7 +1081,7 @@ class BackendConformance:
         decl = harness.declaration
         claimed = decl.checkpoint is not None
         self._check_checkpoints(harness, claimed, "CheckpointSupport", Checkpointable,
-                                training.check_checkpoint_round_trip, tmp_path)
+                                training.check_checkpoint_round_trip, tmp_path, with_export=True)
 
     def test_staged_checkpoint(self, harness: Harness, tmp_path: Path) -> None:
         """A policy that declares ``CheckpointSupport(staged=True)`` writes, in the background,
@@ -1192,24 +1192,30 @@ class BackendConformance:
             harness.shutdown(gen, what="generation handle")
 
     def _check_checkpoints(
-        self, harness: Harness, claimed: bool, declared: str, protocol: type, check: Any, tmp_path: Path
+        self, harness: Harness, claimed: bool, declared: str, protocol: type, check: Any, tmp_path: Path,
+        *, with_export: bool = False,
     ) -> None:
         """Start the policy and run ``check`` on it where it declares ``declared`` (else skip):
-        its handle must implement ``protocol``."""
+        its handle must implement ``protocol``. ``with_export``: ``check`` also gets a
+        capture of the policy's core refit, where it refits through the core."""
         from rlcore.testing import training
 
         decl = harness.declaration
         self._role_or_skip(harness, Role.POLICY.value)
         if not claimed:
             pytest.skip(f"not claimed: backend '{decl.name}' does not declare {declared}")
-        policy = self._start(harness, Role.POLICY, harness.config())
+        config = harness.config()
+        policy = self._start(harness, Role.POLICY, config)
         try:
             if not isinstance(policy, protocol):
                 _fail(
                     f"policy backend '{decl.name}' declares {declared} but its handle "
                     f"({type(policy).__name__}) does not implement rlcore.handles.{protocol.__name__}"
                 )
-            check(policy, f"policy backend '{decl.name}'", tmp_path)
+            extra = {}
+            if with_export and self._uses_core_refit(harness, Role.POLICY):
+                extra["capture"] = lambda: training_capture(self, harness, policy, config)
+            check(policy, f"policy backend '{decl.name}'", tmp_path, **extra)
         except training.TrainingFailure as err:
             _fail(str(err))
         finally:

@@ -238,11 +238,13 @@ def check_step_is_memoryless(policy: Any, who: str, dtype: str) -> None:
                   tokens=n, lr=0.0, dtype=dtype, what="a step with stale old logprobs at lr=0")
 
 
-def check_checkpoint_round_trip(policy: Any, who: str, directory: Path) -> None:
+def check_checkpoint_round_trip(policy: Any, who: str, directory: Path, capture: Any = None) -> None:
     """:class:`rlcore.handles.Checkpointable`: after ``load_checkpoint`` of what
     ``save_checkpoint`` wrote, the next steps give exactly what they gave right after the
     save (weights, optimizer moments and step count all came back), and a save changes
-    nothing of the state. Takes one learning step first, so the optimizer has state."""
+    nothing of the state. Takes one learning step first, so the optimizer has state. With
+    ``capture`` (what the policy's refit sends, by name), the first export after the load is
+    the loaded weights, not those of before it (a refit after a resume, ``rlcore export``)."""
     _step(policy, who, LEARN_BATCH, LEARN_ADVANTAGES, None, LEARN_LR)
     saved, again = directory / "saved", directory / "again"
     saved.mkdir()
@@ -250,9 +252,14 @@ def check_checkpoint_round_trip(policy: Any, who: str, directory: Path) -> None:
     policy.save_checkpoint(str(saved))
     if not any(saved.iterdir()):
         raise TrainingFailure(f"{who}: save_checkpoint() wrote nothing into {saved}")
+    exported = capture() if capture is not None else None
     before = [_step(policy, who, LEARN_BATCH, LEARN_ADVANTAGES, None, LEARN_LR) for _ in range(2)]
     after_steps = _logprobs(policy, PROBE_BATCH)
+    if capture is not None:
+        capture()  # an export of the weights after the steps: a stale one must not be reused
     policy.load_checkpoint(str(saved))
+    if exported is not None:
+        _check_export_after_load(who, exported, capture())
     policy.save_checkpoint(str(again))  # must leave the state as it is
     replay = [_step(policy, who, LEARN_BATCH, LEARN_ADVANTAGES, None, LEARN_LR) for _ in range(2)]
     for i, (want, got) in enumerate(zip(before, replay, strict=True)):
@@ -270,6 +277,20 @@ def check_checkpoint_round_trip(policy: Any, who: str, directory: Path) -> None:
         raise TrainingFailure(
             f"{who}: after load_checkpoint and the same two steps, logprobs differ by up to {moved:.2e} "
             "from the run that never stopped"
+        )
+
+
+def _check_export_after_load(who: str, saved: Mapping[str, Any], loaded: Mapping[str, Any]) -> None:
+    """The export right after ``load_checkpoint`` is what the policy exported at the save."""
+    import torch
+
+    stale = sorted(n for n in saved if n not in loaded or not torch.equal(saved[n], loaded[n]))
+    if stale or set(loaded) != set(saved):
+        raise TrainingFailure(
+            f"{who}: the first export after load_checkpoint is not the loaded weights: "
+            f"{len(stale)} of {len(saved)} differ from the export at the save (e.g. {stale[:3]}); "
+            "an export cached from before the load (a refit after a resume, rlcore export) would "
+            "send the wrong model"
         )
 
 
