@@ -1039,7 +1039,9 @@ class BackendConformance:
 
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_train_step_semantics(self, harness: Harness, dtype: str) -> None:
-        """In every dtype the backend declares (float32 when it declares none): a step
+        """In every dtype the backend declares (float32 when it declares none): at the
+        checkpoint's weights a batch of 37 rows gives the whole batch's loss and gradient
+        norm (micro-batches averaged by token, none dropped); a step
         moves each completion's logprob in the direction of its advantage and lowers the
         loss on its batch; at ``lr=0`` weights stay and the same batch gives the same
         gradient whatever came before; every reported metric is the contract's; the
@@ -1048,6 +1050,7 @@ class BackendConformance:
         from rlcore.models.tiny import ensure_model
         from rlcore.refit.hf_specs import hf_weight_specs
         from rlcore.testing import training
+        from rlcore.testing.peers import ReferencePolicyWorker
 
         decl = harness.declaration
         self._role_or_skip(harness, Role.POLICY.value)
@@ -1065,6 +1068,8 @@ class BackendConformance:
                 training.check_export(
                     received, policy.weight_specs(), hf_weight_specs(model_dir, dtype), who, dtype
                 )
+            reference = ReferencePolicyWorker(0, 1, str(ensure_model(config.model, cache_dir(config))))
+            training.check_whole_batch(policy, who, dtype, reference)  # at the checkpoint's weights
             training.check_learning_step(policy, who, dtype)
             training.check_step_is_memoryless(policy, who, dtype)
         except training.TrainingFailure as err:

@@ -43,6 +43,12 @@ PROBE_BATCH: list[Pair] = [
     ([2, 35], [36, 37, 38]),
 ]
 PROBE_ADVANTAGES: list[float] = [0.8, -0.6, 0.0, -1.1]
+#: A batch larger than any default micro-batch (37 rows: 32 + 5, 16 + 16 + 5, ...), rows of
+#: 1 to 5 completion tokens, for the whole-batch check (:func:`check_whole_batch`).
+WIDE_BATCH: list[Pair] = [
+    ([2, 3 + i % 47, 3 + (7 * i) % 47], [3 + (5 * i + j) % 47 for j in range(1 + i % 5)]) for i in range(37)
+]
+WIDE_ADVANTAGES: list[float] = [((i % 7) - 3) / 3.0 for i in range(37)]
 #: Old-logprob shifts that put some ratios far outside the clip range and some far inside.
 OLD_SHIFTS: tuple[float, ...] = (-0.4, 0.05, 0.4)
 #: The suite's clip range and learning rate of the learning step (large enough that a
@@ -194,6 +200,26 @@ def check_learning_step(policy: Any, who: str, dtype: str) -> None:
         raise TrainingFailure(
             f"{who}: a train step did not lower the loss on its own batch: {loss0:.5f} before, "
             f"{loss1:.5f} after (the contract's loss from the policy's logprobs, dtype {dtype})"
+        )
+
+
+def check_whole_batch(policy: Any, who: str, dtype: str, reference: Any) -> None:
+    """At ``lr=0`` and the checkpoint's weights, a batch of 37 rows (more than a default
+    micro-batch, and no multiple of one) gives the loss and gradient norm of the whole batch
+    as one: what ``reference`` (the suite's single-process policy on the same checkpoint)
+    reports. A policy that sums its micro-batches' losses, drops the rows left over after
+    the last whole micro-batch, or weighs micro-batches by row instead of by token fails."""
+    atol, rtol = TOLERANCE[dtype]
+    want = reference.train_step(WIDE_BATCH, WIDE_ADVANTAGES, None, CLIP_EPS, 0.0)
+    got = _step(policy, who, WIDE_BATCH, WIDE_ADVANTAGES, None, 0.0)
+    off = abs(got.grad_norm - want["grad_norm"]) > rtol * want["grad_norm"] + 1e-7
+    if off or abs(got.loss - want["loss"]) > atol + 1e-3 * abs(want["loss"]) or got.tokens != _tokens(WIDE_BATCH):
+        raise TrainingFailure(
+            f"{who}: a step at lr=0 on a batch of {len(WIDE_BATCH)} rows ({_tokens(WIDE_BATCH)} completion "
+            f"tokens) reported loss {got.loss:.6f}, grad_norm {got.grad_norm:.6f}, tokens {got.tokens:g}; the "
+            f"whole batch taken as one gives loss {want['loss']:.6f}, grad_norm {want['grad_norm']:.6f} "
+            f"(dtype {dtype}): are micro-batch losses summed instead of averaged over the batch's tokens, "
+            "or rows after the last whole micro-batch dropped?"
         )
 
 
