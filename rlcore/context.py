@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from collections.abc import Callable
@@ -22,8 +23,31 @@ _KEY_RE = re.compile(r"[^A-Za-z0-9_.\-]+")
 
 
 def artifact_key(*parts: object) -> str:
-    """A filesystem-safe cache key from parts (model path, options...)."""
-    return _KEY_RE.sub("_", "-".join(str(p) for p in parts)).strip("_") or "default"
+    """A filesystem-safe cache key from parts (model path, options...); injective.
+
+    Parts are joined by ``-`` and characters outside ``[A-Za-z0-9_.-]`` become ``_``;
+    that readable text is the key only when it tells the parts back exactly. When a
+    part holds such a character or a ``-`` (``("a-b",)`` and ``("a", "b")`` would
+    meet) or is empty, when the text would start or end with ``_``, start with ``.``
+    or pass 100 characters, or when there are no parts, 16 hex digits of a SHA-256
+    of the exact parts follow the (shortened) readable text after a ``~``, which no
+    plain key holds. Different parts (as ``str``) therefore never share a key:
+    ``("+-",)`` and ``("*-",)`` get different ones.
+    """
+    texts = [str(p) for p in parts]
+    joined = "-".join(texts)
+    readable = _KEY_RE.sub("_", joined).strip("_")
+    exact = (
+        bool(texts)
+        and readable == joined
+        and not joined.startswith(".")
+        and len(joined) <= 100
+        and all(t and "-" not in t for t in texts)
+    )
+    if exact:
+        return readable
+    digest = hashlib.sha256(repr(tuple(texts)).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{readable[:80].lstrip('.') or 'default'}~{digest}"
 
 
 @dataclass

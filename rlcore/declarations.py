@@ -346,6 +346,10 @@ class BackendDeclaration:
             weights of ``model.path`` able to serve adapters of the run's rank and targets
             (:attr:`rlcore.context.InitContext.adapters`), and each refit then carries the
             adapters alone. Without it, a policy that trains adapters sends merged weights.
+        max_workers: the most workers (``<role>.workers``: policy ranks, generation
+            replicas, env processes) it runs in any role it serves (contract 2.6);
+            ``rlcore plan`` refuses more before anything starts, naming the key, the
+            backend and the limit. ``None`` (the default): any number.
         memory_handoff: (policy, generation) its handles implement
             :class:`rlcore.handles.MemoryHandoff` (``sleep``/``wake``): with
             ``placement.colocated`` the loop has it give device memory back while the
@@ -381,6 +385,7 @@ class BackendDeclaration:
     takes_adapters: bool = False
     loss_options: frozenset[str] = frozenset()
     extra_draws: bool = False
+    max_workers: int | None = None
     contract_version: str = CONTRACT_VERSION
     options: type | None = None
     description: str = ""
@@ -487,6 +492,7 @@ class BackendDeclaration:
             "takes_adapters": self.takes_adapters,
             "loss_options": sorted(self.loss_options),
             "extra_draws": self.extra_draws,
+            "max_workers": self.max_workers,
             "contract_version": self.contract_version,
             "options": self.option_names(),
             "description": self.description,
@@ -592,6 +598,12 @@ def _extra_draws(d: BackendDeclaration) -> Iterator[str]:
         yield "extra_draws is only meaningful for a backend that serves env"
 
 
+def _max_workers(d: BackendDeclaration) -> Iterator[str]:
+    n = d.max_workers
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        yield f"max_workers must be an int >= 1 (the most <role>.workers it runs) or None, got {n!r}"
+
+
 def _refit_fed(d: BackendDeclaration) -> Iterator[str]:
     if d.refit_fed and not d.receive_transports:
         yield "refit_fed needs at least one receive transport to get its first weights"
@@ -694,7 +706,7 @@ def _needs(d: BackendDeclaration) -> Iterator[str]:
 _RULES: tuple[Callable[[BackendDeclaration], Iterator[str]], ...] = (
     _name, _roles, _overlap, _generation_only, _refit_fed, _dtypes, _memory_handoff,
     _endpoint_conditions, _inflight_refit, _max_staleness, _checkpoint, _loss_options, _extra_draws,
-    _contract_version, _transports, _options, _artifacts, _needs,
+    _max_workers, _contract_version, _transports, _options, _artifacts, _needs,
 )
 
 

@@ -146,6 +146,21 @@ class WorkerLost(WorkerError):
         return self
 
 
+class ClusterLost(RlcoreError):
+    """The Ray cluster's head (its GCS) went away mid-run (:mod:`rlcore.runtime.head_watch`);
+    the run has been torn down.
+
+    Attributes:
+        address: the GCS's ``host:port``.
+        silent_s: how long it had accepted no connection when it was declared lost.
+    """
+
+    def __init__(self, message: str, *, address: str, silent_s: float) -> None:
+        super().__init__(message)
+        self.address = address
+        self.silent_s = silent_s
+
+
 class NotServingError(RlcoreError):
     """A generation engine cannot serve: no weights yet (refit-fed, before the first
     refit) or weights left half-updated by a failed refit. Endpoints answer 503."""

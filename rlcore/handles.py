@@ -65,6 +65,7 @@ Weight versions
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypedDict, runtime_checkable
@@ -637,12 +638,14 @@ class PromptAndScoreEnv:
 def rollout_of(prompt_ids: Sequence[int], sample: Sample, reward: float) -> Rollout:
     """The :class:`Rollout` of ``sample`` of ``prompt_ids`` with its ``reward``: what an env
     that samples through the generation returns, its weight versions kept when the sample
-    carries them."""
+    carries them. A ``reward`` that is not a real number (None, a string) is kept as it
+    is, not converted, so the run's check names the backend and the row instead of a
+    ``float()`` failing in the env."""
     rollout = Rollout(
         prompt_ids=list(prompt_ids),
         token_ids=list(sample["token_ids"]),
         logprobs=list(sample["logprobs"]),
-        reward=float(reward),
+        reward=float(reward) if isinstance(reward, numbers.Real) else reward,
     )
     if "versions" in sample:
         rollout["versions"] = list(sample["versions"])

@@ -52,6 +52,9 @@ def test_contract_2_1_to_2_6_add_fields_a_2_0_plugin_still_loads_without() -> No
     assert plain.trains_adapters is False and plain.to_dict()["trains_adapters"] is False
     assert plain.takes_adapters is False and plain.to_dict()["takes_adapters"] is False
     assert plain.loss_options == frozenset() and plain.to_dict()["loss_options"] == []
+    assert plain.max_workers is None and plain.to_dict()["max_workers"] is None  # 2.6: any number
+    one = validate_declaration(policy(max_workers=1), plugin="p", distribution="d")
+    assert json.loads(json.dumps(one.to_dict()))["max_workers"] == 1
     assert CheckpointSupport("torch-dcp").staged is False  # 2.2's declaration saves as it did
     assert plain.refit_landing({}) == BETWEEN_CALLS
 
@@ -90,10 +93,14 @@ def test_the_first_landing_whose_conditions_hold_applies() -> None:
         (policy(checkpoint=CheckpointSupport("")), "checkpoint.format must be a non-empty string"),
         (policy(checkpoint=CheckpointSupport("x", version=2)), "checkpoint.version must be a non-empty string"),
         (policy(checkpoint={"format": "x"}), "checkpoint must be a CheckpointSupport or None"),
+        (policy(max_workers=0), "max_workers must be an int >= 1"),
+        (policy(max_workers=1.0), "max_workers must be an int >= 1"),
+        (policy(max_workers=True), "max_workers must be an int >= 1"),
     ],
     ids=["policy-landing", "not-inflight", "bad-landing", "versions-between-calls", "unknown-option",
          "unknown-view-key", "generation-staleness", "negative", "float", "bool",
-         "generation-checkpoint", "empty-format", "int-version", "dict-checkpoint"],
+         "generation-checkpoint", "empty-format", "int-version", "dict-checkpoint",
+         "zero-workers", "float-workers", "bool-workers"],
 )
 def test_a_contradictory_declaration_is_refused(decl: BackendDeclaration, words: str) -> None:
     assert words in problems(decl)

@@ -113,6 +113,7 @@ def _declares(d: BackendDeclaration) -> list[str]:
     parts += ["adapters"] if d.trains_adapters else []
     parts += [f"loss options: {', '.join(sorted(d.loss_options))}"] if d.loss_options else []
     parts += ["extra draws"] if d.extra_draws else []
+    parts += [f"max_workers {d.max_workers}"] if d.max_workers is not None else []
     return parts
 
 
@@ -669,10 +670,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def entrypoint() -> None:
+    from rlcore.runtime.head_watch import HEAD_WATCH
+
     code = main()
-    if code > 128:
-        # Interrupted: everything is shut down and written. Leave without the interpreter's
-        # finalization, which could still meet a thread the run abandoned.
+    if code > 128 or HEAD_WATCH.lost:
+        # Interrupted, or the cluster's head gone: everything is shut down and written.
+        # Leave without the interpreter's finalization, which could still meet a thread the
+        # run abandoned (Ray's own shutdown, waiting on a dead GCS, at exit).
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

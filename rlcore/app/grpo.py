@@ -168,6 +168,7 @@ def _step_metrics(
         "reward/max": max(flat_rewards) if flat_rewards else math.nan,
         "reward/exact": statistics.fmean(1.0 if r >= 1.0 else 0.0 for r in flat_rewards) if flat_rewards else math.nan,
         "reward/failed": sum(flags),
+        "reward/groups": len(rewards),
         # Groups whose rewards are all equal: zero advantage, nothing learned from them.
         "reward/zero_variance_groups": sum(
             1 for i, g in enumerate(rewards) if g and not has_signal(g, failed[i] if failed else None)
@@ -181,6 +182,41 @@ def _step_metrics(
         **staleness,
         **check,
     }
+
+
+#: A run warns when more than half of its steps so far, after at least this many, had no
+#: gradient (:class:`_NoGradientWatch`).
+NO_GRADIENT_MIN_STEPS = 4
+
+
+class _NoGradientWatch:
+    """Counts the steps with no gradient: every group's rewards equal
+    (``reward/zero_variance_groups`` == ``reward/groups``), so every advantage is zero and
+    the train step learns nothing. Once more than half of the steps so far (at least
+    :data:`NO_GRADIENT_MIN_STEPS`) had none, the session warns, once, naming the env."""
+
+    def __init__(self, s: Session) -> None:
+        self.session = s
+        self.steps = self.without = 0
+        self.warned = False
+
+    def see(self, metrics: dict[str, Any]) -> None:
+        groups = metrics.get("reward/groups")
+        if not groups:
+            return
+        self.steps += 1
+        self.without += metrics.get("reward/zero_variance_groups") == groups
+        if self.warned or self.steps < NO_GRADIENT_MIN_STEPS or 2 * self.without <= self.steps:
+            return
+        self.warned = True
+        env = self.session.env
+        self.session.warn(
+            f"{self.without} of the first {self.steps} steps had no gradient (all rewards of every "
+            "group equal, reward/zero_variance_groups = reward/groups: every advantage zero): env "
+            f"backend '{env.backend if env is not None else '?'}' gives all samples of a prompt one "
+            "reward; check that its reward reads the completion, or pick a task the model sometimes "
+            "solves (grpo.dynamic_sampling drops such groups)"
+        )
 
 
 def run_grpo_on(
@@ -203,6 +239,10 @@ def run_grpo_on(
     Every step line times :data:`PHASES` (``timing/<phase>_time_s``), the whole step
     (``timing/step_time_s``) and ``timing/refit_check_share`` (refit check / step).
 
+    A run where more than half of the steps so far (after :data:`NO_GRADIENT_MIN_STEPS`)
+    had no gradient (every group of equal rewards) warns once (:meth:`Session.warn`),
+    naming the env backend.
+
     With ``generation.on_worker_loss: replace``, a phase that loses a generation worker
     (rollout, refit, probe) is run again with the same request and seed once the session
     has put a new engine with the policy's current weights in place.
@@ -211,7 +251,13 @@ def run_grpo_on(
     if how not in REFIT_CHECKS:
         raise ValueError(f"refit_check is {how!r}; expected one of {list(REFIT_CHECKS)}")
     sampled = how == "sampled"
-    record_step = on_step or (lambda m: s.record(m, m["step"]))
+    record = on_step or (lambda m: s.record(m, m["step"]))
+    watch = _NoGradientWatch(s)
+
+    def record_step(metrics: dict[str, Any]) -> None:
+        record(metrics)
+        watch.see(metrics)
+
     record_check = on_check or (lambda m: s.record(m, m["step"], step_done=False))
     history: list[dict[str, Any]] = []
     k = s.config.grpo.max_staleness

@@ -2,7 +2,8 @@
 
 :class:`SetupProgress` is the table of setup tasks (waiting / running / done, with
 elapsed times) a run shows while it sets up: live on a terminal, once at the end in a log
-(:func:`setup_display`). :class:`RunPhase` keeps, in the words of an interrupt's message,
+(:func:`setup_display`); :class:`SlowTasks` names a task still running past
+``setup.slow_task_warn_s``. :class:`RunPhase` keeps, in the words of an interrupt's message,
 what the run is doing (``cluster start``, ``init:policy, init:generation``, ``step 3``).
 """
 
@@ -58,6 +59,58 @@ def setup_display(progress: SetupProgress, console: Console) -> Iterator[None]:
         yield
     finally:
         console.print(progress)
+
+
+class SlowTasks:
+    """Says, once per task, that a setup task is still running after ``after_s`` seconds
+    (``setup.slow_task_warn_s``): ``init:generation still running after 61 s``.
+
+    Fed the setup's events like :class:`SetupProgress` (``slow(task, what)``); while
+    :meth:`watching`, a daemon thread looks every ``min(1, after_s / 4)`` seconds, so a
+    line comes at most a quarter of the bound (a second at most) late.
+    """
+
+    def __init__(self, after_s: float, say: Callable[[str], None]) -> None:
+        self.after_s, self.say = after_s, say
+        self._started: dict[str, float] = {}
+        self._told: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def __call__(self, task: str, what: str) -> None:
+        with self._lock:
+            if what == "start":
+                self._started[task] = time.monotonic()
+            else:
+                self._started.pop(task, None)
+
+    def check(self, now: float | None = None) -> list[str]:
+        """Say (and return) the lines due at ``now``: each task running past the bound, once."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            due = [(t, now - t0) for t, t0 in self._started.items() if now - t0 >= self.after_s and t not in self._told]
+            self._told.update(t for t, _ in due)
+        lines = [f"{task} still running after {elapsed:.{0 if elapsed >= 10 else 1}f} s" for task, elapsed in due]
+        for line in lines:
+            self.say(line)
+        return lines
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Look for slow tasks in a daemon thread while the block runs."""
+        self._stop.clear()
+        thread = threading.Thread(target=self._look, name="rlcore-slow-tasks", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            self._stop.set()
+            thread.join(timeout=5.0)
+
+    def _look(self) -> None:
+        period = min(1.0, self.after_s / 4)
+        while not self._stop.wait(period):
+            self.check()
 
 
 class RunPhase:

@@ -62,6 +62,7 @@ from typing import Any
 
 from rlcore.app.guards import GuardedGeneration
 from rlcore.errors import CancelToken, WorkerLost
+from rlcore.runtime.head_watch import HEAD_WATCH
 from rlcore.runtime.liveness import WorkerHung
 
 log = logging.getLogger(__name__)
@@ -79,13 +80,16 @@ def retry_on_generation_loss(
     """``fn()``; when it loses a generation worker and ``recover`` is given, ``recover(err,
     phase)`` (which replaces the generation) and ``fn()`` again, up to
     :data:`MAX_LOSSES_PER_PHASE` times. Any other error, or a loss that is not the
-    generation's, propagates at once."""
+    generation's, or one while the cluster's head is gone (:mod:`rlcore.runtime.head_watch`),
+    propagates at once."""
     for attempt in range(MAX_LOSSES_PER_PHASE + 1):
         try:
             return fn()
         except WorkerLost as err:
             if recover is None or err.role != "generation" or attempt == MAX_LOSSES_PER_PHASE:
                 raise
+            if HEAD_WATCH.error(check=True) is not None:
+                raise  # no replacement without the cluster's head: the run's end says it is gone
             recover(err, phase)
     raise AssertionError("unreachable")  # pragma: no cover
 

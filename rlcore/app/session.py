@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
+from rich.markup import escape
 
 from rlcore.app import overlap
 from rlcore.app.checkpointing import Checkpointer, Contents, Schedule, save_overlaps, save_stages
@@ -75,7 +76,7 @@ from rlcore.app.interrupts import RunInterrupted, SignalGuard, active_guard, sig
 from rlcore.app.loggers import LoggedWriter
 from rlcore.app.mismatch import check_mismatch, mismatch_stats
 from rlcore.app.plots import plot_reward, plot_setup_timeline
-from rlcore.app.progress import RunPhase, SetupProgress, setup_display
+from rlcore.app.progress import RunPhase, SetupProgress, SlowTasks, setup_display
 from rlcore.app.records import read_metrics, write_atomic
 from rlcore.app.recovery import GenerationRecovery, retry_on_generation_loss
 from rlcore.app.refit_check import check_divergence, probe_batch, token_mult_prob_error
@@ -96,6 +97,7 @@ from rlcore.declarations import Role
 from rlcore.errors import (
     CancelToken,
     CheckpointError,
+    ClusterLost,
     ConfigError,
     Deadline,
     DivergenceError,
@@ -112,6 +114,7 @@ from rlcore.handles import (
     SamplingParams,
 )
 from rlcore.runtime.cluster import Cluster
+from rlcore.runtime.head_watch import HEAD_WATCH
 from rlcore.runtime.join import ClusterChoice, check_join, choose_cluster
 from rlcore.runtime.placed import forget_placed, placed_groups
 from rlcore.setup.loss import loss_options, requested_features
@@ -803,10 +806,16 @@ class Session:
             generation=self.generation.backend,
         )
         if line is not None:
-            log.warning("%s", line)
-            if self._run is not None:
-                self._run.console.print(f"[yellow]warning: {line}[/yellow]")
+            self.warn(line)
         return stats
+
+    def warn(self, line: str) -> None:
+        """A notice for the run's operator (a mismatch above the bound, steps without any
+        gradient): logged as a warning and, in a run of :func:`open`, printed on its console
+        as one ``warning:`` line."""
+        log.warning("%s", line)
+        if self._run is not None:
+            self._run.console.print(f"[yellow]warning: {escape(line)}[/yellow]")
 
     # ---------------------------------------------------------------- weights
 
@@ -1085,9 +1094,16 @@ class Session:
         if run is None:
             return
         failure: BaseException | None = exc
+        # A failure while the GCS is gone (the workers may die with the head's node before
+        # the watch has given up on it) is the head's loss, said as such.
+        failed = exc is not None and not isinstance(exc, KeyboardInterrupt)
+        lost = HEAD_WATCH.error(self.now, check=True) if failed else None
+        if lost is not None and not isinstance(exc, ClusterLost):
+            failure = lost
+            failure.__cause__ = exc
         try:
             try:
-                if isinstance(exc, DivergenceError):
+                if isinstance(exc, DivergenceError) and failure is exc:
                     self.now = "the diagnosis of the failed refit check"
                     failure = DivergenceError(
                         f"{exc} {self._diagnosis()}", mult_prob_error=exc.mult_prob_error, step=exc.step
@@ -1197,10 +1213,18 @@ class _Run:
                 devices = self.cluster.reserve_devices(config)
                 self.trace.add_span("cluster start", t0, time.monotonic(), cat="setup", lane="cluster")
             progress = SetupProgress([t.name for t in self.plan.tasks])
-            with setup_display(progress, console):
+            slow = SlowTasks(
+                config.setup.slow_task_warn_s, lambda line: console.print(f"[yellow]setup: {escape(line)}[/yellow]")
+            )
+
+            def shown(task: str, what: str) -> None:
+                progress(task, what)
+                slow(task, what)
+
+            with setup_display(progress, console), slow.watching():
                 self.setup = run_prepared(
                     self.prepared, run_dir=self.run_dir, cancel=self.cancel,
-                    progress=self.phase.watch(progress, None if console.is_terminal else console.print),
+                    progress=self.phase.watch(shown, None if console.is_terminal else console.print),
                     network=self.cluster.network(config),
                     devices=devices,
                 )

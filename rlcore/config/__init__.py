@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,6 +227,9 @@ class ClusterConfig:
     #: keeps its process running is never a hang (rlcore/runtime/liveness.py). ``null``
     #: turns the probe off: workers' calls then run on their process's main thread (the
     #: probe needs a thread of its own) and a frozen worker ends only a call's own timeout.
+    #: A cluster's head whose GCS is gone (it accepts no connection) ends the run within it
+    #: too, in one line naming the GCS's address (rlcore/runtime/head_watch.py); ``null``
+    #: leaves that to Ray (about 60 s, then Ray's own line).
     hang_timeout_s: float | None = bounded(30.0, gt=0)
 
 
@@ -237,6 +241,9 @@ class SetupConfig:
     task_deadline_s: dict[str, float] = bounded(dict, gt=0)
     #: How long tearing down one started backend may take before it is abandoned.
     shutdown_timeout_s: float = bounded(60.0, gt=0)
+    #: A setup task still running after this many seconds is named on the run's console,
+    #: once (``setup: init:generation still running after 60 s``).
+    slow_task_warn_s: float = bounded(60.0, gt=0)
     #: Where shared artifacts (converted checkpoints, the tiny model) are cached.
     #: ``null``: ``$RLCORE_CACHE_DIR`` or ``~/.cache/rlcore``.
     cache_dir: str | None = None
@@ -717,9 +724,12 @@ def resolve_options(options: Mapping[str, Any], schema: type | None, *, section:
     schema). Unknown keys and wrong types raise :class:`ConfigError` naming the key,
     the backend and the closest valid option; so do values outside a range the
     dataclass declares with :func:`bounded` (``timeout_s: float = bounded(300.0, gt=0)``).
+    A ``ValueError`` or :class:`ConfigError` the dataclass's ``__post_init__`` raises comes
+    out as one :class:`ConfigError` naming ``<section>.options.<field>`` (the option its
+    message or key names; ``<section>.options`` where it names none) and the backend.
     """
     from omegaconf import OmegaConf
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+    from omegaconf.errors import OmegaConfBaseException
 
     if schema is None:
         return dict(options)
@@ -728,29 +738,61 @@ def resolve_options(options: Mapping[str, Any], schema: type | None, *, section:
         merged = OmegaConf.merge(base, OmegaConf.create(dict(options)))
         resolved = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
-        leaf = str(getattr(err, "full_key", "") or "")
-        if isinstance(err, ConfigAttributeError | ConfigKeyError):
-            # A nested option (policy.options.lora.rnk): suggest among its own section's keys.
-            parent, _, name = leaf.rpartition(".")
-            valid = _option_names(schema, parent)
-            hint = _closest(name, valid)
-            at = f"{section}.options." + (f"{parent}." if parent else "")
-            raise ConfigError(
-                f"unknown option '{section}.options.{leaf}' for backend '{backend}'."
-                + (f" Did you mean '{at}{hint}'?" if hint else "")
-                + f" Valid options{f' of {at[:-1]}' if parent else ''}: {', '.join(valid) or '(none)'}.",
-                key=f"{section}.options.{leaf}",
-            ) from None
-        raise ConfigError(
-            f"wrong value for '{section}.options.{leaf}' of backend '{backend}': "
-            f"{str(getattr(err, 'msg', err)).splitlines()[0]}",
-            key=f"{section}.options.{leaf}",
-        ) from None
+        raise _omegaconf_error(err, schema, section=section, backend=backend) from None
+    except (ConfigError, ValueError) as err:
+        # A rule of the dataclass's __post_init__ (omegaconf's own errors are caught above).
+        raise _post_init_error(err, schema, section=section, backend=backend) from None
     try:
         check_bounds(resolved, f"{section}.options.")
     except ConfigError as err:
         raise ConfigError(f"{err} (an option of backend '{backend}')", key=err.key) from None
     return resolved
+
+
+def _omegaconf_error(err: Exception, schema: type, *, section: str, backend: str) -> ConfigError:
+    """The one-line :class:`ConfigError` for an unknown option or a value of the wrong type."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    leaf = str(getattr(err, "full_key", "") or "")
+    if isinstance(err, ConfigAttributeError | ConfigKeyError):
+        # A nested option (policy.options.lora.rnk): suggest among its own section's keys.
+        parent, _, name = leaf.rpartition(".")
+        valid = _option_names(schema, parent)
+        hint = _closest(name, valid)
+        at = f"{section}.options." + (f"{parent}." if parent else "")
+        return ConfigError(
+            f"unknown option '{section}.options.{leaf}' for backend '{backend}'."
+            + (f" Did you mean '{at}{hint}'?" if hint else "")
+            + f" Valid options{f' of {at[:-1]}' if parent else ''}: {', '.join(valid) or '(none)'}.",
+            key=f"{section}.options.{leaf}",
+        )
+    return ConfigError(
+        f"wrong value for '{section}.options.{leaf}' of backend '{backend}': "
+        f"{str(getattr(err, 'msg', err)).splitlines()[0]}",
+        key=f"{section}.options.{leaf}",
+    )
+
+
+def _post_init_error(err: ConfigError | ValueError, schema: type, *, section: str, backend: str) -> ConfigError:
+    """A rule of the options dataclass's ``__post_init__`` broken: one line that names the
+    key (``<section>.options.<field>``: the error's key, else the first field its message
+    names, else ``<section>.options``) and the backend."""
+    message = " ".join(str(err).split()) or type(err).__name__
+    prefix = f"{section}.options"
+    key = getattr(err, "key", None)
+    fields = [f.name for f in dataclasses.fields(schema)]
+    if key in fields:
+        key = f"{prefix}.{key}"
+    if not key:
+        named = sorted(
+            (m.start(), name)
+            for name in fields
+            if (m := re.search(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])", message))
+        )
+        key = f"{prefix}.{named[0][1]}" if named else prefix
+    if isinstance(err, ConfigError) and key in message:
+        return ConfigError(message if f"backend '{backend}'" in message else f"{message} (an option of backend '{backend}')", key=key)
+    return ConfigError(f"wrong value for '{key}' of backend '{backend}': {message}", key=key)
 
 
 def _option_names(schema: type, path: str) -> list[str]:

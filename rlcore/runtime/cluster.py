@@ -49,6 +49,7 @@ from rlcore.config.placement import (
     spans_nodes,
 )
 from rlcore.runtime.gate import RAY_GATE
+from rlcore.runtime.head_watch import HEAD_WATCH
 from rlcore.runtime.join import ClusterChoice, choose_cluster, is_loopback, single_host
 from rlcore.runtime.liveness import LIVENESS
 
@@ -159,6 +160,29 @@ def _ray_processes() -> list[Any]:
         return []
 
 
+#: How long ``ray.shutdown()`` may take once the cluster's head is gone (it waits about 15 s
+#: on the dead GCS): it goes on in a daemon thread, which the process does not wait for.
+LOST_HEAD_SHUTDOWN_S = 2.0
+
+
+def _disconnect(ray: Any) -> None:
+    """``ray.shutdown()``; bounded by :data:`LOST_HEAD_SHUTDOWN_S` once the head is gone
+    (:data:`rlcore.runtime.head_watch.HEAD_WATCH`)."""
+
+    def shutdown() -> None:
+        with contextlib.suppress(Exception):  # a half-started cluster may not stop cleanly
+            ray.shutdown()
+
+    if not HEAD_WATCH.lost:
+        shutdown()
+        return
+    thread = threading.Thread(target=shutdown, name="rlcore-ray-shutdown", daemon=True)
+    thread.start()
+    thread.join(LOST_HEAD_SHUTDOWN_S)
+    if thread.is_alive():
+        log.warning("ray.shutdown() did not return within %gs of a lost head; not waited for", LOST_HEAD_SHUTDOWN_S)
+
+
 class Cluster:
     """Starts or joins Ray once; ``shutdown`` stops only a cluster it started."""
 
@@ -189,6 +213,7 @@ class Cluster:
                 # A driver of its own (a script that called ray.init): used, never shut down.
                 self.joined = self.joined or self.choice.attached
                 return self
+            HEAD_WATCH.clear()
             RAY_GATE.open()
             LIVENESS.configure(self.config.hang_timeout_s)
             t0 = time.monotonic()
@@ -220,7 +245,27 @@ class Cluster:
                     )
                 log.info("started an embedded Ray cluster: %s", ray.cluster_resources())
             self.start_time_s = time.monotonic() - t0
+            self._watch_head()
             return self
+
+    def _watch_head(self) -> None:
+        """Start :data:`rlcore.runtime.head_watch.HEAD_WATCH` on this cluster's GCS (unless
+        ``cluster.hang_timeout_s`` is null): a head gone mid-run ends the run within it."""
+        if self.config.hang_timeout_s is None or (self.choice.address or "").startswith("ray://"):
+            return  # a Ray Client's driver runs on the cluster: its GCS need not be reachable from here
+        import ray
+
+        from rlcore.runtime.head_watch import gcs_reachable
+
+        try:
+            address = str(ray.get_runtime_context().gcs_address)
+        except Exception as err:  # pragma: no cover - a Ray without it
+            log.debug("cannot watch the GCS: %s", err)
+            return
+        if not gcs_reachable(address, 2.0):  # not from here (a GCS behind another address): not watched
+            log.info("the GCS at %s accepts no connection from this process; its loss is left to Ray", address)
+            return
+        HEAD_WATCH.start(address, self.config.hang_timeout_s)
 
     def _join(self, address: str, env_vars: dict[str, str], kwargs: dict[str, Any]) -> None:
         """Join the cluster at ``address`` as this job's driver.
@@ -343,11 +388,13 @@ class Cluster:
         from rlcore.runtime.proc import wait_exited
 
         LIVENESS.clear()  # its groups go with the cluster: nothing is probed any more
+        HEAD_WATCH.stop()  # a GCS stopped from here on is stopped on purpose
         with _lock:
             if self.joined and self.choice.attached:
                 # The process's own connection (ray.init before rlcore): left as it was,
                 # but for what this run reserved on it.
-                self._release_devices()
+                if not HEAD_WATCH.lost:
+                    self._release_devices()
                 self.joined = False
                 return []
             if self.joined:
@@ -355,10 +402,10 @@ class Cluster:
                 # (Ray then ends the actors of this job that are still there).
                 import ray
 
-                self._release_devices()
+                if not HEAD_WATCH.lost:  # a dead GCS cannot remove the placement group
+                    self._release_devices()
                 RAY_GATE.close(reason)
-                with contextlib.suppress(Exception):
-                    ray.shutdown()
+                _disconnect(ray)
                 self.joined = False
                 return []
             if not self.owned:
@@ -369,8 +416,7 @@ class Cluster:
             self._devices = None  # the placement group ends with the cluster
             resources.WORKER_ENV.clear()  # what the next cluster's workers inherit is its own
             procs = _ray_processes()
-            with contextlib.suppress(Exception):  # a half-started cluster may not stop cleanly
-                ray.shutdown()
+            _disconnect(ray)
             self.owned = False
         # What outlived its raylet (agents, workers) is told to stop now, not when it notices.
         for p in wait_exited(procs, 0.5):

@@ -18,6 +18,7 @@ from rlcore.errors import (
     WorkerLost,
 )
 from rlcore.runtime.gate import RAY_GATE
+from rlcore.runtime.head_watch import HEAD_WATCH
 from rlcore.runtime.liveness import LIVENESS
 
 
@@ -72,6 +73,8 @@ def ray_get(
         # A frozen worker anywhere in the run ends this wait too: in a synchronous run
         # nothing can finish without it, and the error names it (role, rank, pid).
         LIVENESS.raise_if_hung(what)
+        # So does a lost head (its GCS gone): the workers may still answer, but blind.
+        HEAD_WATCH.raise_if_lost(what)
         timeout = slice_s if remaining is None else min(slice_s, remaining)
         with RAY_GATE.call(what):
             ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=timeout)

@@ -152,6 +152,16 @@ class GroupOptions(TypedDict, total=False):
     placement: RolePlacement | None
 
 
+def _this_node() -> str | None:
+    """This process's Ray node id (known locally, without asking the GCS); ``None`` if unknown."""
+    try:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+    except Exception:
+        return None
+
+
 class WorkerGroup:
     """N actors of ``cls`` (a :class:`DistributedWorker` subclass), ranks 0..N-1.
 
@@ -376,8 +386,9 @@ class WorkerGroup:
                 problems = self._release_ranks(hung, graceful_s)
                 self._kill_actors()
         except Cancelled:
-            # The cluster is going down: kill this host's worker processes ourselves.
-            procs = processes_of([pid for _, pid in self._processes])
+            # The cluster is going down (or its head is gone): kill this host's worker
+            # processes ourselves (a pid of another host's worker means nothing here).
+            procs = processes_of([pid for node, pid in self._processes if node == _this_node()])
             kill_all(procs)
         finally:
             LIVENESS.unwatch(key)

@@ -256,8 +256,9 @@ def _check_roles(config: RunConfig, declarations: Mapping[Role, BackendDeclarati
 
 
 def _check_groups(config: RunConfig, groups: list[Group]) -> None:
-    """Each group's backend serves its role; refit-fed only if every generation declares it;
-    at least one policy and one generation group."""
+    """Each group's backend serves its role with no more workers than it declares
+    (``max_workers``); refit-fed only if every generation declares it; at least one policy
+    and one generation group."""
     for role in (Role.POLICY, Role.GENERATION):
         if not any(g.role is role for g in groups):
             raise PlanError(f"no {role.value} group to plan ({role.value}.backend)")
@@ -272,6 +273,15 @@ def _check_groups(config: RunConfig, groups: list[Group]) -> None:
                 f"config key '{g.role.value}.backend' selects '{decl.name}', which does not serve "
                 f"role '{g.role}' (it serves {sorted(r.value for r in decl.roles)})",
                 key=f"{g.role.value}.backend",
+            )
+        workers = g.view.get("workers")
+        if decl.max_workers is not None and isinstance(workers, int) and workers > decl.max_workers:
+            raise ConfigError(
+                f"config key '{g.role.value}.workers' is {workers}, but {g.role.value} backend "
+                f"'{decl.name}' runs at most {decl.max_workers} worker"
+                f"{'s' if decl.max_workers != 1 else ''} (its declared max_workers); set "
+                f"{g.role.value}.workers to at most {decl.max_workers}",
+                key=f"{g.role.value}.workers",
             )
         if g.role is Role.GENERATION and config.generation.refit_fed and not decl.refit_fed:
             raise ConfigError(

@@ -563,3 +563,53 @@ def test_samples_weight_versions_give_each_steps_staleness() -> None:
     assert lines == [(0.0, 0, [0]), (0.25, 1, [0, 1]), (0.0, 0, [2])]
     plain, _ = loop(0.5, 0.5, 1.05)
     assert not [k for m in plain for k in m if k.startswith("staleness/") or k == "generate/weight_versions"]
+
+
+class SevensOnOddSteps(Sevens):
+    """Tells the samples apart (rewards 1 and 0 in every group) on odd steps only."""
+
+    def collect_rollouts(self, request: Any) -> list[list[Any]]:
+        groups = super().collect_rollouts(request)
+        if request.step % 2 == 1:
+            for g in groups:
+                g[1] = {**g[1], "reward": 0.0}
+        return groups
+
+
+def _steps_of(env: PromptAndScoreEnv, steps: int) -> list[dict[str, Any]]:
+    tok = CharTokenizer()
+    written: list[dict[str, Any]] = []
+    run_grpo(
+        cfg=GRPOConfig(steps=steps, prompts_per_step=2, samples_per_prompt=2),
+        tokenizer=tok,
+        policy=GuardedPolicy(Model(0.5), "pol"),
+        generation=GuardedGeneration(Model(0.5), "gen", eos_ids={3}),
+        env=GuardedEnv(env, "sevens"),
+        refit=lambda step: RefitReport(step, "disk", 1, 1, 0.01),
+        probe=probe_batch(tok, 2),
+        on_step=written.append,
+    )
+    return written
+
+
+def _no_gradient_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "had no gradient" in r.getMessage()]
+
+
+def test_a_run_whose_steps_mostly_have_no_gradient_warns_once_naming_the_env(caplog) -> None:
+    """Every group of equal rewards (Sevens scores every sample 1.0): every advantage is zero.
+    After the 4th step (more than half of the steps so far without a gradient) the run warns,
+    once, naming the env backend; a run of 3 such steps, or one where half the steps teach,
+    does not."""
+    with caplog.at_level("WARNING"):
+        written = _steps_of(Sevens(), 6)
+    assert all(m["reward/zero_variance_groups"] == m["reward/groups"] == 2 for m in written)
+    warned = _no_gradient_warnings(caplog)
+    assert len(warned) == 1, warned
+    assert warned[0].startswith("4 of the first 4 steps had no gradient") and "backend 'sevens'" in warned[0]
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        _steps_of(Sevens(), 3)
+        written = _steps_of(SevensOnOddSteps(), 6)
+    assert [m["reward/zero_variance_groups"] for m in written] == [0, 2, 0, 2, 0, 2]
+    assert _no_gradient_warnings(caplog) == []

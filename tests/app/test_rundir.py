@@ -638,3 +638,85 @@ def test_a_real_run_whose_disk_fills_ends_in_one_line_with_valid_records(tmp_pat
 def test_check_writable_dir_creates_nothing(tmp_path: Path) -> None:
     check_writable_dir(tmp_path / "a" / "b", key="--out")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("reward", "shown"), [(None, "None"), ("1.0", "'1.0'"), (float("nan"), "nan")])
+def test_a_reward_of_the_wrong_type_is_one_error_line_naming_backend_and_row_exit_3(
+    tmp_path: Path, faked, monkeypatch, capsys, reward: Any, shown: str
+) -> None:
+    """A prompt-and-score env whose ``score`` gives None, a string or NaN for one completion:
+    the run ends at step 1 with one ``error:`` line naming the env backend and the row, exit 3
+    (not a traceback from ``float()`` inside the env)."""
+    from rlcore.handles import PromptAndScoreEnv
+
+    class CharTokenizer:
+        eos_token_id = 3
+
+        def __call__(self, text: str, add_special_tokens: bool = True) -> Any:
+            return SimpleNamespace(input_ids=([1] if add_special_tokens else []) + [ord(c) for c in text])
+
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+            return "".join(chr(i) for i in ids if i > 3)
+
+    class Model:
+        def logprobs(self, batch: Any) -> list[list[float]]:
+            return [[-0.5] * len(c) for _, c in batch]
+
+        def generate(self, prompt_ids: Any, params: Any) -> Any:
+            return [[{"token_ids": [ord("7"), 3], "logprobs": [-0.5, -0.5]}] * params.n for _ in prompt_ids]
+
+        def shutdown(self) -> None:
+            pass
+
+    class BadReward(PromptAndScoreEnv):
+        def sample_prompts(self, n: int, step: int) -> list[Any]:
+            return [SimpleNamespace(text="3+4=")] * n
+
+        def score(self, prompts: Any, completions: Any) -> list[list[Any]]:
+            rows: list[list[Any]] = [[1.0] * len(g) for g in completions]
+            rows[1][2] = reward
+            return rows
+
+    fake = session_module.run_prepared
+
+    def with_handles(prepared: Any, **kw: Any) -> Any:
+        setup = fake(prepared, **kw)
+        setup.handles = {"policy": Model(), "generation": Model(), "env": BadReward()}
+        setup.refit_sessions = SimpleNamespace(spec_for=lambda *a: None)  # placement.json's
+        return setup
+
+    monkeypatch.setattr(session_module, "run_prepared", with_handles)
+    monkeypatch.setattr(overlap, "tokenizer", lambda *a, **k: CharTokenizer())
+    assert main(["run", QUICKSTART, "--out", str(tmp_path / "run")]) == EXIT_RUN_FAILED
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith("error: at step 1: env backend 'arithmetic' broke the contract of collect_rollouts()"), line
+    assert f"group 1 rollout 2: a finite float reward; got {shown}" in line, line
+
+
+def test_a_setup_task_past_setup_slow_task_warn_s_is_named_on_the_console(tmp_path: Path, faked, monkeypatch) -> None:
+    """An init still running after ``setup.slow_task_warn_s`` gets one console line saying
+    which task and how long; one that ends in time gets none."""
+    import io
+
+    from rich.console import Console
+
+    fake = session_module.run_prepared
+
+    def slow_setup(prepared: Any, **kw: Any) -> Any:
+        progress = kw["progress"]
+        for task in ("init:policy", "init:generation"):
+            progress(task, "start")
+        progress("init:policy", "end")
+        time.sleep(0.6)
+        progress("init:generation", "end")
+        return fake(prepared, **kw)
+
+    monkeypatch.setattr(session_module, "run_prepared", slow_setup)
+    out = io.StringIO()
+    console = Console(file=out, width=200, highlight=False)
+    with session_module.open(
+        QUICKSTART, ["setup.slow_task_warn_s=0.2"], out=tmp_path / "run", console=console, handle_signals=False
+    ):
+        pass
+    lines = [ln for ln in out.getvalue().splitlines() if "still running" in ln]
+    assert len(lines) == 1 and lines[0].startswith("setup: init:generation still running after 0."), out.getvalue()

@@ -13,7 +13,6 @@ joined with the token).
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ray_cli import LOOPBACK, RAY, REPO, RLCORE, home_env
 
 from rlcore.runtime.addresses import free_port
 from rlcore.testing.waits import wait_for
@@ -29,19 +29,10 @@ from rlcore.testing.waits import wait_for
 pytest.importorskip("rlcore_fsdp")
 pytest.importorskip("rlcore_vllm")
 
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-RLCORE, RAY = BIN / "rlcore", BIN / "ray"
-LOOPBACK = "127.0.0.1"
 
 
 def _home(tmp: Path, name: str) -> dict[str, str]:
-    home = tmp / name
-    home.mkdir()
-    env = {**os.environ, "HOME": str(home), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-    for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        env.pop(key, None)
-    return env
+    return home_env(tmp / name)
 
 
 def _node_up(env: dict[str, str], address: str) -> bool:

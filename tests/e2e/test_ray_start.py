@@ -35,6 +35,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from ray_cli import LOOPBACK, RAY, REPO, RLCORE, alive_nodes, home_env
 
 from rlcore.runtime.addresses import free_port
 from rlcore.testing.fixtures import listening_sockets
@@ -42,10 +43,6 @@ from rlcore.testing.waits import wait_for
 
 pytest.importorskip("rlcore_fsdp")
 
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-RLCORE, RAY = BIN / "rlcore", BIN / "ray"
-LOOPBACK = "127.0.0.1"
 
 
 @dataclass
@@ -106,29 +103,14 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def _nodes_alive(env: dict[str, str], address: str, count: int) -> bool:
-    code = (
-        "import sys; from ray._raylet import GcsClient; "
-        "g = GcsClient(address=sys.argv[1]); "
-        "print(sum(1 for n in g.get_all_node_info(timeout=5).values() if n.state == 0))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code, address], env={**env, "RAY_AUTH_MODE": "token"},
-        capture_output=True, text=True, timeout=60,
-    )
-    return out.returncode == 0 and out.stdout.strip().endswith(str(count))
+    return alive_nodes(env, address) == count
 
 
 def _alive(env: dict[str, str], address: str) -> int:
     """How many nodes of the cluster are alive."""
-    code = (
-        "import sys; from ray._raylet import GcsClient; "
-        "print(sum(1 for n in GcsClient(address=sys.argv[1]).get_all_node_info(timeout=5).values() if n.state == 0))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code, address], env={**env, "RAY_AUTH_MODE": "token"},
-        capture_output=True, text=True, timeout=60, check=True,
-    )
-    return int(out.stdout.strip().splitlines()[-1])
+    count = alive_nodes(env, address)
+    assert count is not None, f"the GCS at {address} did not answer"
+    return count
 
 
 def _up(proc: subprocess.Popen[bytes], env: dict[str, str], address: str, nodes: int) -> bool:
@@ -140,15 +122,7 @@ def _up(proc: subprocess.Popen[bytes], env: dict[str, str], address: str, nodes:
 @pytest.fixture(scope="module")
 def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
     tmp = tmp_path_factory.mktemp("raystart")
-    home = tmp / "home"
-    home.mkdir()
-    env = {
-        **os.environ, "HOME": str(home), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
-    }
-    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        env.pop(name, None)
-    subprocess.run([str(RAY), "get-auth-token", "--generate"], env=env, capture_output=True, check=True, timeout=60)
+    env = home_env(tmp / "home", token=True, pythonpath=True)
     port, dash = free_port(), free_port()
     address = f"{LOOPBACK}:{port}"
     # Not under tmp: pytest's base temp can be long enough to push Ray's AF_UNIX socket paths

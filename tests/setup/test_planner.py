@@ -6,6 +6,7 @@ plugins' own tests check that their declarations plan the same way).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -436,3 +437,22 @@ def test_lora_needs_a_policy_that_trains_adapters_and_the_plan_says_what_the_ref
     with pytest.raises(ConfigError, match="policy backend 'fsdp' does not train adapters") as info:
         plan_for(fsdp, vllm, None, "policy.options.lora.rank=4")
     assert info.value.key == "policy.options.lora"
+
+
+def test_more_workers_than_a_backend_declares_are_refused_naming_key_backend_and_limit() -> None:
+    """``max_workers`` (contract 2.6): ``<role>.workers`` above it is refused before anything
+    starts, in one line naming the key, the backend and the limit; at or below it plans."""
+    single = dataclasses.replace(fsdp, name="single", max_workers=1)
+    pair_env = dataclasses.replace(gym, name="pair-env", max_workers=2)
+    assert plan_for(single, vllm, pair_env, "policy.workers=1", "env.workers=2").tasks
+    with pytest.raises(ConfigError) as info:
+        plan_for(single, vllm, pair_env, "policy.workers=2")
+    assert info.value.key == "policy.workers"
+    assert "\n" not in str(info.value)
+    assert "'policy.workers' is 2" in str(info.value) and "'single'" in str(info.value)
+    assert "at most 1 worker " in str(info.value)
+    with pytest.raises(ConfigError, match=r"'env.workers' is 3, but env backend 'pair-env' runs at most 2 workers") as info:
+        plan_for(single, vllm, pair_env, "env.workers=3")
+    assert info.value.key == "env.workers"
+    # No declaration of it: any number.
+    assert plan_for(fsdp, vllm, gym, "policy.workers=8", "env.workers=8").tasks

@@ -8,6 +8,7 @@ subset, where no Ray process (``raylet``, ``gcs_server``) may ever appear.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -158,6 +159,7 @@ CASES: list[tuple[str, list, str, str]] = [
     ("model-no-tokenizer", ["model.path={}", _no_tokenizer], "model.path", "tokenizer"),
     ("model-missing-shard", ["model.path={}", _missing_shard], "model.path", "model-00001.safetensors"),
     ("too-many-workers", ["policy.workers=8"], "policy.workers", "embedded Ray cluster has 2"),
+    ("env-max-workers", ["env.workers=2"], "env.workers", "env backend 'arithmetic' runs at most 1 worker"),
     ("cluster-too-small", ["cluster.num_cpus=1"], "workers", "has 1"),
     ("out-dir-is-file", ["output_dir={}", _a_file], "output_dir", "is a file"),
     ("out-dir-proc", ["output_dir=/proc/rlcore-runs"], "output_dir", "/proc"),
@@ -393,3 +395,71 @@ def test_a_rule_across_backend_options_is_checked_where_they_are_resolved() -> N
     with pytest.raises(ConfigError, match=r"batch \(10\) must divide by micro_batch") as info:
         resolve_options({"batch": 10}, Options, section="policy", backend="b")
     assert info.value.key == "policy.options.batch"
+
+
+def test_a_value_error_from_post_init_names_its_key_and_backend() -> None:
+    """An options dataclass's ``__post_init__`` that raises a plain ValueError (or a
+    ConfigError without a key, or with the bare field name) comes out of resolving the
+    options as one ConfigError naming ``<role>.options.<field>`` and the backend."""
+    from dataclasses import dataclass
+
+    from rlcore.config import resolve_options
+
+    @dataclass
+    class Options:
+        batch: int = 8
+        micro_batch: int = 4
+        mode: str = "a"
+
+        def __post_init__(self) -> None:
+            if self.batch % self.micro_batch:
+                raise ValueError(f"micro_batch ({self.micro_batch}) must divide batch ({self.batch})")
+            if self.mode == "x":
+                raise ConfigError("x is not a mode", key="mode")
+            if self.mode == "y":
+                raise ValueError("these options do not go together")
+
+    def refused(**options: object) -> ConfigError:
+        with pytest.raises(ConfigError) as info:
+            resolve_options(options, Options, section="policy", backend="toy")
+        assert "\n" not in str(info.value)
+        return info.value
+
+    err = refused(batch=10)
+    assert err.key == "policy.options.micro_batch"
+    assert str(err) == "wrong value for 'policy.options.micro_batch' of backend 'toy': micro_batch (4) must divide batch (10)"
+    err = refused(mode="x")
+    assert err.key == "policy.options.mode" and "'policy.options.mode' of backend 'toy'" in str(err)
+    err = refused(mode="y")
+    assert err.key == "policy.options" and "'policy.options' of backend 'toy'" in str(err)
+
+
+def test_a_post_init_error_is_one_error_line_of_plan(monkeypatch, capsys) -> None:
+    """`rlcore plan` prints a ValueError of the options' ``__post_init__`` as one ``error:``
+    line with its key, exit 2 (not a traceback)."""
+    from dataclasses import dataclass
+
+    from rlcore.hookspecs import hookimpl
+    from rlcore_arithmetic import plugin as arithmetic
+
+    @dataclass
+    class StrictOptions:
+        max_operand: int = 9
+        ops: str = "+"
+        seed: int = 0
+
+        def __post_init__(self) -> None:
+            if self.max_operand > 5:
+                raise ValueError(f"max_operand must be at most 5, not {self.max_operand}")
+
+    declare = arithmetic.rlcore_declare_backend
+
+    @hookimpl
+    def rlcore_declare_backend():
+        return dataclasses.replace(declare(), options=StrictOptions)
+
+    monkeypatch.setattr(arithmetic, "rlcore_declare_backend", rlcore_declare_backend)
+    assert main(["plan", QUICKSTART, "env.options.max_operand=7"]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert lines == ["error: wrong value for 'env.options.max_operand' of backend 'arithmetic': "
+                     "max_operand must be at most 5, not 7"], lines

@@ -43,6 +43,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
         overlap=OverlapSafety(non_colocated=True, colocated=True),
         options=ArithmeticOptions,
         extra_draws=True,  # sample_extra_prompts: dynamic sampling's other prompts
+        max_workers=1,  # one env (in the driver, or one actor where placement.nodes.env pins it)
         contract_version="2.6",
         description="verifiable a+b= task with partial-credit rewards (pure Python)",
     )

@@ -40,6 +40,7 @@ def rlcore_declare_backend() -> BackendDeclaration:
             ),
         ),
         options=NemoGymOptions,
+        max_workers=1,  # one set of Gym servers, whatever env.workers says
         contract_version="2.6",
         description=DESCRIPTION,
     )
