@@ -213,10 +213,11 @@ def check_whole_batch(policy: Any, who: str, dtype: str, reference: Any) -> None
     want = reference.train_step(WIDE_BATCH, WIDE_ADVANTAGES, None, CLIP_EPS, 0.0)
     got = _step(policy, who, WIDE_BATCH, WIDE_ADVANTAGES, None, 0.0)
     off = abs(got.grad_norm - want["grad_norm"]) > rtol * want["grad_norm"] + 1e-7
-    if off or abs(got.loss - want["loss"]) > atol + 1e-3 * abs(want["loss"]) or got.tokens != _tokens(WIDE_BATCH):
+    # (The reported token count is check_metrics's: its message names that rule.)
+    if off or abs(got.loss - want["loss"]) > atol + 1e-3 * abs(want["loss"]):
         raise TrainingFailure(
             f"{who}: a step at lr=0 on a batch of {len(WIDE_BATCH)} rows ({_tokens(WIDE_BATCH)} completion "
-            f"tokens) reported loss {got.loss:.6f}, grad_norm {got.grad_norm:.6f}, tokens {got.tokens:g}; the "
+            f"tokens) reported loss {got.loss:.6f}, grad_norm {got.grad_norm:.6f}; the "
             f"whole batch taken as one gives loss {want['loss']:.6f}, grad_norm {want['grad_norm']:.6f} "
             f"(dtype {dtype}): are micro-batch losses summed instead of averaged over the batch's tokens, "
             "or rows after the last whole micro-batch dropped?"
@@ -279,13 +280,20 @@ def check_checkpoint_round_trip(policy: Any, who: str, directory: Path, capture:
     if not any(saved.iterdir()):
         raise TrainingFailure(f"{who}: save_checkpoint() wrote nothing into {saved}")
     exported = capture() if capture is not None else None
+    at_save = _logprobs(policy, PROBE_BATCH)
     before = [_step(policy, who, LEARN_BATCH, LEARN_ADVANTAGES, None, LEARN_LR) for _ in range(2)]
     after_steps = _logprobs(policy, PROBE_BATCH)
     if capture is not None:
         capture()  # an export of the weights after the steps: a stale one must not be reused
     policy.load_checkpoint(str(saved))
     if exported is not None:
-        _check_export_after_load(who, exported, capture())
+        first = capture()
+        if _logprobs(policy, PROBE_BATCH) != at_save:
+            raise TrainingFailure(
+                f"{who}: after load_checkpoint the policy's logprobs are not those at the save: the "
+                "weights did not come back"
+            )
+        _check_export_after_load(who, exported, first)
     policy.save_checkpoint(str(again))  # must leave the state as it is
     replay = [_step(policy, who, LEARN_BATCH, LEARN_ADVANTAGES, None, LEARN_LR) for _ in range(2)]
     for i, (want, got) in enumerate(zip(before, replay, strict=True)):

@@ -191,7 +191,9 @@ def test_sync_puts_every_line_written_on_the_device(tmp_path: Path, monkeypatch:
     w = MetricsWriter(tmp_path / "metrics.jsonl")
     w.write({"x": 1}, step=1)
     w.sync()
-    assert synced == [w._fd]
+    fd = w._fd
+    # Only this writer's file counts: another test's writer thread may fsync meanwhile.
+    assert synced.count(fd) == 1
     w.close()
     w.sync()  # closed: nothing to flush
-    assert len(synced) == 1
+    assert synced.count(fd) == 1

@@ -104,6 +104,7 @@ SUITE_ROWS = {
     "test_checkpoint_round_trip",
     "test_staged_checkpoint",
     "test_adapters",
+    "test_serves_adapters",
     "test_loss_options",
     *(f"test_train_step_semantics[{d}]" for d in ("float32", "bfloat16", "float16")),
 }

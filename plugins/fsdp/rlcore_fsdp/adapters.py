@@ -53,7 +53,9 @@ def attach(model: nn.Module, lora: LoraOptions) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, config)
+        # Adapters in the model's dtype: peft would make them float32 beside bfloat16 base
+        # weights, and FSDP1 flattens one unit's parameters into one tensor of one dtype.
+        return get_peft_model(model, config, autocast_adapter_dtype=False)
     except ValueError as err:
         raise ValueError(
             f"policy.options.lora.target_modules={list(lora.target_modules)} matches no layer of "
