@@ -19,6 +19,7 @@ def listener() -> Iterator[socket.socket]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
+    RAY_GATE.open()  # an earlier test's cluster shutdown leaves the process's gate closed
     try:
         yield sock
     finally:
