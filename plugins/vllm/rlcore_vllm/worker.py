@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -379,20 +379,24 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
                 s.post("/update_weights", {"update_info": info}, timeout_s=timeout)
                 s.post("/finish_weight_update", {"weight_version": version}, timeout_s=timeout)
         else:
-            self.gate.run(lambda: self._load_between_steps(info, step, version))
+            self.gate.run(lambda: self._load_between_steps(lambda: self._update_weights(info, version), step))
         self.stale = None
         self.loaded_version = step
         return time.monotonic() - t0
 
-    def _load_between_steps(self, info: Any, step: int, version: str) -> None:
-        """The in-process update, between two steps of a generate in flight (or alone):
-        then the running requests are preempted and the prefix cache reset, so their KV
-        is recomputed with the new weights. A failure aborts the requests in flight (the
-        call they belong to fails: :attr:`refit_aborts`)."""
+    def _update_weights(self, info: Any, version: str) -> None:
+        """vLLM's start/update/finish weight update of one refit, labelled ``version``."""
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": info})
+        self.llm.finish_weight_update(weight_version=version)
+
+    def _load_between_steps(self, load: Callable[[], None], step: int) -> None:
+        """The in-process ``load`` of refit ``step`` (weights or an adapter), between two
+        steps of a generate in flight (or alone): then the running requests are preempted and
+        the prefix cache reset, so their KV is recomputed with what was loaded. A failure
+        aborts the requests in flight (the call they belong to fails: :attr:`refit_aborts`)."""
         try:
-            self.llm.start_weight_update()
-            self.llm.update_weights({"update_info": info})
-            self.llm.finish_weight_update(weight_version=version)
+            load()
         except BaseException:
             self.refit_aborts += 1
             self.gate.abort_all()
@@ -422,19 +426,14 @@ class VLLMWorker(HFWeightSpecs, EngineWorker):
                 )
                 s.post("/update_weight_version", {"new_version": version}, timeout_s=timeout)
         else:
-            self.gate.run(lambda: self._adapter_between_steps(adapters.request(name, str(path), reload=True), step))
+            request = adapters.request(name, str(path), reload=True)
+            self.gate.run(lambda: self._load_between_steps(lambda: self._add_adapter(request, version), step))
         self.lora = adapters.request(name, str(path))
 
-    def _adapter_between_steps(self, request: Any, step: int) -> None:
-        try:
-            self.llm.llm_engine.add_lora(request)
-            self.llm.llm_engine.set_weight_version(f"step-{step}")
-        except BaseException:
-            self.refit_aborts += 1
-            self.gate.abort_all()
-            raise
-        if not self.llm.reset_prefix_cache(reset_running_requests=True):
-            log.warning("vLLM worker %d: prefix cache not reset after adapter refit step %d", self.rank, step)
+    def _add_adapter(self, request: Any, version: str) -> None:
+        """vLLM's in-place reload of the adapter, labelled ``version`` as a weight update is."""
+        self.llm.llm_engine.add_lora(request)
+        self.llm.llm_engine.set_weight_version(version)
 
     # ------------------------------------------------------------- lifecycle
 

@@ -14,7 +14,14 @@ from typing import Any
 
 import pytest
 import ray
-from vllm_helpers import PROMPTS, in_flight, init_context, make_config, max_abs_diff
+from vllm_helpers import (
+    PROMPTS,
+    assert_landed_between_steps,
+    in_flight,
+    init_context,
+    make_config,
+    max_abs_diff,
+)
 
 from rlcore.errors import CancelToken
 from rlcore.handles import AdapterReceiver
@@ -112,12 +119,4 @@ def test_an_adapter_refit_lands_between_two_steps_of_a_generate_in_flight(setup:
     after = source.logprobs([(PROMPTS[0], ids) for ids, _, _ in outs])
     source.set_adapters(7)
     before = source.logprobs([(PROMPTS[0], ids) for ids, _, _ in outs])
-    landings = []
-    for (ids, lps, spans), old, new in zip(outs, before, after, strict=True):
-        assert len(ids) == len(lps) == tokens
-        landed = spans[0][2] if len(spans) == 2 else 0
-        landings.append(landed)
-        assert spans == [(f"step-{old_step}", 0, landed), (f"step-{new_step}", landed, tokens)][2 - len(spans):]
-        assert landed == 0 or max_abs_diff([lps[:landed]], [old[:landed]]) < TOL
-        assert max_abs_diff([lps[landed:]], [new[landed:]]) < TOL
-    assert max(landings) > 0
+    assert_landed_between_steps(outs, before, after, old_step, new_step, tokens, TOL)

@@ -182,3 +182,21 @@ def in_flight(gen: Any, tokens: int, copies: int = 8) -> Any:
         if ray.get(busy.remote(engine_busy), timeout=120):
             return running
     raise AssertionError("the requests never reached the engine")
+
+
+def assert_landed_between_steps(
+    outs: list[Any], before: list[list[float]], after: list[list[float]], old_step: int, new_step: int,
+    tokens: int, tol: float,
+) -> None:
+    """Each completion of :func:`long_greedy` (``outs``) that a refit met in flight: its tokens
+    up to the landing have the old weights' logprobs (``before``), the rest the new ones'
+    (``after``), and vLLM's spans say where; at least one had tokens before the landing."""
+    landings = []
+    for (ids, lps, spans), old, new in zip(outs, before, after, strict=True):
+        assert len(ids) == len(lps) == tokens
+        landed = spans[0][2] if len(spans) == 2 else 0  # 0: not scheduled yet when it landed
+        landings.append(landed)
+        assert spans == [(f"step-{old_step}", 0, landed), (f"step-{new_step}", landed, tokens)][2 - len(spans):]
+        assert landed == 0 or max_abs_diff([lps[:landed]], [old[:landed]]) < tol
+        assert max_abs_diff([lps[landed:]], [new[landed:]]) < tol
+    assert max(landings) > 0
