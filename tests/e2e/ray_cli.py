@@ -4,10 +4,13 @@ machine never reaches the cluster under test (each test generates its own, or no
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -45,3 +48,13 @@ def alive_nodes(env: dict[str, str], address: str) -> int | None:
     )
     lines = out.stdout.strip().splitlines()
     return int(lines[-1]) if out.returncode == 0 and lines and lines[-1].isdigit() else None
+
+
+def still_running(procs: list[psutil.Process]) -> list[str]:
+    """``pid: command line`` of each of ``procs`` still running (zombies are gone)."""
+    left = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{p.pid}: {' '.join(p.cmdline())[:100]}")
+    return left

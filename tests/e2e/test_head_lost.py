@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from ray_cli import LOOPBACK, RAY, REPO, RLCORE, alive_nodes, home_env
+from ray_cli import LOOPBACK, RAY, REPO, RLCORE, alive_nodes, home_env, still_running
 
 from rlcore.runtime.addresses import free_port
 from rlcore.testing.waits import wait_for
@@ -133,13 +133,6 @@ def _run_workers(head: Head) -> list[psutil.Process]:
     return list(found.values())
 
 
-def _alive(procs: list[psutil.Process]) -> list[str]:
-    out = []
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(f"{p.pid} {' '.join(p.cmdline())[:60]}")
-    return out
 
 
 @pytest.mark.slow
@@ -161,7 +154,7 @@ def test_a_lost_gcs_ends_the_run_in_one_line_within_the_hang_timeout(head: Head,
         assert run.poll() is None, (out_path.read_text() + err_path.read_text())[-3000:]
         workers = _run_workers(head)
         assert workers, "no worker process of the run found on the head"
-        print("the run's processes on the head:", _alive(workers))
+        print("the run's processes on the head:", still_running(workers))
         gcs = [p for p in head.processes() if p.name() == "gcs_server"]
         assert len(gcs) == 1, gcs
         killed_at = time.monotonic()
@@ -169,8 +162,8 @@ def test_a_lost_gcs_ends_the_run_in_one_line_within_the_hang_timeout(head: Head,
         run.wait(timeout=120)
         took_s = time.monotonic() - killed_at
         # None of the run's workers outlives the driver by more than hang_timeout_s.
-        wait_for(lambda: not _alive(workers), timeout_s=HANG_TIMEOUT_S, step_s=0.2)
-        left = _alive(workers)
+        wait_for(lambda: not still_running(workers), timeout_s=HANG_TIMEOUT_S, step_s=0.2)
+        left = still_running(workers)
     finally:
         if run.poll() is None:
             run.kill()

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from ray_cli import still_running
 
 from rlcore.runtime.addresses import free_port
 from rlcore.testing.fixtures import listening_sockets
@@ -138,13 +139,6 @@ def _listening_beyond_loopback(procs: list[psutil.Process]) -> list[tuple[str, s
     return out
 
 
-def _alive(procs: list[psutil.Process]) -> list[str]:
-    left = []
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                left.append(f"{p.pid}: {' '.join(p.cmdline())[:100]}")
-    return left
 
 
 def _mentioning(text: str) -> list[str]:
@@ -223,7 +217,7 @@ def test_the_docs_single_host_commands_make_join_and_stop_a_two_node_cluster(tmp
         t0 = time.monotonic()
         shell.run(stop, timeout_s=120)
         print(f"stopped in {time.monotonic() - t0:.1f}s ({len(family)} processes)")
-        assert wait_for(lambda: not _alive(family), timeout_s=15, step_s=0.2), _alive(family)
+        assert wait_for(lambda: not still_running(family), timeout_s=15, step_s=0.2), still_running(family)
         assert not _mentioning(str(nodes_dir)), _mentioning(str(nodes_dir))
     finally:
         shell.close()
